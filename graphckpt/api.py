@@ -1,0 +1,88 @@
+"""The public entry points: :func:`plan` to inspect, :func:`rewrite` to get a module.
+
+Both run the pipeline capture -> costs -> pass (and simulate); :func:`rewrite` adds codegen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from graphckpt.capture import Captured, CaptureError, capture
+from graphckpt.codegen import RewrittenModule, generate
+from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.inplace import mutated_argument
+from passes.plan import Plan
+from passes.strategies import STRATEGIES, choose_plan
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Everything the pipeline knows before codegen: the capture, its cost graph, the plan."""
+
+    captured: Captured
+    cost_graph: nx.DiGraph
+    plan: Plan
+
+
+def _as_tuple(example_inputs: Any) -> tuple | None:
+    if example_inputs is None or isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def _require_costs_for_inplace(source: fx.GraphModule) -> None:
+    for node in source.graph.nodes:
+        if mutated_argument(source, node) is not None:
+            raise CaptureError(
+                f"node {node.name!r} ({node.format_node()}) writes in place; graphckpt needs "
+                "example_inputs to see which tensors share storage before it can recompute "
+                "around it safely. Call rewrite(model, example_inputs=(x,))."
+            )
+
+
+def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
+            segments: int | None = None, example_kwargs: Mapping[str, Any] | None = None) -> Analysis:
+    """Capture ``model``, cost its graph and plan it with ``strategy``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    args = _as_tuple(example_inputs)
+    captured = capture(model, args, example_kwargs)
+    if args is None:
+        _require_costs_for_inplace(captured.graph_module)
+    costs = prepare(captured.graph_module, args, example_kwargs)
+    cost_graph = build_cost_graph(captured.graph_module, costs)
+    return Analysis(captured, cost_graph, choose_plan(cost_graph, strategy, segments))
+
+
+def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
+         segments: int | None = None, example_kwargs: Mapping[str, Any] | None = None) -> Plan:
+    """The checkpointing plan for ``model`` without rewriting it (``print(plan)`` shows it).
+
+    Without ``example_inputs`` every op costs one unit (node counting).
+    """
+    return analyze(model, example_inputs, strategy=strategy, segments=segments,
+                   example_kwargs=example_kwargs).plan
+
+
+def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
+            segments: int | None = None, example_kwargs: Mapping[str, Any] | None = None) -> RewrittenModule:
+    """A module computing what ``model`` computes, recomputing planned segments in backward.
+
+    It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
+    so an optimizer over ``model.parameters()`` trains it. ``strategy`` is one of
+    ``"auto"``, ``"sqrt"``, ``"articulation"``, ``"mincut"``; ``segments`` overrides the
+    √n segment count. ``gm.meta["graphckpt_plan"]`` holds the plan.
+    """
+    analysis = analyze(model, example_inputs, strategy=strategy, segments=segments,
+                       example_kwargs=example_kwargs)
+    with torch.no_grad():
+        return generate(analysis.captured.graph_module, model, analysis.cost_graph,
+                        analysis.plan, analysis.captured.method)

@@ -1,0 +1,92 @@
+"""Capture a model's forward as a ``torch.fx.GraphModule``.
+
+``torch.fx.symbolic_trace`` first: it keeps the model's own modules as ``call_module``
+nodes and works for any input shape. When fx cannot trace the model (data-dependent
+Python, unsupported constructs) and example inputs are given, ``torch.export`` (non-strict)
+is the fallback: it traces real tensor operations, at the example inputs' shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import fx, nn
+
+CaptureMethod = Literal["fx", "export"]
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class CaptureError(RuntimeError):
+    """The model could not be turned into a graph; the message says why and what to try."""
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A traced forward, how it was traced, and the model it came from."""
+
+    graph_module: fx.GraphModule
+    method: CaptureMethod
+    model: nn.Module
+
+
+def user_frame(error: BaseException) -> str:
+    """``file:line: code`` of the innermost frame outside torch where ``error`` arose."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_TORCH_DIR)
+              and "graphckpt" not in os.path.basename(os.path.dirname(f.filename))]
+    if not frames:
+        return "inside torch"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def trace_fx(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` sharing the model's modules and parameters."""
+    return fx.symbolic_trace(model)
+
+
+def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
+    """``torch.export`` (non-strict) at the example inputs, unlifted back to a module."""
+    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    return exported.module()
+
+
+def capture(model: nn.Module, example_inputs: tuple | None = None,
+            example_kwargs: Mapping[str, Any] | None = None) -> Captured:
+    """Trace ``model`` with fx, falling back to ``torch.export`` when inputs are given.
+
+    Raises :class:`CaptureError` naming the construct fx choked on and what to try.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    try:
+        return Captured(trace_fx(model), "fx", model)
+    except Exception as fx_error:  # noqa: BLE001 - any tracing failure leads to the fallback
+        fx_reason = f"{_first_line(fx_error)} (at {user_frame(fx_error)})"
+        if example_inputs is None:
+            raise CaptureError(
+                f"torch.fx could not trace {type(model).__name__}: {fx_reason}. Pass "
+                "example_inputs so graphckpt can fall back to torch.export, or make that "
+                "code traceable (torch.fx.wrap the function, or move the Python control flow "
+                "out of forward)."
+            ) from fx_error
+    try:
+        return Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
+    except Exception as export_error:  # noqa: BLE001
+        raise CaptureError(
+            f"neither torch.fx nor torch.export could capture {type(model).__name__}.\n"
+            f"  torch.fx: {fx_reason}\n"
+            f"  torch.export: {_first_line(export_error)} (at {user_frame(export_error)})\n"
+            "Data-dependent control flow (an `if` on a tensor's values) cannot be captured: "
+            "use torch.where / torch.cond, or checkpoint that model by hand."
+        ) from export_error

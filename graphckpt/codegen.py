@@ -1,0 +1,191 @@
+"""Emit the rewritten module: one ``GraphModule`` that runs a plan's segments.
+
+Kept segments are copied inline into the top-level forward. Each recomputed segment
+becomes a :class:`graphckpt.runtime.Segment` called from forward, e.g.::
+
+    def forward(self, x):
+        gelu_5 = self.segment_0(x)          # recomputed in backward, keeps x
+        gelu_11 = self.segment_1(gelu_5)
+        layers_12 = getattr(self.layers, "12")(gelu_11)
+        ...
+
+``print(gm.code)`` shows forward followed by every segment's body.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from graphckpt.runtime import Segment
+from passes.costgraph import boundary_bytes
+from passes.plan import Plan
+from passes.plan import Segment as PlannedSegment
+
+
+class RewrittenModule(fx.GraphModule):
+    """A ``GraphModule`` with the original model's modules, parameters and buffers at the
+    original names, so ``state_dict`` and optimizers see exactly the model's tensors."""
+
+    def __init__(self, root: nn.Module | Mapping[str, Any], graph: fx.Graph,
+                 class_name: str = "RewrittenModule") -> None:
+        super().__init__(root, graph, class_name)
+        if isinstance(root, nn.Module):
+            adopt_structure(self, root)
+
+    @property
+    def segments(self) -> list[tuple[str, Segment]]:
+        return [(name, m) for name, m in self.named_children() if isinstance(m, Segment)]
+
+    @property
+    def code(self) -> str:
+        header = self.meta.get("graphckpt_header", "")
+        bodies = []
+        for name, segment in self.segments:
+            body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
+            bodies.append(f"# {name}: {segment.extra_repr()}{body}")
+        return "\n".join([header + super().code, *bodies])
+
+
+def adopt_structure(target: nn.Module, source: nn.Module) -> None:
+    """Give ``target`` the top-level modules, parameters and buffers of ``source`` (same
+    objects, same persistence), so both have the same ``state_dict`` keys."""
+    for name, child in source._modules.items():
+        if target._modules.get(name) is not child:
+            setattr(target, name, child)
+    for name, parameter in source._parameters.items():
+        if parameter is not None:
+            target.register_parameter(name, parameter)
+    for name, buffer in source._buffers.items():
+        if buffer is not None:
+            target.register_buffer(name, buffer, persistent=name not in source._non_persistent_buffers_set)
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _attribute_table(graph: fx.Graph, owner: nn.Module) -> dict[str, Any]:
+    """Every module and attribute the graph names, looked up on ``owner``."""
+    return {n.target: _resolve(owner, n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")}
+
+
+def _body_graph(source: fx.GraphModule, planned: PlannedSegment) -> fx.Graph:
+    """The graph of one segment: its inputs as placeholders, its outputs as a tuple."""
+    nodes = {n.name: n for n in source.graph.nodes}
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for name in planned.inputs:
+        env[nodes[name]] = body.placeholder(name)
+    for name in planned.nodes:
+        env[nodes[name]] = body.node_copy(nodes[name], lambda n: env[n])
+    results = [env[nodes[name]] for name in planned.outputs]
+    body.output(results[0] if len(results) == 1 else tuple(results))
+    return body
+
+
+def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[str, fx.Node]) -> None:
+    """Call a segment from the top-level forward, naming its results as the originals."""
+    call = top.call_module(target, tuple(env[name] for name in planned.inputs))
+    if len(planned.outputs) == 1:
+        call.name = top._graph_namespace.create_name(planned.outputs[0], call)
+        env[planned.outputs[0]] = call
+        return
+    for index, name in enumerate(planned.outputs):
+        item = top.call_function(__import__("operator").getitem, (call, index))
+        item.name = top._graph_namespace.create_name(name, item)
+        env[name] = item
+
+
+def _header(plan: Plan, graph: nx.DiGraph, method: str) -> str:
+    lines = [f"# graphckpt: strategy {plan.strategy}, captured with {method}; "
+             f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward"]
+    for name in plan.checkpoints:
+        attributes = graph.nodes[name]
+        lines.append(f"#   keeps {name}: {attributes.get('shape', '')} {attributes.get('dtype', '')} "
+                     f"({attributes['bytes'] / 1024:.1f} KiB)")
+    return "\n".join(lines) + "\n"
+
+
+def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: Plan,
+             method: str = "fx") -> RewrittenModule:
+    """The rewritten module for ``plan`` over the captured ``source`` of ``model``."""
+    originals = {n.name: n for n in source.graph.nodes}
+    top = fx.Graph()
+    top._codegen = copy.deepcopy(source.graph._codegen)
+    env: dict[str, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node.name not in env:
+            env[node.name] = top.node_copy(node, lookup)
+        return env[node.name]
+
+    for node in source.graph.nodes:
+        if node.op == "placeholder":
+            lookup(node)
+    segments: dict[str, Segment] = {}
+    for planned in plan.segments:
+        if not planned.recompute:
+            for name in planned.nodes:
+                lookup(originals[name])
+            continue
+        for name in planned.inputs:
+            lookup(originals[name])
+        body_graph = _body_graph(source, planned)
+        body = fx.GraphModule(_attribute_table(body_graph, source), body_graph, "SegmentBody")
+        target = f"segment_{len(segments)}"
+        segments[target] = Segment(body, nodes=planned.nodes, inputs=planned.inputs,
+                                   outputs=planned.outputs,
+                                   kept_bytes=boundary_bytes(graph, planned.inputs))
+        _emit_call(top, target, planned, env)
+    for node in source.graph.nodes:
+        if node.op == "output":
+            lookup(node)
+    staging = nn.Module()
+    adopt_structure(staging, model)
+    for target, segment in segments.items():
+        staging.add_module(target, segment)
+    for node in top.nodes:
+        if node.op in ("call_module", "get_attr") and not _has_attribute(staging, node.target):
+            _attach(staging, node.target, _resolve(source, node.target))
+    top.lint()
+    rewritten = RewrittenModule(staging, top, type(model).__name__ + "Checkpointed")
+    rewritten.meta["graphckpt_header"] = _header(plan, graph, method)
+    rewritten.meta["graphckpt_plan"] = plan
+    return rewritten
+
+
+def _has_attribute(root: nn.Module, target: str) -> bool:
+    try:
+        _resolve(root, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _attach(root: nn.Module, target: str, value: Any) -> None:
+    """Attach what only the captured graph has (export constants, guard modules) without
+    adding ``state_dict`` keys."""
+    *path, leaf = target.split(".")
+    owner = root
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        owner.register_buffer(leaf, value, persistent=False)
+    else:
+        setattr(owner, leaf, value)
+
+
+def segment_names(module: RewrittenModule) -> Sequence[str]:
+    """Names of the recomputed segments of a rewritten module, in forward order."""
+    return [name for name, _ in module.segments]

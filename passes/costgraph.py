@@ -1,0 +1,168 @@
+"""The cost graph: the one contract between the torch side (``graphckpt``) and the passes.
+
+A cost graph is a :class:`networkx.DiGraph` over the values of one forward pass. Nodes are
+value names (the fx node names, e.g. ``"linear_3"``); an edge ``u -> v`` means "computing
+``v`` reads ``u``". Graph attribute ``graph.graph["name"]`` is optional (for display).
+
+Node attributes (every node has all of them; :func:`check_cost_graph` verifies this):
+
+``kind``: ``"input" | "param" | "op" | "output"``
+    ``input``: a value the caller passes in (kept alive by the caller, so free to keep).
+    ``param``: a parameter, buffer or constant read from the module; always available and
+    never activation memory. ``op``: a computed value. ``output``: the single sink that
+    gathers the forward's results (no storage of its own).
+``order``: ``int``
+    Position in the forward's execution order, ``0..n-1``, unique; a topological order.
+``bytes``: ``int``
+    Bytes of *new* storage the value allocates; ``0`` for views and other aliases.
+``alias_of``: ``str | None``
+    The value that owns the storage this value shares (its root, never itself an alias),
+    or ``None`` when the value owns its storage.
+``flops``: ``int``
+    Floating point operations to compute the value (0 when free or unknown).
+``recomputable``: ``bool``
+    ``False`` when running the node again would change results or state we do not replay
+    exactly (e.g. an in-place write to a buffer). Such nodes never sit in a recomputed
+    segment.
+``cuttable``: ``bool``
+    ``False`` when the value may not be kept at a segment boundary: its storage is written
+    in place later in the forward, so a recompute starting from it would read the wrong data.
+``saved``: ``tuple[str, ...]``
+    Values whose storage the node's backward needs (its own name if it saves its output).
+``saved_extra_bytes``: ``int``
+    Bytes the node saves for backward that belong to no value of the graph (dropout masks,
+    BatchNorm statistics, ...).
+``requires_grad``: ``bool``
+    Whether the value takes part in backward (its gradient is computed).
+``label``: ``str``
+    What to show a person (``"linear"``, ``"layers.0"``, ``"relu_"``).
+
+Unit costs (every op 1 byte, 1 flop) are what :func:`unit_cost_graph` builds when no shapes
+are known, so the strategies of the papers still work on node counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import networkx as nx
+
+KINDS = ("input", "param", "op", "output")
+REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "order": int,
+    "bytes": int,
+    "alias_of": (str, type(None)),
+    "flops": int,
+    "recomputable": bool,
+    "cuttable": bool,
+    "saved": tuple,
+    "saved_extra_bytes": int,
+    "requires_grad": bool,
+    "label": str,
+}
+DEFAULTS: Mapping[str, Any] = {
+    "alias_of": None,
+    "flops": 0,
+    "recomputable": True,
+    "cuttable": True,
+    "saved": (),
+    "saved_extra_bytes": 0,
+    "requires_grad": True,
+}
+
+
+class CostGraphError(ValueError):
+    """A cost graph breaks the node-attribute contract of this module."""
+
+
+def add_value(graph: nx.DiGraph, name: str, *, kind: str, order: int, bytes: int,
+              reads: Iterable[str] = (), label: str | None = None, **attributes: Any) -> None:
+    """Add one value with the contract's attributes (defaults filled in) and its input edges."""
+    graph.add_node(name, kind=kind, order=order, bytes=bytes, label=label or name,
+                   **{**DEFAULTS, **attributes})
+    graph.add_edges_from((source, name) for source in reads)
+
+
+def check_cost_graph(graph: nx.DiGraph) -> None:
+    """Raise :class:`CostGraphError` naming the first node that breaks the contract."""
+    orders = set()
+    for name, attributes in graph.nodes(data=True):
+        for key, expected in REQUIRED_ATTRIBUTES.items():
+            if not isinstance(attributes.get(key), expected):
+                raise CostGraphError(f"node {name!r}: attribute {key!r} missing or not {expected}")
+        if attributes["kind"] not in KINDS:
+            raise CostGraphError(f"node {name!r}: kind {attributes['kind']!r} not in {KINDS}")
+        if attributes["order"] in orders:
+            raise CostGraphError(f"node {name!r}: order {attributes['order']} is not unique")
+        orders.add(attributes["order"])
+    for source, target in graph.edges:
+        if graph.nodes[source]["order"] >= graph.nodes[target]["order"]:
+            raise CostGraphError(f"edge {source!r} -> {target!r} goes backwards in 'order'")
+
+
+def in_order(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> list[str]:
+    """The given nodes (default: all) sorted by execution order."""
+    chosen = graph.nodes if nodes is None else nodes
+    return sorted(chosen, key=lambda name: graph.nodes[name]["order"])
+
+
+def op_nodes(graph: nx.DiGraph) -> list[str]:
+    """The computed values (kind ``op``) in execution order: what segments partition."""
+    return [n for n in in_order(graph) if graph.nodes[n]["kind"] == "op"]
+
+
+def is_activation(graph: nx.DiGraph, name: str) -> bool:
+    """True for values that cost activation memory when kept (not inputs, params, output)."""
+    return graph.nodes[name]["kind"] == "op"
+
+
+def storage_root(graph: nx.DiGraph, name: str) -> str:
+    """The value that owns ``name``'s storage (itself when it is not an alias)."""
+    return graph.nodes[name]["alias_of"] or name
+
+
+def keep_cost(graph: nx.DiGraph, name: str) -> float:
+    """Bytes it costs to keep ``name`` alive across a boundary; ``inf`` when not cuttable.
+
+    Inputs and parameters (and views of them) cost nothing: something else holds them.
+    A view costs the bytes of the storage it keeps alive.
+    """
+    if not graph.nodes[name]["cuttable"]:
+        return float("inf")
+    root = storage_root(graph, name)
+    if graph.nodes[root]["kind"] != "op":
+        return 0.0
+    return float(graph.nodes[root]["bytes"])
+
+
+def boundary(graph: nx.DiGraph, before: set[str]) -> set[str]:
+    """Values computed in ``before`` that something outside ``before`` still reads.
+
+    ``before`` is a down-closed set (it holds the inputs of each of its nodes, parameters
+    aside): the values computed before a segment boundary.
+    """
+    return {u for u in before for v in graph.successors(u) if v not in before}
+
+
+def boundary_bytes(graph: nx.DiGraph, values: Iterable[str]) -> float:
+    """Bytes kept alive by a set of values, each storage counted once; ``inf`` if any is
+    not cuttable."""
+    roots: dict[str, float] = {}
+    for name in values:
+        cost = keep_cost(graph, name)
+        if cost == float("inf"):
+            return cost
+        roots[storage_root(graph, name)] = cost
+    return sum(roots.values())
+
+
+def unit_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """A copy of ``graph`` where every op costs 1 byte and 1 flop: node counting."""
+    unit = graph.copy()
+    for _, attributes in unit.nodes(data=True):
+        is_op = attributes["kind"] == "op"
+        attributes["bytes"] = int(is_op and attributes["alias_of"] is None)
+        attributes["flops"] = int(is_op)
+    return unit

@@ -1,0 +1,189 @@
+"""Where a forward graph can be cut, and what each cut costs.
+
+A *cut* is a down-closed set of op nodes (the values computed before the boundary); its
+cost is :func:`passes.costgraph.boundary_bytes` of the values it hands to the rest. Three
+families of cuts, cheapest to find first:
+
+* prefix cuts of the execution order (:func:`prefix_costs`), what √n uses;
+* articulation points (:func:`articulation_points`): single values every input-to-output
+  path passes through;
+* minimum vertex cuts inside a window of the order (:func:`min_cut_between`), which find
+  multi-tensor boundaries across skip connections.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import networkx as nx
+
+from passes.costgraph import keep_cost, op_nodes, storage_root
+
+INF = float("inf")
+
+
+def op_positions(graph: nx.DiGraph) -> tuple[list[str], dict[str, int]]:
+    """Op nodes in order and every non-param node's position among them.
+
+    Inputs sit at -1 (before every op) and the output sink at ``len(ops)`` (after all).
+    """
+    ops = op_nodes(graph)
+    position = {name: index for index, name in enumerate(ops)}
+    for name, kind in graph.nodes(data="kind"):
+        if kind == "input":
+            position[name] = -1
+        elif kind == "output":
+            position[name] = len(ops)
+    return ops, position
+
+
+def last_reader(graph: nx.DiGraph, position: dict[str, int]) -> dict[str, int]:
+    """For each positioned value, the position of the last op (or sink) reading it."""
+    return {name: max((position[v] for v in graph.successors(name)), default=position[name])
+            for name in position}
+
+
+def prefix_costs(graph: nx.DiGraph) -> list[float]:
+    """``costs[i]``: bytes kept when cutting after the i-th op (``inf`` if not allowed).
+
+    One sweep over the order: a value is open from its producer until its last reader.
+    Storages kept through several views count once.
+    """
+    ops, position = op_positions(graph)
+    last = last_reader(graph, position)
+    opened: dict[int, list[str]] = {}
+    for name, pos in position.items():
+        if last[name] > pos:
+            opened.setdefault(pos, []).append(name)
+    closing: dict[int, list[str]] = {}
+    for name, pos in last.items():
+        if pos > position[name]:
+            closing.setdefault(pos, []).append(name)
+    holders: dict[str, int] = {}
+    blocked = 0
+    total = 0.0
+    costs: list[float] = []
+
+    def change(name: str, step: int) -> None:
+        nonlocal blocked, total
+        cost = keep_cost(graph, name)
+        if cost == INF:
+            blocked += step
+            return
+        root = storage_root(graph, name)
+        before = holders.get(root, 0)
+        holders[root] = before + step
+        if before == 0 and step == 1:
+            total += cost
+        elif before == 1 and step == -1:
+            total -= cost
+
+    for name in opened.get(-1, []):
+        change(name, 1)
+    for index in range(len(ops)):
+        for name in closing.get(index, []):
+            change(name, -1)
+        for name in opened.get(index, []):
+            change(name, 1)
+        costs.append(INF if blocked else total)
+    return costs
+
+
+def balanced_targets(weights: Sequence[float], segments: int) -> list[float]:
+    """Cumulative-weight marks that split ``weights`` into ``segments`` equal parts."""
+    total = sum(weights)
+    return [total * j / segments for j in range(1, segments)]
+
+
+def sqrt_segment_count(graph: nx.DiGraph) -> int:
+    """Chen et al.'s √n: about √(number of ops) segments, at least one."""
+    return max(1, round(math.sqrt(len(op_nodes(graph)))))
+
+
+def op_weights(graph: nx.DiGraph, ops: Sequence[str]) -> list[float]:
+    """What balancing divides evenly: each op's new bytes, or 1 each when sizes are unknown."""
+    weights = [float(graph.nodes[name]["bytes"]) for name in ops]
+    return weights if sum(weights) > 0 else [1.0] * len(ops)
+
+
+def nearest_positions(cumulative: Sequence[float], candidates: Sequence[int],
+                      targets: Sequence[float]) -> list[int]:
+    """For each target, the candidate position whose cumulative weight is closest; distinct
+    and increasing, so each boundary comes after the previous one."""
+    chosen: list[int] = []
+    for target in targets:
+        later = [c for c in candidates if not chosen or c > chosen[-1]]
+        if not later:
+            break
+        chosen.append(min(later, key=lambda c: abs(cumulative[c] - target)))
+    return chosen
+
+
+def articulation_points(graph: nx.DiGraph) -> list[str]:
+    """Op values every path from the inputs to the output passes through, in order.
+
+    These are the dominators of the output sink, seen from a virtual source feeding all
+    inputs; keeping one of them alone separates everything before from everything after.
+    """
+    source = ("__source__",)
+    flow = nx.DiGraph(graph.subgraph(n for n, k in graph.nodes(data="kind") if k != "param"))
+    flow.add_edges_from((source, n) for n, k in graph.nodes(data="kind") if k == "input")
+    sinks = [n for n, k in graph.nodes(data="kind") if k == "output"]
+    if not sinks or source not in flow or not nx.has_path(flow, source, sinks[0]):
+        return []
+    dominator = nx.immediate_dominators(flow, source)
+    chain = []
+    node = dominator.get(sinks[0])
+    while node is not None and node != source:
+        chain.append(node)
+        node = dominator[node] if dominator[node] != node else None
+    return [n for n in reversed(chain) if graph.nodes[n]["kind"] == "op"]
+
+
+def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, int],
+                    last: dict[str, int], low: int, high: int,
+                    mark: int | None = None) -> tuple[float, set[str]] | None:
+    """The cheapest cut that computes ``ops[:low]`` before it and ``ops[high:]`` after.
+
+    Vertex cut on the node-split graph (``v_in -> v_out`` costs keeping ``v``), with
+    reverse edges so the before-side is down-closed. Among cuts of equal bytes the one
+    nearest ``mark`` wins (a tie-break folded into the capacities). Returns ``(bytes,
+    window ops before the cut)``, or ``None`` when every boundary in the window holds a
+    value that may not be kept.
+    """
+    source, sink = ("__source__",), ("__sink__",)
+    flow = nx.DiGraph()
+    scale = (len(ops) + 2) ** 2
+    mark = (low + high) // 2 if mark is None else mark
+
+    def add_value(name: str) -> None:
+        cost = keep_cost(graph, name)
+        tie_break = abs(position[name] - mark)
+        attributes = {} if cost == INF else {"capacity": int(cost) * scale + tie_break}
+        flow.add_edge((name, "in"), (name, "out"), **attributes)
+        if last[name] >= high:
+            flow.add_edge((name, "out"), sink)
+
+    frontier = [n for n, pos in position.items() if pos < low <= last[n]]
+    for name in frontier:
+        add_value(name)
+        flow.add_edge(source, (name, "in"))
+    window = ops[low:high]
+    for name in window:
+        add_value(name)
+        for reader in graph.successors(name):
+            if low <= position.get(reader, -2) < high:
+                flow.add_edge((name, "out"), (reader, "in"))
+        for producer in graph.predecessors(name):
+            if producer in position:
+                flow.add_edge((name, "in"), (producer, "in"))
+                flow.add_edge((producer, "out"), (name, "in"))
+    if not window and not frontier:
+        return 0.0, set()
+    flow.add_nodes_from((source, sink))
+    try:
+        value, (before, _) = nx.minimum_cut(flow, source, sink)
+    except nx.NetworkXUnbounded:
+        return None
+    return float(value // scale), {name for name in window if (name, "in") in before}

@@ -1,0 +1,154 @@
+"""A checkpointing plan: which values are kept after forward and what is recomputed.
+
+A :class:`Plan` partitions the op nodes of a cost graph into :class:`Segment` s run one
+after another. A segment with ``recompute=True`` keeps only its inputs and outputs after
+forward; everything inside it is recomputed during backward. A segment with
+``recompute=False`` runs like eager code. The plan's ``checkpoints`` are the activations
+kept at the boundaries of recomputed segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from passes.costgraph import boundary_bytes, in_order, is_activation, op_nodes
+
+
+class PlanError(ValueError):
+    """A plan does not fit its cost graph (a value used before it exists, ...)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Op nodes run together, in execution order, with the values crossing their edges."""
+
+    nodes: tuple[str, ...]
+    recompute: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a strategy chose for a cost graph; ``peak_bytes`` is the simulator's estimate."""
+
+    strategy: str
+    segments: tuple[Segment, ...]
+    checkpoints: tuple[str, ...]
+    checkpoint_bytes: float
+    peak_bytes: int
+    eager_peak_bytes: int
+    recompute_flops: int
+    forward_flops: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def recomputed_segments(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.recompute)
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan({self.strategy}): {len(self.recomputed_segments)} recomputed segment(s) "
+            f"of {len(self.segments)}, {len(self.checkpoints)} checkpoint(s) "
+            f"({_mib(self.checkpoint_bytes)})",
+            f"  simulated peak {_mib(self.peak_bytes)} vs eager {_mib(self.eager_peak_bytes)}"
+            f" ({self.peak_bytes / max(self.eager_peak_bytes, 1):.2f}x); recompute "
+            f"{self.recompute_flops / max(self.forward_flops, 1):.0%} of forward FLOPs",
+        ]
+        for index, segment in enumerate(self.segments):
+            what = "recomputed" if segment.recompute else "kept"
+            lines.append(f"  segment {index} ({what}, {len(segment.nodes)} nodes): "
+                         f"{segment.nodes[0]} .. {segment.nodes[-1]} -> {', '.join(segment.outputs)}")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def segment_edges(graph: nx.DiGraph, nodes: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The values a group of nodes reads from outside and the ones read after it.
+
+    Parameters are inputs too (recomputation needs them); the output sink is not a node of
+    any segment, so values it reads are outputs.
+    """
+    inside = set(nodes)
+    inputs = {u for v in nodes for u in graph.predecessors(v) if u not in inside}
+    outputs = {v for v in nodes if any(w not in inside for w in graph.successors(v))}
+    return tuple(in_order(graph, inputs)), tuple(in_order(graph, outputs))
+
+
+def make_segments(graph: nx.DiGraph, groups: Iterable[tuple[Iterable[str], bool]]) -> tuple[Segment, ...]:
+    """Segments from ``(nodes, recompute)`` groups; empty groups dropped, neighbours of
+    the same kind with nothing recomputed merged, non-recomputable nodes split out."""
+    pieces: list[tuple[list[str], bool]] = []
+    for nodes, recompute in groups:
+        for piece, flag in _split_unrecomputable(graph, in_order(graph, nodes), recompute):
+            if pieces and not flag and not pieces[-1][1]:
+                pieces[-1][0].extend(piece)
+            else:
+                pieces.append((list(piece), flag))
+    return tuple(Segment(tuple(nodes), flag, *segment_edges(graph, nodes))
+                 for nodes, flag in pieces if nodes)
+
+
+def _split_unrecomputable(graph: nx.DiGraph, nodes: list[str], recompute: bool):
+    """Yield runs of ``nodes``: nodes that may not be recomputed become kept runs."""
+    if not recompute:
+        yield nodes, False
+        return
+    run: list[str] = []
+    for name in nodes:
+        if graph.nodes[name]["recomputable"]:
+            run.append(name)
+            continue
+        if run:
+            yield run, True
+            run = []
+        yield [name], False
+    if run:
+        yield run, True
+
+
+def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str, ...]:
+    """Activations kept at the edges of recomputed segments."""
+    kept = {v for s in segments if s.recompute for v in (*s.inputs, *s.outputs)
+            if is_activation(graph, v)}
+    return tuple(in_order(graph, kept))
+
+
+def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
+    """Raise :class:`PlanError` unless the segments are a runnable, safe partition.
+
+    Every op node sits in exactly one segment; a segment only reads values computed by an
+    earlier segment (or inputs and parameters); recomputed segments hold only recomputable
+    nodes and keep only cuttable values at their edges, so each recomputed value can be
+    computed again from kept ones.
+    """
+    done = {n for n, kind in graph.nodes(data="kind") if kind in ("input", "param")}
+    expected = set(op_nodes(graph))
+    for index, segment in enumerate(segments):
+        for name in segment.nodes:
+            if name not in expected:
+                raise PlanError(f"segment {index}: {name!r} is not an op node, or is in two segments")
+            expected.discard(name)
+            missing = [u for u in graph.predecessors(name) if u not in done]
+            if missing:
+                raise PlanError(f"segment {index}: {name!r} reads {missing} before they are computed")
+            done.add(name)
+        if segment.recompute:
+            bad = [n for n in segment.nodes if not graph.nodes[n]["recomputable"]]
+            if bad:
+                raise PlanError(f"segment {index} recomputes {bad}, which may not be recomputed")
+            edge_values = [*segment.inputs, *segment.outputs]
+            if boundary_bytes(graph, edge_values) == float("inf"):
+                stuck = [v for v in edge_values if not graph.nodes[v]["cuttable"]]
+                raise PlanError(f"segment {index} keeps {stuck}, which are written in place later")
+        if (segment.inputs, segment.outputs) != segment_edges(graph, segment.nodes):
+            raise PlanError(f"segment {index}: inputs/outputs do not match the graph")
+    if expected:
+        raise PlanError(f"op nodes in no segment: {in_order(graph, expected)}")

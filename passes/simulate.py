@@ -1,0 +1,172 @@
+"""Replay a plan's forward and backward over the cost graph and report its peak memory.
+
+The model of memory (activations only: parameters and their ``.grad`` already exist):
+
+* forward: each op allocates its new bytes; a storage is freed once no later op reads it,
+  no pending backward saved it and it is not a graph output. In a recomputed segment
+  nothing is saved; the segment's inputs stay alive until its backward has run.
+* backward, ops in reverse: a recomputed segment first runs forward again (this time
+  saving), then each op turns its output's gradient into its inputs' gradients and
+  releases what it saved. Gradients are as large as their values.
+
+This is an estimate; ``graphckpt.measure`` is the truth it is checked against.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from passes.costgraph import storage_root
+from passes.plan import Segment, make_segments
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Peak bytes of one training step under a plan, and what it recomputes."""
+
+    peak_bytes: int
+    eager_peak_bytes: int
+    recompute_flops: int
+    forward_flops: int
+
+
+class _Memory:
+    """Live storages with the number of reasons each is alive, and the running peak.
+
+    Values of the segment being recomputed (``fresh``) get storages of their own: the
+    recompute makes new tensors even where forward's are still alive.
+    """
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self.graph = graph
+        self.holds: Counter = Counter()
+        self.live: dict = {}
+        self.fresh: set[str] = set()
+        self.current = 0
+        self.peak = 0
+
+    def key(self, name: str) -> tuple[str, str]:
+        root = storage_root(self.graph, name)
+        return ("recomputed" if root in self.fresh else "value", root)
+
+    def allocate(self, key: tuple, nbytes: int) -> None:
+        if key not in self.live and nbytes:
+            self.live[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def hold(self, name: str, times: int = 1) -> None:
+        self.holds[self.key(name)] += times
+
+    def release(self, name: str, times: int = 1) -> None:
+        key = self.key(name)
+        self.holds[key] -= times
+        if self.holds[key] <= 0:
+            self.free(key)
+
+    def free(self, key: tuple) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+def _needs_grad(graph: nx.DiGraph, name: str) -> bool:
+    return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] != "param"
+
+
+def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
+                 within: set[str] | None = None) -> None:
+    """Compute ``nodes``; with ``save`` each op also holds what its backward needs.
+
+    ``within`` limits the readers that keep a value alive to that set (a recompute only
+    feeds its own segment).
+    """
+    for name in nodes:
+        attributes = graph.nodes[name]
+        if attributes["alias_of"] is None:
+            memory.allocate(memory.key(name), attributes["bytes"])
+        readers = [r for r in graph.successors(name) if within is None or r in within]
+        memory.hold(name, len(readers))
+        if save:
+            for value in attributes["saved"]:
+                memory.hold(value)
+            memory.allocate(("extra", name), attributes["saved_extra_bytes"])
+        for value in graph.predecessors(name):
+            if graph.nodes[value]["kind"] != "param" and (within is None or value in within):
+                memory.release(value)
+        memory.release(name, 0)
+
+
+def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
+    """Backward of ``nodes`` in reverse: gradients in, gradients out, saved values released."""
+    for name in reversed(nodes):
+        if name in grads:
+            for value in graph.predecessors(name):
+                if not _needs_grad(graph, value):
+                    continue
+                size = graph.nodes[storage_root(graph, value)]["bytes"]
+                if value in grads:
+                    memory.allocate(("grad-partial", value), size)
+                    memory.free(("grad-partial", value))
+                else:
+                    memory.allocate(("grad", value), size)
+                    grads.add(value)
+            memory.free(("grad", name))
+            grads.discard(name)
+        for value in graph.nodes[name]["saved"]:
+            memory.release(value)
+        memory.free(("extra", name))
+
+
+def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
+    """Peak live bytes of one forward + backward run segment by segment."""
+    memory = _Memory(graph)
+    sink = [n for n, k in graph.nodes(data="kind") if k == "output"]
+    outputs = [v for n in sink for v in graph.predecessors(n)]
+    for name, kind in graph.nodes(data="kind"):
+        if kind == "input":
+            memory.hold(name, graph.out_degree(name))
+    for value in outputs:
+        memory.hold(value)
+    for segment in segments:
+        if segment.recompute:
+            for value in segment.inputs:
+                memory.hold(value)
+        _run_forward(memory, graph, segment.nodes, save=not segment.recompute)
+    grads: set[str] = set()
+    for value in outputs:
+        if _needs_grad(graph, value):
+            memory.allocate(("grad", value), graph.nodes[storage_root(graph, value)]["bytes"])
+            grads.add(value)
+    for segment in reversed(segments):
+        if segment.recompute:
+            memory.fresh = set(segment.nodes)
+            _run_forward(memory, graph, segment.nodes, save=True, within=memory.fresh)
+        _run_backward(memory, graph, segment.nodes, grads)
+        memory.fresh = set()
+        if segment.recompute:
+            for value in segment.inputs:
+                memory.release(value)
+    return memory.peak
+
+
+def eager_segments(graph: nx.DiGraph) -> tuple[Segment, ...]:
+    """The plan of plain eager execution: one kept segment holding every op."""
+    ops = [n for n, k in sorted(graph.nodes(data="kind"), key=lambda x: graph.nodes[x[0]]["order"])
+           if k == "op"]
+    return make_segments(graph, [(ops, False)])
+
+
+def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
+    """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
+    segments = tuple(segments)
+    recompute = sum(graph.nodes[n]["flops"] for s in segments if s.recompute for n in s.nodes)
+    forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
+    return Simulation(
+        peak_bytes=_step_peak(graph, segments),
+        eager_peak_bytes=_step_peak(graph, eager_segments(graph)),
+        recompute_flops=recompute,
+        forward_flops=forward,
+    )

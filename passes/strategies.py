@@ -1,0 +1,152 @@
+"""Checkpointing strategies: each is a function ``CostGraph -> Plan``.
+
+* :func:`sqrt_plan` — Chen et al. 2016: about √n segments of equal bytes, cut wherever
+  the execution order allows.
+* :func:`articulation_plan` — boundaries only at articulation points (one value every
+  input-to-output path goes through), chosen √n-style; falls back to min-cut when a graph
+  has too few (U-Net skips, dense blocks).
+* :func:`mincut_plan` — at each balanced position, the minimum-bytes vertex cut in the
+  window around it, so a boundary may be several tensors.
+* :func:`auto_plan` — runs the three and keeps the lowest simulated peak.
+
+Every segment except the last is recomputed: the last one's backward runs right after
+forward, so recomputing it would save nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+import networkx as nx
+
+from passes.costgraph import boundary_bytes, op_nodes
+from passes.cuts import (
+    INF,
+    articulation_points,
+    balanced_targets,
+    last_reader,
+    min_cut_between,
+    nearest_positions,
+    op_positions,
+    op_weights,
+    prefix_costs,
+    sqrt_segment_count,
+)
+from passes.plan import Plan, checkpoints_of, make_segments, validate_plan
+from passes.simulate import simulate
+
+Strategy = Callable[..., Plan]
+
+
+def groups_from_cuts(ops: Sequence[str], befores: Sequence[set[str]]) -> list[tuple[list[str], bool]]:
+    """Segments ``(nodes, recompute)`` from nested before-sets: all recomputed but the last."""
+    groups, done = [], set()
+    for before in befores:
+        groups.append(([n for n in ops if n in before and n not in done], True))
+        done |= before
+    groups.append(([n for n in ops if n not in done], False))
+    return groups
+
+
+def build_plan(graph: nx.DiGraph, strategy: str, groups, notes: Sequence[str] = ()) -> Plan:
+    """Validate segments, simulate them and wrap everything in a :class:`Plan`."""
+    segments = make_segments(graph, groups)
+    validate_plan(graph, segments)
+    checkpoints = checkpoints_of(graph, segments)
+    result = simulate(graph, segments)
+    return Plan(
+        strategy=strategy,
+        segments=segments,
+        checkpoints=checkpoints,
+        checkpoint_bytes=boundary_bytes(graph, checkpoints),
+        peak_bytes=result.peak_bytes,
+        eager_peak_bytes=result.eager_peak_bytes,
+        recompute_flops=result.recompute_flops,
+        forward_flops=result.forward_flops,
+        notes=tuple(notes),
+    )
+
+
+def plan_from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[int],
+                        notes: Sequence[str] = ()) -> Plan:
+    """A plan whose boundaries are prefix cuts after the given op positions."""
+    ops = op_nodes(graph)
+    befores = [set(ops[: p + 1]) for p in positions]
+    return build_plan(graph, strategy, groups_from_cuts(ops, befores), notes)
+
+
+def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """About √n segments balanced by bytes, each boundary at an allowed prefix cut."""
+    ops = op_nodes(graph)
+    count = segments or sqrt_segment_count(graph)
+    costs = prefix_costs(graph)
+    cumulative = list(accumulate(op_weights(graph, ops)))
+    allowed = [i for i, cost in enumerate(costs[:-1]) if cost < INF]
+    positions = nearest_positions(cumulative, allowed, balanced_targets(op_weights(graph, ops), count))
+    return plan_from_positions(graph, "sqrt", positions)
+
+
+def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """√n-style boundaries chosen among articulation points; min-cut when there are none."""
+    ops, position = op_positions(graph)
+    count = segments or sqrt_segment_count(graph)
+    costs = prefix_costs(graph)
+    candidates = [position[n] for n in articulation_points(graph)
+                  if position[n] < len(ops) - 1 and costs[position[n]] < INF]
+    if len(candidates) < min(count - 1, 2):
+        plan = mincut_plan(graph, segments)
+        note = (f"articulation: only {len(candidates)} articulation point(s); "
+                "used min-cut boundaries instead")
+        return Plan(**{**plan.__dict__, "notes": (note, *plan.notes)})
+    cumulative = list(accumulate(op_weights(graph, ops)))
+    targets = balanced_targets(op_weights(graph, ops), count)
+    return plan_from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
+
+
+def mincut_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """Minimum-bytes vertex cuts, one per window between balanced positions."""
+    ops, position = op_positions(graph)
+    last = last_reader(graph, position)
+    count = segments or sqrt_segment_count(graph)
+    weights = op_weights(graph, ops)
+    cumulative = list(accumulate(weights))
+    marks = nearest_positions(cumulative, list(range(len(ops))), balanced_targets(weights, count))
+    reach = max(1, len(ops) // (4 * count))
+    befores, notes, previous_high = [], [], 0
+    for mark in marks:
+        low, high = max(previous_high, mark - reach + 1), min(mark + reach + 1, len(ops) - 1)
+        if high <= low:
+            continue
+        previous_high = high
+        found = min_cut_between(graph, ops, position, last, low, high, mark)
+        if found is None:
+            notes.append(f"mincut: no allowed boundary between {ops[low]} and {ops[high - 1]}")
+            continue
+        befores.append(set(ops[:low]) | found[1])
+    return build_plan(graph, "mincut", groups_from_cuts(ops, befores), notes)
+
+
+def auto_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """The plan of lowest simulated peak among sqrt, articulation and mincut (less
+    recompute breaks ties); its ``strategy`` names the winner."""
+    plans = [strategy(graph, segments) for strategy in (mincut_plan, articulation_plan, sqrt_plan)]
+    best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
+    return Plan(**{**best.__dict__, "notes": (f"auto: chose {best.strategy}", *best.notes)})
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "sqrt": sqrt_plan,
+    "articulation": articulation_plan,
+    "mincut": mincut_plan,
+    "auto": auto_plan,
+}
+
+
+def choose_plan(graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None) -> Plan:
+    """Run the named strategy; an unknown name raises ``ValueError`` listing the known ones."""
+    try:
+        chosen = STRATEGIES[strategy]
+    except KeyError:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}") from None
+    return chosen(graph, segments)
