@@ -16,7 +16,7 @@ from torch import fx, nn
 from graphckpt.capture import Captured, CaptureError, capture
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
-from graphckpt.inplace import mutated_argument
+from graphckpt.inplace import mutated_arguments
 from passes.plan import Plan
 from passes.strategies import STRATEGIES, choose_plan
 
@@ -40,7 +40,7 @@ def _as_tuple(example_inputs: Any) -> tuple | None:
 
 def _require_costs_for_inplace(source: fx.GraphModule) -> None:
     for node in source.graph.nodes:
-        if mutated_argument(source, node) is not None:
+        if mutated_arguments(source, node):
             raise CaptureError(
                 f"node {node.name!r} ({node.format_node()}) writes in place; graphckpt needs "
                 "example_inputs to see which tensors share storage before it can recompute "

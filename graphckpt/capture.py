@@ -8,6 +8,7 @@ is the fallback: it traces real tensor operations, at the example inputs' shapes
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from collections.abc import Mapping
@@ -50,9 +51,29 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def trace_fx(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` sharing the model's modules and parameters."""
-    return fx.symbolic_trace(model)
+def unused_defaults(model: nn.Module, args: tuple | None,
+                    kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Forward parameters the example call leaves at their default, with those defaults.
+
+    fx traces them as constants (``concrete_args``): an optional argument left at ``None``
+    must not become a proxy that every ``is None`` test calls not-None.
+    """
+    given = set(kwargs or {})
+    concrete = {}
+    parameters = list(inspect.signature(model.forward).parameters.values())
+    for index, parameter in enumerate(parameters):
+        positional = parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+        supplied = parameter.name in given or (positional and args is not None and index < len(args))
+        if not supplied and parameter.default is not parameter.empty:
+            concrete[parameter.name] = parameter.default
+    return concrete
+
+
+def trace_fx(model: nn.Module, args: tuple | None = None,
+             kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` sharing the model's modules and parameters; arguments
+    the example call does not pass are fixed at their defaults."""
+    return fx.symbolic_trace(model, concrete_args=unused_defaults(model, args, kwargs) or None)
 
 
 def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
@@ -70,7 +91,7 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
     try:
-        return Captured(trace_fx(model), "fx", model)
+        return Captured(trace_fx(model, example_inputs, example_kwargs), "fx", model)
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure leads to the fallback
         fx_reason = f"{_first_line(fx_error)} (at {user_frame(fx_error)})"
         if example_inputs is None:

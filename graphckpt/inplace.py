@@ -27,31 +27,42 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.setitem}
 
 
-def _schema_written_argument(node: fx.Node) -> fx.Node | None:
+_NORMS_WRITING_RUNNING_STATS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                                "cudnn_batch_norm", "miopen_batch_norm", "instance_norm"}
+
+
+def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
+    """Arguments an ATen op writes: those its schema marks ``(a!)``, plus the running
+    statistics of a training-mode batch norm (which its schema does not mark)."""
     schema = node.target._schema
-    for index, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            return value if isinstance(value, fx.Node) else None
-    return None
+    bound = {argument.name: node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+             for i, argument in enumerate(schema.arguments)}
+    written = [bound[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if schema.name.split("::")[-1] in _NORMS_WRITING_RUNNING_STATS and bound.get("training", True):
+        written += [bound.get("running_mean"), bound.get("running_var")]
+    return [value for value in written if isinstance(value, fx.Node)]
 
 
-def mutated_argument(module: torch.nn.Module, node: fx.Node) -> fx.Node | None:
-    """The value ``node`` writes into in place, or ``None`` if it writes nothing."""
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` writes into in place (empty if it writes nothing).
+
+    ``call_module`` norm layers are not listed: :class:`graphckpt.runtime.Segment` keeps
+    their running statistics from being updated twice.
+    """
+    first = [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
     if node.op == "call_module":
-        return first if getattr(module.get_submodule(node.target), "inplace", False) is True else None
+        return first if getattr(module.get_submodule(node.target), "inplace", False) is True else []
     if node.op == "call_method":
         name = node.target
-        return first if name.endswith("_") and not name.endswith("__") else None
+        return first if name.endswith("_") and not name.endswith("__") else []
     if node.op != "call_function":
-        return None
+        return []
     if isinstance(node.target, torch._ops.OpOverload):
-        return _schema_written_argument(node)
+        return _schema_written_arguments(node)
     if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
         return first
     name = getattr(node.target, "__name__", "")
-    return first if name.endswith("_") and not name.startswith("_") else None
+    return first if name.endswith("_") and not name.startswith("_") else []
 
 
 def _alias_group(node: fx.Node, costs: Mapping[str, NodeCost], nodes: list[fx.Node]) -> list[fx.Node]:
@@ -70,9 +81,10 @@ def isolate_inplace(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost])
     position = {n: i for i, n in enumerate(nodes)}
     inserted = 0
     for node in nodes:
-        target = mutated_argument(graph_module, node)
-        if target is None or target.op in ("placeholder", "get_attr") or target.name not in costs:
+        written = mutated_arguments(graph_module, node)
+        if len(written) != 1 or written[0].op in ("placeholder", "get_attr") or written[0].name not in costs:
             continue
+        target = written[0]
         group = _alias_group(target, costs, nodes)
         if any(n.op in ("placeholder", "get_attr") for n in group):
             continue
@@ -82,6 +94,7 @@ def isolate_inplace(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost])
             continue
         with graph_module.graph.inserting_before(node):
             copy = graph_module.graph.call_method("clone", (target,))
+        position[copy] = position[node] - 0.5
         for reader in list(target.users):
             if reader is node or position.get(reader, -1) > position[node]:
                 reader.replace_input_with(target, copy)
@@ -99,15 +112,13 @@ def mutation_constraints(graph_module: fx.GraphModule,
     not_recomputable: set[str] = set()
     not_cuttable: set[str] = set()
     for node in nodes:
-        target = mutated_argument(graph_module, node)
-        if target is None:
-            continue
-        group = [n for n in _alias_group(target, costs, nodes) if position[n] < position[node]] \
-            if target.name in costs else [target]
-        if any(n.op in ("placeholder", "get_attr") for n in group):
-            not_recomputable.add(node.name)
-            not_recomputable.update(r.name for n in group for r in n.users
-                                    if position[r] <= position[node])
-        else:
-            not_cuttable.update(n.name for n in group)
+        for target in mutated_arguments(graph_module, node):
+            group = [n for n in _alias_group(target, costs, nodes) if position[n] < position[node]] \
+                if target.name in costs else [target]
+            if any(n.op in ("placeholder", "get_attr") for n in group):
+                not_recomputable.add(node.name)
+                not_recomputable.update(r.name for n in group for r in n.users
+                                        if position[r] <= position[node])
+            else:
+                not_cuttable.update(n.name for n in group)
     return not_recomputable, not_cuttable

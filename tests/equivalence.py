@@ -1,0 +1,62 @@
+"""Shared check: a rewritten module trains exactly like the model it came from."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [t for key in sorted(output) for t in _tensors(output[key])]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """A scalar touching every floating output (sum of mean squares)."""
+    return sum(t.float().pow(2).mean() for t in _tensors(output) if t.is_floating_point())
+
+
+def train_step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    output = module(*args, **kwargs)
+    loss_fn(output).backward()
+    return [t.detach().clone() for t in _tensors(output)]
+
+
+def assert_trains_like(reference: nn.Module, model: nn.Module, rewritten: nn.Module, args: tuple,
+                       kwargs: dict | None = None, loss_fn: Callable = default_loss, seed: int = 0) -> None:
+    """One training step of ``rewritten`` (sharing ``model``'s tensors) against ``reference``
+    (a deep copy of ``model`` taken before): outputs, every gradient and every buffer equal."""
+    kwargs = kwargs or {}
+    expected = train_step(reference, args, kwargs, loss_fn, seed)
+    actual = train_step(rewritten, args, kwargs, loss_fn, seed)
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual, strict=True):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+    reference_parameters = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        want = reference_parameters[name].grad
+        if want is None:
+            assert parameter.grad is None, name
+            continue
+        torch.testing.assert_close(parameter.grad, want, rtol=RTOL, atol=ATOL, msg=f"grad of {name}")
+    reference_buffers = dict(reference.named_buffers())
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(buffer, reference_buffers[name], rtol=RTOL, atol=ATOL,
+                                   msg=f"buffer {name}")
+
+
+def fresh_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(reference, model)``: a deep copy to compare against, and the model itself."""
+    return copy.deepcopy(model), model

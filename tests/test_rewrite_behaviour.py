@@ -1,0 +1,224 @@
+"""What users rely on beyond equal numbers: signatures, modes, in-place ops, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import graphckpt
+from graphckpt import runtime
+from graphckpt.capture import CaptureError
+from tests.equivalence import assert_trains_like, fresh_pair
+
+
+class TwoInputsDictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x, y, scale=None):
+        h = x
+        for layer in self.a:
+            h = torch.tanh(layer(h)) + y
+        if scale is not None:
+            h = h * scale
+        return {"h": h, "pair": (self.b(h), h.sum())}
+
+
+class InPlaceChain(nn.Module):
+    """In-place writes on values that would make tempting boundaries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = x
+        for index, layer in enumerate(self.layers):
+            h = layer(h)
+            h.mul_(1.5)
+            h.add_(0.25)
+            if index % 2:
+                h = self.relu(h)
+            else:
+                h.relu_()
+        return h
+
+
+def test_multiple_inputs_kwargs_and_nested_outputs() -> None:
+    reference, model = fresh_pair(TwoInputsDictOut())
+    x, y, scale = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    rewritten = graphckpt.rewrite(model, (x, y), example_kwargs={"scale": scale}, strategy="sqrt")
+    assert_trains_like(reference, model, rewritten, (x, y), {"scale": scale})
+
+
+@pytest.mark.parametrize("strategy", ["sqrt", "articulation", "mincut"])
+def test_inplace_ops_cannot_corrupt_a_kept_boundary(strategy: str) -> None:
+    reference, model = fresh_pair(InPlaceChain())
+    x = torch.randn(4, 16)
+    for segments in (2, 3, 5, 8):
+        rewritten = graphckpt.rewrite(model, (x,), strategy=strategy, segments=segments)
+        assert_trains_like(reference, model, rewritten, (x,))
+
+
+def test_eval_and_no_grad_run_without_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = InPlaceChain()
+    x = torch.randn(4, 16)
+    rewritten = graphckpt.rewrite(model, (x,), segments=4)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint used without grad")
+
+    monkeypatch.setattr(runtime, "checkpoint", refuse)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), model(x))
+    assert all(segment.recomputations == 0 for _, segment in rewritten.segments)
+
+
+def test_recompute_happens_in_backward() -> None:
+    model = InPlaceChain()
+    x = torch.randn(4, 16)
+    rewritten = graphckpt.rewrite(model, (x,), segments=4)
+    rewritten(x).sum().backward()
+    counts = [segment.recomputations for _, segment in rewritten.segments]
+    assert counts and all(count == 1 for count in counts)
+
+
+def test_code_shows_segments_and_what_they_keep() -> None:
+    model = InPlaceChain()
+    rewritten = graphckpt.rewrite(model, (torch.randn(4, 16),), strategy="mincut", segments=3)
+    code = rewritten.code
+    assert "# graphckpt: strategy mincut" in code
+    assert "self.segment_0(" in code and "def segment_0(self" in code
+    assert "recomputes" in code and "keeps" in code
+    plan = rewritten.meta["graphckpt_plan"]
+    for name in plan.checkpoints:
+        assert name in code
+    assert "segment 0 (recomputed" in str(plan)
+
+
+def test_deepcopy_keeps_state_dict_keys_and_behaviour() -> None:
+    model = TwoInputsDictOut()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rewritten = graphckpt.rewrite(model, (x, y))
+    clone = copy.deepcopy(rewritten)
+    assert set(clone.state_dict()) == set(model.state_dict())
+    torch.testing.assert_close(clone(x, y)["h"], rewritten(x, y)["h"])
+    clone.load_state_dict(model.state_dict())
+    model.load_state_dict(clone.state_dict())
+    with pytest.raises(TypeError):  # traced for scale=None: passing it must not be ignored
+        rewritten(x, y, scale=torch.ones(4, 8))
+
+
+def test_plan_without_example_inputs_counts_nodes() -> None:
+    plan = graphckpt.plan(TwoInputsDictOut(), strategy="sqrt")
+    assert plan.recomputed_segments
+    assert plan.forward_flops == sum(1 for s in plan.segments for _ in s.nodes)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.linear(x)
+        return x
+
+
+class ShapeBranch(nn.Module):
+    """fx cannot trace the branch on a shape; torch.export can, at the example shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.rest = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.shape[0] > 1:
+            h = torch.relu(self.norm(h))
+        for layer in self.rest:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def test_untraceable_without_inputs_names_the_line() -> None:
+    with pytest.raises(CaptureError, match=r"if x.sum\(\) > 0.*example_inputs"):
+        graphckpt.rewrite(DataDependent())
+
+
+def test_data_dependent_control_flow_is_a_clear_error() -> None:
+    with pytest.raises(CaptureError, match="neither torch.fx nor torch.export"):
+        graphckpt.rewrite(DataDependent(), (torch.randn(3, 4),))
+
+
+def test_export_fallback_trains_like_eager() -> None:
+    reference, model = fresh_pair(ShapeBranch())
+    x = torch.randn(8, 4)
+    rewritten = graphckpt.rewrite(model, (x,), strategy="sqrt")
+    assert "captured with export" in rewritten.code
+    assert set(rewritten.state_dict()) == set(model.state_dict())
+    assert_trains_like(reference, model, rewritten, (x,))
+
+
+def test_non_tensor_inputs_stay_inputs() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+
+        def forward(self, x, scale: float):
+            return self.layers(x) * scale
+
+    model = Scaled()
+    x = torch.randn(2, 4)
+    rewritten = graphckpt.rewrite(model, (x, 2.0))
+    torch.testing.assert_close(rewritten(x, 3.0), model(x, 3.0))
+
+
+def test_inplace_without_example_inputs_asks_for_them() -> None:
+    with pytest.raises(CaptureError, match="example_inputs"):
+        graphckpt.rewrite(InPlaceChain())
+
+
+def test_empty_graph_is_a_no_op() -> None:
+    class Identity(nn.Module):
+        def forward(self, x):
+            return x
+
+    x = torch.randn(3)
+    rewritten = graphckpt.rewrite(Identity(), (x,))
+    assert rewritten.meta["graphckpt_plan"].segments == ()
+    assert rewritten(x) is x
+
+
+def test_model_without_parameters() -> None:
+    class Waves(nn.Module):
+        def forward(self, x):
+            for _ in range(9):
+                x = torch.sin(x) * 2
+            return x
+
+    x = torch.randn(5, requires_grad=True)
+    expected = torch.autograd.grad(Waves()(x).sum(), x)[0]
+    rewritten = graphckpt.rewrite(Waves(), (x,), segments=3)
+    torch.testing.assert_close(torch.autograd.grad(rewritten(x).sum(), x)[0], expected)
+
+
+def test_unknown_strategy_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        graphckpt.rewrite(InPlaceChain(), (torch.randn(2, 16),), strategy="magic")
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(CaptureError, match="nn.Module"):
+        graphckpt.rewrite(lambda x: x, (torch.randn(2),))
