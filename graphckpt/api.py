@@ -57,8 +57,8 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     captured = capture(model, args, example_kwargs)
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
-    costs = prepare(captured.graph_module, args, example_kwargs)
-    cost_graph = build_cost_graph(captured.graph_module, costs)
+    profile = prepare(captured.graph_module, args, example_kwargs)
+    cost_graph = build_cost_graph(captured.graph_module, profile)
     return Analysis(captured, cost_graph, choose_plan(cost_graph, strategy, segments))
 
 

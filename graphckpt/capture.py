@@ -92,7 +92,7 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
     try:
         return Captured(trace_fx(model, example_inputs, example_kwargs), "fx", model)
-    except Exception as fx_error:  # noqa: BLE001 - any tracing failure leads to the fallback
+    except Exception as fx_error:
         fx_reason = f"{_first_line(fx_error)} (at {user_frame(fx_error)})"
         if example_inputs is None:
             raise CaptureError(
@@ -103,7 +103,7 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
             ) from fx_error
     try:
         return Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
-    except Exception as export_error:  # noqa: BLE001
+    except Exception as export_error:
         raise CaptureError(
             f"neither torch.fx nor torch.export could capture {type(model).__name__}.\n"
             f"  torch.fx: {fx_reason}\n"

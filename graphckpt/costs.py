@@ -8,13 +8,14 @@ without them every op costs one unit, so node-counting strategies still work.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import fx
 
-from graphckpt.inplace import isolate_inplace, mutation_constraints
+from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
 from graphckpt.profile import NodeCost, node_costs
 from passes.costgraph import add_value, check_cost_graph
 
@@ -36,24 +37,35 @@ def node_label(node: fx.Node) -> str:
 def _unit_cost(node: fx.Node) -> NodeCost:
     is_op = node.op not in _KIND
     return NodeCost(bytes=int(is_op), alias_of=None, flops=int(is_op), saved=(),
-                    saved_extra_bytes=0, requires_grad=True, shape="", dtype="")
+                    saved_extra_bytes=0, requires_grad=True, random=False, shape="", dtype="")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Training-mode costs of every node, and which node's storage each view shares."""
+
+    costs: Mapping[str, NodeCost]
+    parents: Mapping[fx.Node, fx.Node]
 
 
 def prepare(graph_module: fx.GraphModule, args: tuple | None,
-            kwargs: Mapping[str, Any] | None = None) -> dict[str, NodeCost]:
-    """Make in-place ops safe (:func:`graphckpt.inplace.isolate_inplace`) and return the
-    costs of the final graph; unit costs when there are no example inputs."""
+            kwargs: Mapping[str, Any] | None = None) -> Profile:
+    """Make in-place ops safe (:func:`graphckpt.inplace.isolate_inplace`) and profile the
+    final graph; unit costs when there are no example inputs."""
     if args is None:
-        return {n.name: _unit_cost(n) for n in graph_module.graph.nodes}
-    costs = node_costs(graph_module, args, kwargs)
-    if isolate_inplace(graph_module, costs):
-        costs = node_costs(graph_module, args, kwargs)
-    return costs
+        return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
+                       view_parents(graph_module, []))
+    runs = [node_costs(graph_module, args, kwargs, training=mode) for mode in (True, False)]
+    parents = view_parents(graph_module, runs)
+    if isolate_inplace(graph_module, parents):
+        return Profile(node_costs(graph_module, args, kwargs), parents)
+    return Profile(runs[0], parents)
 
 
-def build_cost_graph(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost]) -> nx.DiGraph:
-    """The :mod:`passes.costgraph` graph of ``graph_module`` with the given node costs."""
-    not_recomputable, not_cuttable = mutation_constraints(graph_module, costs)
+def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
+    """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
+    costs = profile.costs
+    not_recomputable, not_cuttable = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
@@ -71,6 +83,7 @@ def build_cost_graph(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost]
             saved=cost.saved,
             saved_extra_bytes=cost.saved_extra_bytes,
             requires_grad=cost.requires_grad,
+            random=cost.random,
             shape=cost.shape,
             dtype=cost.dtype,
         )

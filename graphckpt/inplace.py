@@ -14,7 +14,7 @@ later wrote into one of them, the recompute would read the wrong data. Two defen
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import fx
@@ -65,39 +65,72 @@ def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
     return first if name.endswith("_") and not name.startswith("_") else []
 
 
-def _alias_group(node: fx.Node, costs: Mapping[str, NodeCost], nodes: list[fx.Node]) -> list[fx.Node]:
-    root = costs[node.name].alias_of or node.name
-    return [n for n in nodes if n.name == root or costs[n.name].alias_of == root]
+def view_parents(graph_module: fx.GraphModule, runs: Sequence[Mapping[str, NodeCost]]) -> dict[fx.Node, fx.Node]:
+    """For each node whose value shares storage with one of its inputs, that input.
+
+    ``runs`` are profiles of the same graph in different modes (training and eval): a
+    node is a view if it is one in any of them (``Dropout`` returns its input in eval).
+    In-place ops are views of what they write.
+    """
+    parents: dict[fx.Node, fx.Node] = {}
+    for node in graph_module.graph.nodes:
+        written = mutated_arguments(graph_module, node)
+        if len(written) == 1:
+            parents[node] = written[0]
+            continue
+        for costs in runs:
+            root = costs[node.name].alias_of if node.name in costs else None
+            same = [u for u in node.all_input_nodes if root is not None and
+                    (u.name == root or (u.name in costs and costs[u.name].alias_of == root))]
+            if same:
+                parents[node] = same[0]
+                break
+    return parents
 
 
-def isolate_inplace(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost]) -> int:
+def _storage_roots(nodes: Sequence[fx.Node], parents: Mapping[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        parent = parents.get(node)
+        roots[node] = roots.get(parent, parent) if parent is not None else node
+    return roots
+
+
+def _sharing_storage(node: fx.Node, nodes: Sequence[fx.Node],
+                     parents: Mapping[fx.Node, fx.Node]) -> list[fx.Node]:
+    roots = _storage_roots(nodes, parents)
+    return [n for n in nodes if roots[n] is roots[node]]
+
+
+def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node]) -> int:
     """Insert a ``clone`` before each in-place op on an activation that can take one.
 
-    Safe when no other alias of the written value is read after the op: readers of the
-    written value itself after the op are pointed at the copy. Returns how many clones
-    were inserted; the graph is recompiled when any were.
+    Safe when no other value sharing the written storage is read after the op: readers of
+    the written value itself after the op are pointed at the copy. ``parents`` (from
+    :func:`view_parents`) is kept up to date. Returns how many clones were inserted.
     """
-    nodes = list(graph_module.graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
+    graph = graph_module.graph
     inserted = 0
-    for node in nodes:
+    for node in list(graph.nodes):
         written = mutated_arguments(graph_module, node)
-        if len(written) != 1 or written[0].op in ("placeholder", "get_attr") or written[0].name not in costs:
+        if len(written) != 1:
             continue
         target = written[0]
-        group = _alias_group(target, costs, nodes)
+        nodes = list(graph.nodes)
+        position = {n: i for i, n in enumerate(nodes)}
+        group = _sharing_storage(target, nodes, parents)
         if any(n.op in ("placeholder", "get_attr") for n in group):
             continue
-        others_read_later = any(position[r] > position[node] for n in group if n is not target
-                                and position[n] < position[node] for r in n.users)
-        if others_read_later:
+        if any(position[r] > position[node] for n in group if n is not target and position[n] < position[node]
+               for r in n.users):
             continue
-        with graph_module.graph.inserting_before(node):
-            copy = graph_module.graph.call_method("clone", (target,))
-        position[copy] = position[node] - 0.5
+        with graph.inserting_before(node):
+            copy = graph.call_method("clone", (target,))
         for reader in list(target.users):
-            if reader is node or position.get(reader, -1) > position[node]:
+            if reader is node or (reader is not copy and position[reader] > position[node]):
                 reader.replace_input_with(target, copy)
+                if parents.get(reader) is target:
+                    parents[reader] = copy
         inserted += 1
     if inserted:
         graph_module.recompile()
@@ -105,7 +138,7 @@ def isolate_inplace(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost])
 
 
 def mutation_constraints(graph_module: fx.GraphModule,
-                         costs: Mapping[str, NodeCost]) -> tuple[set[str], set[str]]:
+                         parents: Mapping[fx.Node, fx.Node]) -> tuple[set[str], set[str]]:
     """``(not_recomputable, not_cuttable)`` node names implied by the in-place writes left."""
     nodes = list(graph_module.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -113,8 +146,7 @@ def mutation_constraints(graph_module: fx.GraphModule,
     not_cuttable: set[str] = set()
     for node in nodes:
         for target in mutated_arguments(graph_module, node):
-            group = [n for n in _alias_group(target, costs, nodes) if position[n] < position[node]] \
-                if target.name in costs else [target]
+            group = [n for n in _sharing_storage(target, nodes, parents) if position[n] < position[node]]
             if any(n.op in ("placeholder", "get_attr") for n in group):
                 not_recomputable.add(node.name)
                 not_recomputable.update(r.name for n in group for r in n.users

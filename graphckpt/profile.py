@@ -15,6 +15,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -31,6 +32,7 @@ class NodeCost:
     saved: tuple[str, ...]
     saved_extra_bytes: int
     requires_grad: bool
+    random: bool
     shape: str
     dtype: str
 
@@ -45,6 +47,18 @@ def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
     shapes = ", ".join(str(list(t.shape)) for t in tensors)
     dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
     return shapes, dtypes
+
+
+class _RandomOps(TorchDispatchMode):
+    """Notices whether any op dispatched under it draws from the random number generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags
+        return func(*args, **(kwargs or {}))
 
 
 class _CostInterpreter(fx.Interpreter):
@@ -66,22 +80,24 @@ class _CostInterpreter(fx.Interpreter):
             saved.append(tensor)
             return tensor
 
-        with self.mode, saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
+        with self.mode, saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops, \
+                _RandomOps() as random:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
-        self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops())
+        self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops(), random.seen)
         return result
 
-    def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int) -> NodeCost:
+    def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, random: bool) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         fresh, aliased = 0, []
-        owner = PARAM if node.op == "get_attr" else node.name
         for tensor in tensors:
             key = _storage_key(tensor)
-            if key in self.owner:
+            if node.op == "get_attr" and self.owner.get(key, PARAM) == PARAM:
+                self.owner[key] = node.name  # views of this buffer alias the get_attr node
+            elif key in self.owner:
                 aliased.append(self.owner[key])
             else:
-                self.owner[key] = owner
+                self.owner[key] = node.name
                 fresh += tensor.untyped_storage().nbytes()
         alias_of = aliased[0] if aliased and not fresh and aliased[0] != PARAM else None
         names, extra = [], 0
@@ -99,6 +115,7 @@ class _CostInterpreter(fx.Interpreter):
             saved=tuple(names),
             saved_extra_bytes=extra,
             requires_grad=any(t.requires_grad for t in tensors),
+            random=random,
             shape=shape,
             dtype=dtype,
         )
@@ -119,9 +136,10 @@ def _positional_inputs(graph_module: fx.GraphModule, args: tuple,
     return values
 
 
-def node_costs(graph_module: fx.GraphModule, args: tuple,
-               kwargs: Mapping[str, Any] | None = None) -> dict[str, NodeCost]:
-    """A :class:`NodeCost` for every node, from one fake-tensor run at these inputs.
+def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,
+               *, training: bool = True) -> dict[str, NodeCost]:
+    """A :class:`NodeCost` for every node, from one fake-tensor run at these inputs, with
+    the module in training (default) or eval mode.
 
     The real module is not run and its buffers are not touched (it is copied to fake
     tensors first).
@@ -129,7 +147,7 @@ def node_costs(graph_module: fx.GraphModule, args: tuple,
     from torch._dynamo.utils import deepcopy_to_fake_tensor  # slow import, only needed here
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_module = deepcopy_to_fake_tensor(graph_module, mode)
+    fake_module = deepcopy_to_fake_tensor(graph_module, mode).train(training)
     inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
               for v in _positional_inputs(graph_module, args, kwargs or {})]
     for fake, real in zip(inputs, _positional_inputs(graph_module, args, kwargs or {}), strict=True):

@@ -17,7 +17,6 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
-
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 

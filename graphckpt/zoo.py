@@ -204,7 +204,7 @@ class UNet(nn.Module):
         self.bottleneck = _double_conv(chans[-2], chans[-1])
         self.up = nn.ModuleList()
         self.dec = nn.ModuleList()
-        for c_hi, c_lo in zip(reversed(chans[1:]), reversed(chans[:-1])):
+        for c_hi, c_lo in zip(reversed(chans[1:]), reversed(chans[:-1]), strict=False):
             self.up.append(nn.ConvTranspose2d(c_hi, c_lo, 2, stride=2))
             self.dec.append(_double_conv(2 * c_lo, c_lo))
         self.out = nn.Conv2d(base, out_ch, 1)
@@ -220,7 +220,7 @@ class UNet(nn.Module):
             skips.append(x)
             x = self.pool(x)
         x = self.bottleneck(x)
-        for up, dec, skip in zip(self.up, self.dec, reversed(skips)):
+        for up, dec, skip in zip(self.up, self.dec, reversed(skips), strict=False):
             x = dec(torch.cat([up(x), skip], dim=1))
         return self.out(x)
 

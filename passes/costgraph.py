@@ -32,10 +32,15 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``saved_extra_bytes``: ``int``
     Bytes the node saves for backward that belong to no value of the graph (dropout masks,
     BatchNorm statistics, ...).
+``random``: ``bool``
+    Whether computing the value draws from the random number generator (dropout). Such
+    nodes keep their relative execution order in every plan, so random streams match eager.
 ``requires_grad``: ``bool``
     Whether the value takes part in backward (its gradient is computed).
 ``label``: ``str``
     What to show a person (``"linear"``, ``"layers.0"``, ``"relu_"``).
+
+Optional display attributes: ``shape`` and ``dtype`` (strings).
 
 Unit costs (every op 1 byte, 1 flop) are what :func:`unit_cost_graph` builds when no shapes
 are known, so the strategies of the papers still work on node counts.
@@ -60,6 +65,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "saved": tuple,
     "saved_extra_bytes": int,
     "requires_grad": bool,
+    "random": bool,
     "label": str,
 }
 DEFAULTS: Mapping[str, Any] = {
@@ -70,6 +76,7 @@ DEFAULTS: Mapping[str, Any] = {
     "saved": (),
     "saved_extra_bytes": 0,
     "requires_grad": True,
+    "random": False,
 }
 
 

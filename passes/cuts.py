@@ -147,14 +147,17 @@ def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, i
     """The cheapest cut that computes ``ops[:low]`` before it and ``ops[high:]`` after.
 
     Vertex cut on the node-split graph (``v_in -> v_out`` costs keeping ``v``), with
-    reverse edges so the before-side is down-closed. Among cuts of equal bytes the one
+    reverse edges so the before-side is down-closed, and so a random op is only before
+    the cut if every earlier random op is. Among cuts of equal bytes the one
     nearest ``mark`` wins (a tie-break folded into the capacities). Returns ``(bytes,
     window ops before the cut)``, or ``None`` when every boundary in the window holds a
     value that may not be kept.
     """
     source, sink = ("__source__",), ("__sink__",)
     flow = nx.DiGraph()
-    scale = (len(ops) + 2) ** 2
+    frontier = [n for n, pos in position.items() if pos < low <= last[n]]
+    window = ops[low:high]
+    scale = (len(frontier) + len(window) + 1) * (len(ops) + 2)  # every tie-break sum stays below it
     mark = (low + high) // 2 if mark is None else mark
 
     def add_value(name: str) -> None:
@@ -165,11 +168,12 @@ def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, i
         if last[name] >= high:
             flow.add_edge((name, "out"), sink)
 
-    frontier = [n for n, pos in position.items() if pos < low <= last[n]]
     for name in frontier:
         add_value(name)
         flow.add_edge(source, (name, "in"))
-    window = ops[low:high]
+    random = [name for name in window if graph.nodes[name]["random"]]
+    for earlier, later in zip(random, random[1:], strict=False):
+        flow.add_edge((later, "in"), (earlier, "in"))  # random draws keep their order
     for name in window:
         add_value(name)
         for reader in graph.successors(name):

@@ -88,12 +88,19 @@ def make_segments(graph: nx.DiGraph, groups: Iterable[tuple[Iterable[str], bool]
     pieces: list[tuple[list[str], bool]] = []
     for nodes, recompute in groups:
         for piece, flag in _split_unrecomputable(graph, in_order(graph, nodes), recompute):
+            flag = flag and _edges_cuttable(graph, piece)
             if pieces and not flag and not pieces[-1][1]:
                 pieces[-1][0].extend(piece)
             else:
                 pieces.append((list(piece), flag))
     return tuple(Segment(tuple(nodes), flag, *segment_edges(graph, nodes))
                  for nodes, flag in pieces if nodes)
+
+
+def _edges_cuttable(graph: nx.DiGraph, nodes: Sequence[str]) -> bool:
+    """Whether every value crossing the edge of ``nodes`` may be kept at a boundary."""
+    inputs, outputs = segment_edges(graph, nodes)
+    return all(graph.nodes[v]["cuttable"] for v in (*inputs, *outputs))
 
 
 def _split_unrecomputable(graph: nx.DiGraph, nodes: list[str], recompute: bool):
@@ -127,10 +134,13 @@ def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
     Every op node sits in exactly one segment; a segment only reads values computed by an
     earlier segment (or inputs and parameters); recomputed segments hold only recomputable
     nodes and keep only cuttable values at their edges, so each recomputed value can be
-    computed again from kept ones.
+    computed again from kept ones; random ops run in their eager order.
     """
     done = {n for n, kind in graph.nodes(data="kind") if kind in ("input", "param")}
     expected = set(op_nodes(graph))
+    random_order = [n for s in segments for n in s.nodes if graph.nodes[n]["random"]]
+    if random_order != in_order(graph, random_order):
+        raise PlanError(f"random ops run out of their eager order: {random_order}")
     for index, segment in enumerate(segments):
         for name in segment.nodes:
             if name not in expected:

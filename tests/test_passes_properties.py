@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from passes.costgraph import (
@@ -58,7 +58,7 @@ def _mostly_true(draw, one_in: int) -> bool:
 
 
 @st.composite
-def cost_graphs(draw, max_ops: int = 30, inputs: tuple[int, int] = (1, 2)) -> nx.DiGraph:
+def cost_graphs(draw, max_ops: int = 30, inputs: tuple[int, int] = (1, 2), max_reads: int = 3) -> nx.DiGraph:
     """A random cost graph obeying the contract of :mod:`passes.costgraph`.
 
     ``inputs`` then ``params`` and ``op`` s interleaved, each op reading 1-3 earlier values;
@@ -87,7 +87,7 @@ def cost_graphs(draw, max_ops: int = 30, inputs: tuple[int, int] = (1, 2)) -> nx
             add_value(graph, name, kind="param", order=order, bytes=0)
             readable.append(name)
             order += 1
-        reads = draw(st.lists(st.sampled_from(readable), min_size=1, max_size=3, unique=True))
+        reads = draw(st.lists(st.sampled_from(readable), min_size=1, max_size=max_reads, unique=True))
         base = reads[0]
         view = graph.nodes[base]["kind"] in ("op", "input") and draw(st.integers(0, 4)) == 0
         if view:
@@ -118,12 +118,26 @@ def cost_graphs(draw, max_ops: int = 30, inputs: tuple[int, int] = (1, 2)) -> nx
     return graph
 
 
+def unrecomputable_op_reading_an_uncuttable_value() -> CostGraph:
+    """``b`` may not be recomputed and reads ``a``, which may not be kept at a boundary:
+    splitting ``b`` out of a recomputed group must not leave ``a`` on a boundary."""
+    graph = CostGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=4)
+    add_value(graph, "a", kind="op", order=1, bytes=4, reads=["x"], cuttable=False)
+    add_value(graph, "b", kind="op", order=2, bytes=4, reads=["a"], recomputable=False)
+    add_value(graph, "c", kind="op", order=3, bytes=4, reads=["b"])
+    add_value(graph, "d", kind="op", order=4, bytes=4, reads=["c"])
+    add_value(graph, "output", kind="output", order=5, bytes=0, reads=["d"])
+    return graph
+
+
 # --- strategies ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @SETTINGS
 @given(graph=cost_graphs(), segments=st.sampled_from([None, 1, 2, 3, 5]))
+@example(graph=unrecomputable_op_reading_an_uncuttable_value(), segments=2)
 def test_every_strategy_gives_a_valid_plan(strategy: str, graph: nx.DiGraph, segments: int | None) -> None:
     plan = choose_plan(graph, strategy, segments)
     validate_plan(graph, plan.segments)
@@ -235,8 +249,20 @@ def test_min_cut_between_matches_brute_force(case) -> None:
     _check_min_cut(graph, low, high, mark, brute_force=True)
 
 
+def many_free_inputs() -> CostGraph:
+    """Ten inputs (free to keep) read by one op of 1 byte."""
+    graph = CostGraph()
+    inputs = [f"x{i}" for i in range(10)]
+    for order, name in enumerate(inputs):
+        add_value(graph, name, kind="input", order=order, bytes=4)
+    add_value(graph, "op", kind="op", order=10, bytes=1, reads=inputs)
+    add_value(graph, "output", kind="output", order=11, bytes=0, reads=["op"])
+    return graph
+
+
 @settings(max_examples=60, deadline=None)
-@given(graph=cost_graphs(max_ops=4, inputs=(3, 8)))
+@given(graph=cost_graphs(max_ops=3, inputs=(4, 12), max_reads=12))
+@example(graph=many_free_inputs())
 def test_min_cut_between_with_many_inputs_matches_brute_force(graph: nx.DiGraph) -> None:
     """Inputs cost nothing to keep, however many of them cross the cut."""
     ops = op_nodes(graph)
@@ -247,12 +273,7 @@ def test_min_cut_between_with_many_inputs_matches_brute_force(graph: nx.DiGraph)
 
 def test_min_cut_between_many_free_inputs_example() -> None:
     """Ten inputs read by one op: keeping the inputs costs 0 bytes, keeping the op 1."""
-    graph = nx.DiGraph()
-    inputs = [f"x{i}" for i in range(10)]
-    for order, name in enumerate(inputs):
-        add_value(graph, name, kind="input", order=order, bytes=4)
-    add_value(graph, "op", kind="op", order=10, bytes=1, reads=inputs)
-    add_value(graph, "output", kind="output", order=11, bytes=0, reads=["op"])
+    graph = many_free_inputs()
     ops, position = op_positions(graph)
     found = min_cut_between(graph, ops, position, last_reader(graph, position), 0, 1, 0)
     assert found == (0.0, set())

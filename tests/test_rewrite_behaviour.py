@@ -157,7 +157,7 @@ def test_untraceable_without_inputs_names_the_line() -> None:
 
 
 def test_data_dependent_control_flow_is_a_clear_error() -> None:
-    with pytest.raises(CaptureError, match="neither torch.fx nor torch.export"):
+    with pytest.raises(CaptureError, match=r"neither torch\.fx nor torch\.export"):
         graphckpt.rewrite(DataDependent(), (torch.randn(3, 4),))
 
 
@@ -220,5 +220,5 @@ def test_unknown_strategy_lists_the_known_ones() -> None:
 
 
 def test_not_a_module() -> None:
-    with pytest.raises(CaptureError, match="nn.Module"):
+    with pytest.raises(CaptureError, match=r"nn\.Module"):
         graphckpt.rewrite(lambda x: x, (torch.randn(2),))

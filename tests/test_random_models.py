@@ -1,0 +1,268 @@
+"""Random DAG models, every strategy: one training step of the rewrite equals eager.
+
+``model_specs`` draws a recipe (plain Python data) over values of shape (batch, width):
+Linear, activations, add/mul, cat + Linear(2w, w), LayerNorm, BatchNorm1d, Dropout,
+in-place ``ReLU(inplace=True)`` / ``add_`` / ``mul_`` on intermediates, a Linear reused at
+two places, 1-3 outputs as a tensor, tuple or dict. :class:`RecipeModel` interprets the
+recipe in ``forward``; fx traces through the loop since the recipe holds no tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import graphckpt
+
+WIDTH, BATCH = 8, 4
+STRATEGY_NAMES = ("sqrt", "articulation", "mincut", "auto")
+RTOL, ATOL = 1e-5, 1e-6
+
+# Steps (each appends one value; operands are value indices, 0 is the input):
+#   ("call", key, a)          modules[key](v[a])               Linear/LayerNorm/BatchNorm/Dropout/GELU
+#   ("act", name, a)          relu | tanh | gelu (functional)
+#   ("add", a, b), ("mul", a, b)
+#   ("cat", key, a, b)        modules[key](torch.cat([v[a], v[b]], 1)), key a Linear(2w, w)
+#   ("inplace", key, a)       modules[key](v[a]) with key a ReLU(inplace=True)
+#   ("add_", a, b), ("mul_", a, b)   v[a].add_(v[b]) / v[a].mul_(v[b])
+# An in-place step writes into v[a] and appends the same tensor as a new value; v[a] is read
+# again afterwards only sometimes (fx then reads the node from before the write). Writes
+# go only to storages no autograd node may have saved (neither the producer of its output
+# nor a reader of its input), never to the input, so eager backward is valid.
+MODULE_KINDS = {
+    "linear": lambda: nn.Linear(WIDTH, WIDTH),
+    "cat": lambda: nn.Linear(2 * WIDTH, WIDTH),
+    "ln": lambda: nn.LayerNorm(WIDTH),
+    "bn": lambda: nn.BatchNorm1d(WIDTH),
+    "drop": lambda: nn.Dropout(p=0.3),
+    "gelu": lambda: nn.GELU(),
+    "relu_": lambda: nn.ReLU(inplace=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    modules: tuple[tuple[str, str], ...]  # (key, kind) in creation order
+    recipe: tuple[tuple, ...]
+    outputs: tuple[int, ...]
+    output_form: str  # "tensor" | "tuple" | "dict"
+    input_requires_grad: bool
+    seed: int
+
+
+class RecipeModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        torch.manual_seed(spec.seed)
+        self.mods = nn.ModuleDict({key: MODULE_KINDS[kind]() for key, kind in spec.modules})
+        with torch.no_grad():  # non-trivial affine parameters for the norms
+            for module in self.mods.values():
+                if isinstance(module, (nn.LayerNorm, nn.BatchNorm1d)):
+                    module.weight.uniform_(0.5, 1.5)
+                    module.bias.uniform_(-0.5, 0.5)
+        self.recipe = [tuple(step) for step in spec.recipe]
+        self.outputs = list(spec.outputs)
+        self.output_form = spec.output_form
+
+    def forward(self, x: torch.Tensor) -> Any:
+        values = [x]
+        for step in self.recipe:
+            op = step[0]
+            if op in ("call", "inplace"):
+                values.append(self.mods[step[1]](values[step[2]]))
+            elif op == "act":
+                function = {"relu": torch.relu, "tanh": torch.tanh, "gelu": F.gelu}[step[1]]
+                values.append(function(values[step[2]]))
+            elif op == "add":
+                values.append(values[step[1]] + values[step[2]])
+            elif op == "mul":
+                values.append(values[step[1]] * values[step[2]])
+            elif op == "cat":
+                values.append(self.mods[step[1]](torch.cat([values[step[2]], values[step[3]]], dim=1)))
+            elif op == "add_":
+                values.append(values[step[1]].add_(values[step[2]]))
+            elif op == "mul_":
+                values.append(values[step[1]].mul_(values[step[2]]))
+            else:
+                raise ValueError(f"unknown step {step!r}")
+        results = [values[i] for i in self.outputs]
+        if self.output_form == "tensor":
+            return results[0]
+        if self.output_form == "dict":
+            return {f"out{i}": r for i, r in enumerate(results)}
+        return tuple(results)
+
+
+@st.composite
+def model_specs(draw, max_steps: int = 16) -> ModelSpec:
+    modules: list[tuple[str, str]] = []
+    recipe: list[tuple] = []
+    live = [0]  # values that may still be read
+    storage = {0: 0}  # value -> the value whose storage it is (in-place results share it)
+    pinned = {0}  # storages autograd may have saved, and the input's: never written in place
+
+    def new_module(kind: str) -> str:
+        key = f"{kind.rstrip('_')}{len(modules)}"
+        modules.append((key, kind))
+        return key
+
+    def operand() -> int:
+        return draw(st.sampled_from(live))
+
+    for _ in range(draw(st.integers(1, max_steps))):
+        writable = [v for v in live if storage[v] not in pinned]
+        linears = [key for key, kind in modules if kind == "linear"]
+        choices = ["linear", "act", "add", "mul", "cat", "ln", "bn", "drop", "gelu"]
+        choices += ["reuse"] * 2 * bool(linears) + ["relu_", "add_", "mul_"] * bool(writable)
+        choice = draw(st.sampled_from(choices))
+        index = len(recipe) + 1  # the value this step appends
+        storage[index] = index
+        if choice in ("linear", "ln", "bn", "drop", "gelu", "reuse"):
+            key = draw(st.sampled_from(linears)) if choice == "reuse" else new_module(choice)
+            step, saving = ("call", key, operand()), choice != "drop"
+            pinned |= {storage[step[2]]} if saving else set()
+        elif choice == "act":
+            name, a = draw(st.sampled_from(["relu", "tanh", "gelu"])), operand()
+            step = ("act", name, a)
+            pinned |= {storage[a]} if name == "gelu" else {index}
+        elif choice in ("add", "mul", "cat"):
+            a, b = operand(), operand()
+            step = ("cat", new_module("cat"), a, b) if choice == "cat" else (choice, a, b)
+            pinned |= {storage[a], storage[b]} if choice == "mul" else set()
+        else:  # an in-place write into v[a]
+            a = draw(st.sampled_from(writable))
+            storage[index] = storage[a]
+            if choice == "relu_":
+                step = ("inplace", new_module("relu_"), a)
+                pinned.add(storage[a])  # ReLU's backward reads its output
+            else:
+                b = draw(st.sampled_from([v for v in live if storage[v] != storage[a]]))
+                step = (choice, a, b)
+                pinned |= {storage[b]} if choice == "mul_" else set()
+            if draw(st.booleans()):
+                live.remove(a)
+        recipe.append(step)
+        live.append(index)
+    count = draw(st.integers(1, min(3, len(live))))
+    others = draw(st.lists(st.sampled_from(live[:-1]), min_size=count - 1, max_size=count - 1,
+                           unique=True)) if count > 1 else []
+    outputs = (live[-1], *others)
+    form = draw(st.sampled_from(["tuple", "dict"] + ["tensor"] * (len(outputs) == 1)))
+    return ModelSpec(tuple(modules), tuple(recipe), outputs, form, draw(st.booleans()),
+                     draw(st.integers(0, 2**16)))
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [output[key] for key in sorted(output)]
+    return list(output)
+
+
+def _train_step(module: nn.Module, x: torch.Tensor, seed: int) -> tuple[type, list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    output = module(x)
+    tensors = _tensors(output)
+    weights = torch.Generator().manual_seed(1234)
+    loss = sum((t * torch.randn(t.shape, generator=weights)).sum() for t in tensors)
+    if loss.requires_grad:  # no parameter or input reaches the outputs: nothing to train
+        loss.backward()
+    return type(output), [t.detach().clone() for t in tensors]
+
+
+def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None) -> None:
+    model = RecipeModel(spec)
+    model.train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(spec.seed))
+    rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
+    plan = rewritten.meta["graphckpt_plan"]
+    assert set(rewritten.state_dict()) == set(model.state_dict())
+
+    x_ref = x.clone().requires_grad_(spec.input_requires_grad)
+    x_new = x.clone().requires_grad_(spec.input_requires_grad)
+    kind_ref, expected = _train_step(reference, x_ref, spec.seed + 1)
+    kind_new, actual = _train_step(rewritten, x_new, spec.seed + 1)
+    where = f"strategy={strategy} segments={segments}\n{plan}"
+    assert kind_new is kind_ref, where
+    assert len(actual) == len(expected), where
+    for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, i=index: f"output {i}: {m}\n{where}")
+    if spec.input_requires_grad:
+        assert (x_ref.grad is None) == (x_new.grad is None), where
+        if x_ref.grad is not None:
+            torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"input grad: {m}\n{where}")
+
+    reference_parameters = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        want = reference_parameters[name].grad
+        if want is None:
+            assert parameter.grad is None, f"{name} has a gradient, eager has none\n{where}"
+            continue
+        assert parameter.grad is not None, f"{name} has no gradient\n{where}"
+        torch.testing.assert_close(parameter.grad, want, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}\n{where}")
+    reference_buffers = dict(reference.named_buffers())
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, reference_buffers[name]), f"buffer {name} differs\n{where}"
+
+    # Eval mode: running statistics used, Dropout off (and returning its input unchanged).
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        x_ref, x_new = x.clone(), x.clone()
+        for a, e in zip(_tensors(rewritten(x_new)), _tensors(reference(x_ref)), strict=True):
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, msg=lambda m: f"eval: {m}\n{where}")
+
+
+# Found by the search below; kept as explicit examples so that they fail fast.
+# Writes through a chain of in-place results (h.mul_ -> .add_ -> ReLU(inplace)) and a read of
+# the first result afterwards: eager reads relu(2h + x).
+INPLACE_CHAIN = ModelSpec(
+    modules=(("linear0", "linear"), ("relu1", "relu_"), ("linear2", "linear")),
+    recipe=(("call", "linear0", 0), ("mul_", 1, 0), ("add_", 2, 0), ("inplace", "relu1", 3),
+            ("call", "linear2", 2)),
+    outputs=(5,), output_form="tuple", input_requires_grad=False, seed=0)
+# Two Dropouts, the second reading a Linear: the plan must not run the second one first.
+DROPOUT_ORDER = ModelSpec(
+    modules=(("linear0", "linear"), ("drop1", "drop"), ("drop2", "drop")),
+    recipe=(("call", "linear0", 0), ("call", "drop1", 0), ("call", "drop2", 1), ("add", 3, 2)),
+    outputs=(4,), output_form="tuple", input_requires_grad=False, seed=0)
+# Dropout -> ReLU(inplace=True) with the Dropout's input read afterwards: in eval mode
+# Dropout returns its input, so eager's ReLU writes into it.
+DROPOUT_THEN_INPLACE = ModelSpec(
+    modules=(("linear0", "linear"), ("drop1", "drop"), ("relu2", "relu_"), ("linear3", "linear")),
+    recipe=(("call", "linear0", 0), ("call", "drop1", 1), ("inplace", "relu2", 2), ("call", "linear3", 3),
+            ("add", 4, 1)),
+    outputs=(5,), output_form="tuple", input_requires_grad=False, seed=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=model_specs(), segments=st.lists(st.sampled_from([None, 2, 3, 5]), min_size=4, max_size=4))
+@example(spec=INPLACE_CHAIN, segments=[None, None, None, None])
+@example(spec=DROPOUT_ORDER, segments=[2, 2, 2, 2])
+@example(spec=DROPOUT_THEN_INPLACE, segments=[None, None, None, None])
+def test_rewrite_trains_like_eager(spec: ModelSpec, segments: list[int | None]) -> None:
+    for strategy, count in zip(STRATEGY_NAMES, segments, strict=True):
+        _check_same_step(spec, strategy, count)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize(("spec", "segments"), [
+    pytest.param(INPLACE_CHAIN, None, id="inplace-chain"),
+    pytest.param(DROPOUT_ORDER, 2, id="dropout-order"),
+    pytest.param(DROPOUT_THEN_INPLACE, None, id="dropout-then-inplace-eval"),
+])
+def test_found_examples(spec: ModelSpec, segments: int | None, strategy: str) -> None:
+    _check_same_step(spec, strategy, segments)
