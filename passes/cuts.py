@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
 import networkx as nx
 
@@ -172,7 +173,7 @@ def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, i
         add_value(name)
         flow.add_edge(source, (name, "in"))
     random = [name for name in window if graph.nodes[name]["random"]]
-    for earlier, later in zip(random, random[1:], strict=False):
+    for earlier, later in pairwise(random):
         flow.add_edge((later, "in"), (earlier, "in"))  # random draws keep their order
     for name in window:
         add_value(name)

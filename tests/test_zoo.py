@@ -68,7 +68,7 @@ def test_make_is_deterministic(name: str) -> None:
     m1, x1 = zoo.make(name, seed=7)
     m2, x2 = zoo.make(name, seed=7)
     m3, _ = zoo.make(name, seed=8)
-    for t1, t2 in zip(x1, x2):
+    for t1, t2 in zip(x1, x2, strict=True):
         assert torch.equal(t1, t2)
     sd1, sd2, sd3 = m1.state_dict(), m2.state_dict(), m3.state_dict()
     assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
