@@ -15,6 +15,7 @@ becomes a :class:`graphckpt.runtime.Segment` called from forward, e.g.::
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -94,15 +95,13 @@ def _body_graph(source: fx.GraphModule, planned: PlannedSegment) -> fx.Graph:
 
 def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[str, fx.Node]) -> None:
     """Call a segment from the top-level forward, naming its results as the originals."""
-    call = top.call_module(target, tuple(env[name] for name in planned.inputs))
+    arguments = tuple(env[name] for name in planned.inputs)
     if len(planned.outputs) == 1:
-        call.name = top._graph_namespace.create_name(planned.outputs[0], call)
-        env[planned.outputs[0]] = call
+        env[planned.outputs[0]] = top.create_node("call_module", target, arguments, name=planned.outputs[0])
         return
+    call = top.create_node("call_module", target, arguments, name=f"{target}_outputs")
     for index, name in enumerate(planned.outputs):
-        item = top.call_function(__import__("operator").getitem, (call, index))
-        item.name = top._graph_namespace.create_name(name, item)
-        env[name] = item
+        env[name] = top.create_node("call_function", operator.getitem, (call, index), name=name)
 
 
 def _header(plan: Plan, graph: nx.DiGraph, method: str) -> str:
