@@ -33,6 +33,7 @@ class NodeCost:
     saved_extra_bytes: int
     requires_grad: bool
     random: bool
+    param_grad_bytes: int
     shape: str
     dtype: str
 
@@ -87,6 +88,13 @@ class _CostInterpreter(fx.Interpreter):
         self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops(), random.seen)
         return result
 
+    def _param_grad_bytes(self, node: fx.Node) -> int:
+        """Bytes of parameter gradients this node's backward creates (before they are
+        accumulated into ``.grad``)."""
+        if node.op == "call_module":
+            return _trainable_bytes(self.module.get_submodule(node.target).parameters())
+        return _trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
+
     def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, random: bool) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         fresh, aliased = 0, []
@@ -116,9 +124,15 @@ class _CostInterpreter(fx.Interpreter):
             saved_extra_bytes=extra,
             requires_grad=any(t.requires_grad for t in tensors),
             random=random,
+            param_grad_bytes=self._param_grad_bytes(node),
             shape=shape,
             dtype=dtype,
         )
+
+
+def _trainable_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors
+               if isinstance(t, torch.nn.Parameter) and t.requires_grad)
 
 
 def _positional_inputs(graph_module: fx.GraphModule, args: tuple,

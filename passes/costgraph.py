@@ -35,6 +35,9 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``random``: ``bool``
     Whether computing the value draws from the random number generator (dropout). Such
     nodes keep their relative execution order in every plan, so random streams match eager.
+``param_grad_bytes``: ``int``
+    Bytes of parameter gradients the node's backward creates; they live until autograd
+    adds them into the parameters' existing ``.grad``.
 ``requires_grad``: ``bool``
     Whether the value takes part in backward (its gradient is computed).
 ``label``: ``str``
@@ -66,6 +69,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "saved_extra_bytes": int,
     "requires_grad": bool,
     "random": bool,
+    "param_grad_bytes": int,
     "label": str,
 }
 DEFAULTS: Mapping[str, Any] = {
@@ -77,6 +81,7 @@ DEFAULTS: Mapping[str, Any] = {
     "saved_extra_bytes": 0,
     "requires_grad": True,
     "random": False,
+    "param_grad_bytes": 0,
 }
 
 

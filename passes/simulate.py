@@ -6,8 +6,13 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
-  saving), then each op turns its output's gradient into its inputs' gradients and
-  releases what it saved. Gradients are as large as their values.
+  saving), then each op turns its output's gradient into its inputs' gradients (and
+  parameter gradients, freed once added into ``.grad``) and releases what it saved.
+  Gradients are as large as their values.
+
+* the loss: between forward and backward an elementwise loss and its reduction hold
+  ``LOSS_WORKING_SET`` times the outputs' bytes for a moment (``x.pow(2).mean()``'s
+  backward makes four output-sized temporaries: three here plus the output's gradient).
 
 This is an estimate; ``graphckpt.measure`` is the truth it is checked against.
 """
@@ -22,6 +27,9 @@ import networkx as nx
 
 from passes.costgraph import storage_root
 from passes.plan import Segment, make_segments
+
+
+LOSS_WORKING_SET = 3
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,8 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
                 else:
                     memory.allocate(("grad", value), size)
                     grads.add(value)
+            memory.allocate(("param-grad", name), graph.nodes[name]["param_grad_bytes"])
+            memory.free(("param-grad", name))
             memory.free(("grad", name))
             grads.discard(name)
         for value in graph.nodes[name]["saved"]:
@@ -136,10 +146,13 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
                 memory.hold(value)
         _run_forward(memory, graph, segment.nodes, save=not segment.recompute)
     grads: set[str] = set()
-    for value in outputs:
-        if _needs_grad(graph, value):
-            memory.allocate(("grad", value), graph.nodes[storage_root(graph, value)]["bytes"])
-            grads.add(value)
+    trained = [v for v in outputs if _needs_grad(graph, v)]
+    output_bytes = sum(graph.nodes[storage_root(graph, v)]["bytes"] for v in trained)
+    memory.allocate(("loss",), LOSS_WORKING_SET * output_bytes)
+    for value in trained:
+        memory.allocate(("grad", value), graph.nodes[storage_root(graph, value)]["bytes"])
+        grads.add(value)
+    memory.free(("loss",))
     for segment in reversed(segments):
         if segment.recompute:
             memory.fresh = set(segment.nodes)
