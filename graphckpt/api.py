@@ -17,7 +17,9 @@ from graphckpt.capture import Captured, CaptureError, capture
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
+from passes.budget import Budget, fit_budget, parse_budget
 from passes.plan import Plan
+from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
 
 
@@ -48,40 +50,58 @@ def _require_costs_for_inplace(source: fx.GraphModule) -> None:
             )
 
 
+def _choose(cost_graph: nx.DiGraph, strategy: str, segments: int | None, budget: Budget | None) -> Plan:
+    if budget is None:
+        return choose_plan(cost_graph, strategy, segments)
+    if strategy != "auto" or segments is not None:
+        raise ValueError("budget= picks the strategy and segment count itself; leave strategy='auto' "
+                         "and segments=None, or drop the budget")
+    eager = simulate(cost_graph, eager_segments(cost_graph)).eager_peak_bytes
+    return fit_budget(cost_graph, parse_budget(budget, eager))
+
+
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
-            segments: int | None = None, example_kwargs: Mapping[str, Any] | None = None) -> Analysis:
-    """Capture ``model``, cost its graph and plan it with ``strategy``."""
+            segments: int | None = None, budget: Budget | None = None,
+            example_kwargs: Mapping[str, Any] | None = None) -> Analysis:
+    """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    if budget is not None and example_inputs is None:
+        raise ValueError("a memory budget needs example_inputs: sizes come from running them")
     args = _as_tuple(example_inputs)
     captured = capture(model, args, example_kwargs)
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
     profile = prepare(captured.graph_module, args, example_kwargs)
     cost_graph = build_cost_graph(captured.graph_module, profile)
-    return Analysis(captured, cost_graph, choose_plan(cost_graph, strategy, segments))
+    return Analysis(captured, cost_graph, _choose(cost_graph, strategy, segments, budget))
 
 
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
-         segments: int | None = None, example_kwargs: Mapping[str, Any] | None = None) -> Plan:
+         segments: int | None = None, budget: Budget | None = None,
+         example_kwargs: Mapping[str, Any] | None = None) -> Plan:
     """The checkpointing plan for ``model`` without rewriting it (``print(plan)`` shows it).
 
     Without ``example_inputs`` every op costs one unit (node counting).
     """
-    return analyze(model, example_inputs, strategy=strategy, segments=segments,
+    return analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
                    example_kwargs=example_kwargs).plan
 
 
 def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
-            segments: int | None = None, example_kwargs: Mapping[str, Any] | None = None) -> RewrittenModule:
+            segments: int | None = None, budget: Budget | None = None,
+            example_kwargs: Mapping[str, Any] | None = None) -> RewrittenModule:
     """A module computing what ``model`` computes, recomputing planned segments in backward.
 
     It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
     so an optimizer over ``model.parameters()`` trains it. ``strategy`` is one of
     ``"auto"``, ``"sqrt"``, ``"articulation"``, ``"mincut"``; ``segments`` overrides the
-    √n segment count. ``gm.meta["graphckpt_plan"]`` holds the plan.
+    √n segment count. ``budget`` (a fraction of eager's simulated peak, bytes, or a string
+    like ``"2GiB"``) picks the plan of least recompute whose simulated peak fits, or raises
+    :class:`passes.budget.BudgetError` saying the smallest peak reachable.
+    ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
-    analysis = analyze(model, example_inputs, strategy=strategy, segments=segments,
+    analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
                        example_kwargs=example_kwargs)
     with torch.no_grad():
         return generate(analysis.captured.graph_module, model, analysis.cost_graph,

@@ -28,7 +28,6 @@ import networkx as nx
 from passes.costgraph import storage_root
 from passes.plan import Segment, make_segments
 
-
 LOSS_WORKING_SET = 3
 
 

@@ -63,8 +63,8 @@ def main() -> None:
     torch.manual_seed(0)
     print("| model | strategy | used | eager peak | peak vs eager | simulated / measured | step time vs eager |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for name, strategy, used, eager, peak, simulated, time in rows(options.repeats):
-        print(f"| {name} | {strategy} | {used} | {eager / 2**20:.1f} MiB | {peak:.2f}x | {simulated:.2f} | {time:.2f}x |")
+    for name, strategy, used, eager, peak, simulated, step in rows(options.repeats):
+        print(f"| {name} | {strategy} | {used} | {eager / 2**20:.1f} MiB | {peak:.2f}x | {simulated:.2f} | {step:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""Memory budgets: parsing, the cheapest fitting plan, and the measured peak honouring it."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphckpt
+from graphckpt import zoo
+from graphckpt.measure import measure_step
+from passes.budget import BudgetError, candidate_plans, fit_budget, parse_budget
+from passes.costgraph import add_value
+from tests.equivalence import assert_trains_like, fresh_pair
+
+
+@pytest.mark.parametrize(("budget", "expected"), [
+    (0.25, 250), (1.0, 1000), (4096, 4096), ("1KiB", 1024), ("2GiB", 2 * 2**30),
+    ("1.5GB", 1_500_000_000), ("512 MiB", 512 * 2**20), ("25%", 250), ("100", 100),
+])
+def test_parse_budget(budget, expected) -> None:
+    assert parse_budget(budget, 1000) == expected
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.5, -3, "lots", "12 parsecs", True, None])
+def test_unreadable_budgets_say_what_to_give(budget) -> None:
+    with pytest.raises(BudgetError, match="budget"):
+        parse_budget(budget, 1000)
+
+
+def chain(ops: int, sizes: list[int]) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=8, requires_grad=False)
+    previous = "x"
+    for index in range(ops):
+        name = f"op{index}"
+        add_value(graph, name, kind="op", order=index + 1, bytes=sizes[index % len(sizes)],
+                  reads=[previous], flops=10 * (1 + index % 3), saved=(previous,))
+        previous = name
+    add_value(graph, "output", kind="output", order=ops + 1, bytes=0, reads=[previous])
+    return graph
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.integers(2, 40), sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=5),
+       fraction=st.floats(0.05, 1.0))
+def test_fitted_plan_fits_and_recomputes_least(ops: int, sizes: list[int], fraction: float) -> None:
+    graph = chain(ops, sizes)
+    plans = candidate_plans(graph)
+    budget = int(fraction * plans[0].eager_peak_bytes)
+    fitting = [p for p in plans if p.peak_bytes <= budget]
+    if not fitting:
+        with pytest.raises(BudgetError, match="smallest simulated peak"):
+            fit_budget(graph, budget)
+        return
+    chosen = fit_budget(graph, budget)
+    assert chosen.peak_bytes <= budget
+    assert chosen.recompute_flops == min(p.recompute_flops for p in fitting)
+
+
+def test_budget_honoured_on_measured_peak_with_equal_gradients() -> None:
+    model, inputs = zoo.make("mlp", depth=32, width=256, batch=256)
+    eager = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    for fraction in (0.5, 0.35):
+        rewritten = graphckpt.rewrite(model, inputs, budget=fraction)
+        measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+        assert measured <= 1.05 * fraction * eager, f"budget {fraction}: measured {measured / eager:.3f}x eager"
+    reference, model = fresh_pair(zoo.make("mlp", depth=32, width=64)[0])
+    inputs = zoo.make("mlp", depth=32, width=64)[1]
+    assert_trains_like(reference, model, graphckpt.rewrite(model, inputs, budget=0.5), inputs)
+
+
+def test_infeasible_budget_names_the_smallest_peak() -> None:
+    model, inputs = zoo.make("mlp", depth=16, width=64)
+    with pytest.raises(BudgetError, match=r"smallest simulated peak is .* MiB .*kept values include"):
+        graphckpt.rewrite(model, inputs, budget=0.05)
+
+
+def test_budget_with_a_strategy_is_refused() -> None:
+    model, inputs = zoo.make("mlp", depth=4, width=16)
+    with pytest.raises(ValueError, match="budget= picks the strategy"):
+        graphckpt.plan(model, inputs, strategy="sqrt", budget=0.5)
