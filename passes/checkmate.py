@@ -3,48 +3,45 @@
 It measures how far the heuristic strategies are from optimal; it is not a strategy itself.
 The MILP is solved by HiGHS through :func:`scipy.optimize.milp`.
 
-**Training graph.** Nodes ``0..n-1`` are the op nodes in ``order``. Node ``n`` is the loss
-gradient seed (the gradients of the graph outputs that need one). Then, in reverse forward
-order, one backward node ``b_k`` per op ``k`` that receives a gradient (``requires_grad``
-and read by the output sink or by an op that has a backward node). ``b_k`` reads the seed
-(if the sink reads ``k``), the ``b_j`` of its op readers ``j`` (the gradient of ``k``'s
-output) and the storage roots of the op values in ``k``'s ``saved``; it produces the
-gradients of ``k``'s inputs, so its size is the storage-root bytes of its predecessors that
-need a gradient (ops and inputs, not params). The gradient of a value read by several ops
-therefore lives once per reader until its own backward has run (pessimistic next to
-PyTorch's in-place accumulation). Inputs and params are always available and cost nothing.
-A forward op's size is its ``bytes`` (views: 0) plus its ``saved_extra_bytes``; when the
-latter is non-zero ``b_k`` also reads ``k``, so the extra stays alive until backward. An op
-reading a view also reads the view's storage root, so a view never outlives its storage.
+**Training graph** (one node per stage; it mirrors :mod:`passes.simulate`, so the schedule
+without recompute peaks at the simulator's eager peak). Forward: the op nodes in ``order``
+(size ``bytes``, 0 for views); an op with ``saved_extra_bytes`` is preceded by an *extra*
+node of that size, made only together with its op and only if wanted (a recomputed segment
+does not save in forward). An op reading a view also reads the view's storage root. Then one
+gradient seed per graph output that needs a gradient (size: its storage root's bytes; the
+loss working set ``LOSS_WORKING_SET`` x those bytes is held for a moment). Then, ops in
+reverse, the backward of op ``k``: one node per gradient buffer it creates (one node if none),
+each reading ``k``'s gradient buffer, the buffers it adds into, ``k``'s extra and the storage
+roots of ``k``'s ``saved`` values. A gradient added into an existing buffer and the
+``param_grad_bytes`` are held for a moment (*transient* bytes). Inputs and params are free;
+input gradients, graph outputs and their storage roots stay in memory to the end (*kept*).
+``random`` ops need nothing more: each first runs in its own stage, in eager order.
 
-**Variables** (stage ``t`` of ``T`` computes node ``t``; ``m_i`` is node ``i``'s size):
-``R[t,i]`` binary for ``i <= t`` (node ``i`` computed in stage ``t``); ``S[t,i]`` binary for
-``i < t`` (node ``i`` in memory entering stage ``t``); ``F[t,i,k]`` continuous in ``[0, 1]``
-for each edge ``i -> k`` with ``k < t`` (``i`` freed right after ``k`` runs in stage ``t``);
-``U[t,k]`` continuous in ``[0, budget]`` for ``k <= t`` (memory just after computing ``k``).
+**Variables** (stage ``t`` of ``T``; ``m_i`` is node ``i``'s size; ``home(i)`` is ``i``, or
+an extra's op): ``R[t,i]`` binary, ``i`` computed in stage ``t``; ``S[t,i]`` binary, ``i`` in
+memory entering stage ``t``; ``F[t,i,k]`` in ``[0, 1]``: ``i`` freed right after ``k`` runs in
+stage ``t``, for ``i -> k`` (and ``k -> k`` for ops with an extra: made just for it, unread);
+``U[t,k]`` in ``[0, budget]``: memory just after ``k`` runs in stage ``t``.
 
-**Constraints.** ``R[t,t] = 1``; ``S[0,:] = 0`` and nothing later than ``t`` in stage ``t``
-(Checkmate's full schedule). ``R[t,k] <= R[t,i] + S[t,i]`` for each edge ``i -> k``;
-``S[t+1,i] <= S[t,i] + R[t,i]``. ``R[t,i] = 0`` for ``t != i`` when ``i`` may run only once:
-backward and seed nodes, ops with ``recomputable=False`` or reading an input or param that
-is not ``cuttable``. A recompute of ``k`` reading an op value ``i`` that is not ``cuttable``
-(written in place later, so a kept copy may be stale) recomputes ``i`` too: ``R[t,k] <=
-R[t,i]`` for ``t != k``. Graph outputs (and their storage roots) stay in memory once
-computed, the caller holds them: ``S[t,o] = 1`` for ``t > o``. Memory, as in the paper:
-``U[t,0] = R[t,0]·m_0 + Σ_i S[t,i]·m_i``, ``U[t,k] = U[t,k-1] + R[t,k]·m_k - Σ_{i -> k-1}
-m_i·F[t,i,k-1]`` (rows for ``k`` that cannot run in stage ``t`` are merged away).
-Checkmate bounds its binary ``FREE`` from both sides through a hazard count; here ``F`` is
-only bounded above, one hazard per row: ``F[t,i,k] <= R[t,k]``, ``F[t,i,k] <= 1 -
-S[t+1,i]`` and ``F[t,i,k] <= 1 - R[t,j]`` for each reader ``j > k`` of ``i``. Freeing less
-than allowed only costs memory, so the optimum is the same with continuous ``F`` and the LP
-relaxation is tighter. Values no one reads in a stage are not freed in it (as in the paper).
-Dominance reductions that keep every optimum (each drops only useless work or memory):
-nothing is computed or kept after :func:`last_use`; ``R[t,i] + S[t,i] <= 1`` for ``i < t``
-(cuttable ``i``); a value recomputed or kept in stage ``t`` is read by a node run in ``t`` or
-kept into ``t+1``: ``R[t,i], S[t,i] <= Σ_{i -> j, j <= t} R[t,j] + S[t+1,i]`` (outputs aside).
+**Constraints.** Full schedule: ``R[t,i] = 0`` for ``t < home(i)``, ``R[t,t] = 1`` but for
+extras, ``S[t,i] = 0`` for ``t <= home(i)``. ``R[t,k] <= R[t,i] + S[t,i]`` for ``i -> k``;
+``S[t+1,i] <= S[t,i] + R[t,i]``; ``S[t,i] = 1`` for kept ``i`` and ``t > home(i)``. Once-only
+nodes (seeds, backward nodes, ops with ``recomputable=False`` or reading an uncuttable input
+or param) have ``R[t,i] = 0`` for ``t != home(i)``. An extra comes with its op: ``R[t,e] <=
+R[t,op]``. A recompute reads no kept copy of an uncuttable op value ``i`` (it may have been
+overwritten): ``R[t,k] <= R[t,i]`` for ``t != home(k)``. Memory as in the paper: ``U[t,first] =
+R·m + Σ_i S[t,i]·m_i``, ``U[t,k] = U[t,k'] + R[t,k]·m_k - Σ_i m_i·F[t,i,k']`` for ``k'`` the
+previous node that may run in stage ``t``, plus the transient bytes at ``U[t,t]``. The paper
+bounds a binary ``FREE`` from both sides with a hazard count; here ``F`` is only bounded
+above, one hazard a row: ``F[t,i,k] <= R[t,k]``, ``<= 1 - S[t+1,i]``, ``<= 1 - R[t,j]`` for
+each reader ``j > k`` of ``i``. Freeing less only costs memory, so the optimum is the same
+and the LP relaxation tighter. Dominance reductions that keep an optimum: nothing computed or
+kept after :func:`last_use`; what stage ``t`` recomputes (ops with an extra aside) or holds
+(kept nodes aside) is read in ``t`` or kept into ``t+1``; ``R[t,i] + S[t,i] <= 1`` for
+``i < t`` (no recompute of a value in memory, but for an extra or a fresh uncuttable copy).
 
-**Objective.** Minimise ``Σ_t Σ_{i<n} R[t,i]·flops_i`` (forward compute with recompute;
-backward nodes run exactly once, so their cost is a constant and left out).
+**Objective.** Minimise ``Σ_t Σ_i R[t,i]·flops_i`` over forward ops (backward nodes run once:
+a constant). ``recompute_flops`` is that minus the forward's flops.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
@@ -63,8 +60,8 @@ from passes.costgraph import in_order, op_nodes, storage_root
 from passes.simulate import LOSS_WORKING_SET
 
 MAX_OPS = 60
-
 Matrix = tuple[tuple[int, ...], ...]
+FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home")
 
 
 @dataclass(frozen=True)
@@ -78,21 +75,21 @@ class TrainingGraph:
     once: tuple[bool, ...]  # computed in its home stage only
     kept: tuple[bool, ...]  # in memory from its home stage to the end
     fresh: tuple[tuple[int, ...], ...]  # uncuttable values a recompute must recompute too
-    transient: tuple[int, ...]  # bytes briefly allocated on top while the node runs at home
+    transient: tuple[int, ...]  # bytes held for a moment on top when the node runs at home
     home: tuple[int, ...]  # the stage where it first runs: itself, or its op for an extra
     n_forward: int
+    makers: frozenset[int] = field(init=False)  # ops with an extra
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "makers", frozenset(h for i, h in enumerate(self.home) if h != i))
 
     @property
     def size(self) -> int:
         return len(self.names)
 
-    def makers(self) -> set[int]:
-        """Ops with an extra: recomputed at times only to make it, their output unread."""
-        return {h for i, h in enumerate(self.home) if h != i}
-
     def frees(self, k: int) -> tuple[int, ...]:
-        """Nodes that may be freed right after ``k`` runs: its inputs, and a maker itself."""
-        return (*self.preds[k], *((k,) if k in self.makers() else ()))
+        """Nodes that may be freed right after ``k`` runs: its inputs, and itself for a maker."""
+        return (*self.preds[k], k) if k in self.makers else self.preds[k]
 
     def readers(self) -> list[list[int]]:
         """For each node, the nodes that read it, ascending."""
@@ -105,11 +102,11 @@ class TrainingGraph:
 
 @dataclass(frozen=True)
 class CheckmateResult:
-    """The MILP's schedule: forward recompute it costs and its peak in the memory model."""
+    """The MILP's schedule: the forward recompute it costs and its peak in the memory model."""
 
     recompute_flops: int
     peak_bytes: float
-    status: str
+    status: str  # "optimal", or "time_limit" for a feasible schedule not proven optimal
     solve_seconds: float
     stages: tuple[str, ...] = ()
     R: Matrix = ()
@@ -125,28 +122,21 @@ def _needs_grad(graph: nx.DiGraph, name: str) -> bool:
     return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
 
 
-class _Nodes:
-    """The training graph's node attributes as lists while it is being built."""
+def training_graph(graph: nx.DiGraph) -> TrainingGraph:
+    """The forward ops and their extras, the gradient seeds and the backward nodes."""
+    nodes: dict[str, list] = {name: [] for name in FIELDS}
 
-    FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home")
-
-    def __init__(self) -> None:
-        self.lists: dict[str, list] = {field: [] for field in self.FIELDS}
-
-    def add(self, name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True,
-            kept: bool = False, fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None) -> int:
-        index = len(self.lists["names"])
+    def add(name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True, kept: bool = False,
+            fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None) -> int:
+        index = len(nodes["names"])
         values = (name, mem, flops, tuple(sorted(set(preds))), once, kept, fresh, transient,
                   index if home is None else home)
-        for field, value in zip(self.FIELDS, values, strict=True):
-            self.lists[field].append(value)
+        for key, value in zip(FIELDS, values, strict=True):
+            nodes[key].append(value)
         return index
 
-
-def training_graph(graph: nx.DiGraph) -> TrainingGraph:
-    """The forward ops (each after its saved extra bytes, if any), one gradient seed per graph
-    output that needs one, and per op one backward node per gradient buffer it creates."""
-    nodes, index, extra = _Nodes(), {}, {}
+    index: dict[str, int] = {}
+    extra: dict[str, int] = {}
     sink_reads = {u for n, kind in graph.nodes(data="kind") if kind == "output" for u in graph.predecessors(n)}
     kept = {storage_root(graph, v) for v in sink_reads} | sink_reads
     for k in op_nodes(graph):
@@ -154,18 +144,14 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         once = not attributes["recomputable"] or any(
             not graph.nodes[u]["cuttable"] and u not in index for u in graph.predecessors(k))
         if attributes["saved_extra_bytes"]:
-            extra[k] = nodes.add(f"extra:{k}", attributes["saved_extra_bytes"], reads, once=once,
-                                 home=len(nodes.lists["names"]) + 1)
+            extra[k] = add(f"extra:{k}", attributes["saved_extra_bytes"], reads, once=once, home=len(nodes["names"]) + 1)
         fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
-        index[k] = nodes.add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once,
-                             kept=k in kept, fresh=fresh)
-    n_forward = len(nodes.lists["names"])
-    owner: dict[str, int] = {}  # the node whose output is each value's gradient buffer
+        index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh)
+    n_forward = len(nodes["names"])
     trained = [v for v in in_order(graph, sink_reads) if _needs_grad(graph, v)]
-    loss = LOSS_WORKING_SET * sum(_grad_bytes(graph, v) for v in trained)  # held while the seeds are made
-    for v in trained:
-        owner[v] = nodes.add(f"grad-seed:{v}", _grad_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
-                             transient=loss if v == trained[-1] else 0)
+    loss = LOSS_WORKING_SET * sum(_grad_bytes(graph, v) for v in trained)
+    owner = {v: add(f"grad-seed:{v}", _grad_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
+                    transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
     for k in reversed(list(index)):
         gets_grad = k in owner and _needs_grad(graph, k)
         inputs = [u for u in graph.predecessors(k) if gets_grad and _needs_grad(graph, u)]
@@ -173,35 +159,31 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         reads += [owner[u] for u in inputs if u in owner] + ([extra[k]] if k in extra else [])
         reads += [index[r] for r in {storage_root(graph, v) for v in graph.nodes[k]["saved"]} if r in index]
         new = [u for u in inputs if u not in owner]
-        partial = max(_partial_peak(graph, inputs, owner), graph.nodes[k]["param_grad_bytes"] if gets_grad else 0)
-        for position, u in enumerate(new or [None]):  # one node per new gradient buffer
-            node = nodes.add(f"backward:{k}" + (f":{u}" if position else ""), _grad_bytes(graph, u) if u else 0,
-                             reads, kept=bool(u) and graph.nodes[u]["kind"] == "input",
-                             transient=partial if position == max(len(new) - 1, 0) else 0)
+        moment = max(_partial_peak(graph, inputs, owner), graph.nodes[k]["param_grad_bytes"] if gets_grad else 0)
+        for position, u in enumerate(new or [None]):
+            node = add(f"backward:{k}" + (f":{u}" if position else ""), _grad_bytes(graph, u) if u else 0, reads,
+                       kept=bool(u) and graph.nodes[u]["kind"] == "input",
+                       transient=moment if position == max(len(new) - 1, 0) else 0)
             if u is not None:
                 owner[u] = node
-    return TrainingGraph(**{field: tuple(values) for field, values in nodes.lists.items()}, n_forward=n_forward)
+    return TrainingGraph(**{key: tuple(values) for key, values in nodes.items()}, n_forward=n_forward)
 
 
 def _partial_peak(graph: nx.DiGraph, inputs: list[str], owner: dict[str, int]) -> int:
-    """Bytes above "every new gradient buffer allocated" that a backward step briefly needs:
-    a gradient added into an existing buffer is first made on its own, before the new
-    buffers of the inputs after it (the simulator's order)."""
-    peak, allocated_after = 0, 0
+    """Bytes above "all new gradient buffers made" that adding into existing ones needs: each
+    such gradient is made on its own first, before the new buffers of the inputs after it."""
+    peak, made_after = 0, 0
     for u in reversed(inputs):
         if u in owner:
-            peak = max(peak, _grad_bytes(graph, u) - allocated_after)
+            peak = max(peak, _grad_bytes(graph, u) - made_after)
         else:
-            allocated_after += _grad_bytes(graph, u)
+            made_after += _grad_bytes(graph, u)
     return peak
 
 
-def _forward_reads(graph: nx.DiGraph, name: str, index: dict[str, int]) -> tuple[int, ...]:
-    """The ops ``name`` reads, with the storage root of each view it reads (a view keeps
-    its root's storage alive: reading the view needs the root in memory)."""
-    reads = {index[u] for u in graph.predecessors(name) if u in index}
-    reads |= {index[storage_root(graph, u)] for u in graph.predecessors(name) if storage_root(graph, u) in index}
-    return tuple(sorted(reads))
+def _forward_reads(graph: nx.DiGraph, name: str, index: dict[str, int]) -> set[int]:
+    """The ops ``name`` reads, and the storage root of each view it reads."""
+    return {index[v] for u in graph.predecessors(name) for v in (u, storage_root(graph, u)) if v in index}
 
 
 def stage_peaks(training: TrainingGraph, R: Matrix, S: Matrix) -> list[float]:
@@ -211,9 +193,7 @@ def stage_peaks(training: TrainingGraph, R: Matrix, S: Matrix) -> list[float]:
     for t in range(T):
         current = sum(training.mem[i] for i in range(t) if S[t][i])
         peak = current
-        for k in range(t + 1):
-            if not R[t][k]:
-                continue
+        for k in (k for k in range(t + 1) if R[t][k]):
             current += training.mem[k]
             peak = max(peak, current + (training.transient[k] if k == t else 0))
             for i in (*training.preds[k], k):
@@ -225,7 +205,7 @@ def stage_peaks(training: TrainingGraph, R: Matrix, S: Matrix) -> list[float]:
 
 
 def no_recompute_schedule(training: TrainingGraph) -> tuple[Matrix, Matrix]:
-    """Checkmate's checkpoint-all schedule: each node once at home, kept while a later stage reads it."""
+    """Each node once, at home, kept while a later stage reads it."""
     T, readers, home = training.size, training.readers(), training.home
     R = tuple(tuple(int(home[i] == t) for i in range(T)) for t in range(T))
     S = tuple(tuple(int(home[i] < t and (training.kept[i] or any(home[j] >= t for j in readers[i])))
@@ -234,66 +214,57 @@ def no_recompute_schedule(training: TrainingGraph) -> tuple[Matrix, Matrix]:
 
 
 def no_recompute_peak(graph: nx.DiGraph) -> float:
-    """Peak bytes without recompute: the simulator's eager peak, the least budget needing no recompute."""
+    """Peak bytes without recompute (the simulator's eager peak): enough budget for no recompute."""
     training = training_graph(graph)
     return max(stage_peaks(training, *no_recompute_schedule(training)), default=0)
 
 
-class _Model:
-    """Sparse MILP rows and variable columns, built up one constraint at a time."""
-
-    def __init__(self) -> None:
-        self.columns: dict[tuple, int] = {}
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.integer: list[int] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-
-    def var(self, key: tuple, lower: float, upper: float, integer: bool) -> int:
-        self.columns[key] = len(self.lower)
-        self.lower.append(lower)
-        self.upper.append(upper)
-        self.integer.append(int(integer))
-        return self.columns[key]
-
-    def row(self, terms: list[tuple[tuple, float]], lower: float, upper: float) -> None:
-        coefficients: dict[int, float] = {}
-        for key, value in terms:
-            if key in self.columns:
-                column = self.columns[key]
-                coefficients[column] = coefficients.get(column, 0.0) + value
-        self.rows.append((coefficients, lower, upper))
-
-    def constraint(self) -> LinearConstraint:
-        data = [(r, c, v) for r, (terms, _, _) in enumerate(self.rows) for c, v in terms.items()]
-        rows, columns, values = zip(*data, strict=True) if data else ((), (), ())
-        matrix = coo_array((values, (rows, columns)), shape=(len(self.rows), len(self.lower)))
-        return LinearConstraint(matrix.tocsr(), [r[1] for r in self.rows], [r[2] for r in self.rows])
-
-
 def last_use(training: TrainingGraph) -> list[int]:
-    """The last stage at which each node can be of use: a reader that runs once reads it
-    no later than its own stage, a recomputable reader as late as it is itself of use.
-    Computing or keeping a node after that only wastes memory, so those variables are left
-    out (a dominance reduction that keeps every optimum)."""
+    """The last stage at which each node can be of use: a once-only reader reads it at home,
+    a recomputable one as late as it is itself of use, an op as late as its extra."""
     T, readers, home = training.size, training.readers(), training.home
     last = [T - 1 if kept else -1 for kept in training.kept]
     for i in reversed(range(T)):
         for j in readers[i]:
             last[i] = max(last[i], home[j] if training.once[j] else max(home[j], last[j]))
-        last[home[i]] = max(last[home[i]], last[i])  # an op is of use while its extra is
+        last[home[i]] = max(last[home[i]], last[i])
     return [max(used, home[i]) for i, used in enumerate(last)]
 
 
-def _build(training: TrainingGraph, budget: float) -> _Model:
-    """Checkmate's variables and constraints, memory in units of the largest node size.
+class _Model:
+    """MILP columns by key and sparse rows; terms of keys never made a column are zeros."""
 
-    Variables that must be 0 are never created; :meth:`_Model.row` drops their terms.
-    """
-    T, readers, last = training.size, training.readers(), last_use(training)
+    def __init__(self) -> None:
+        self.columns: dict[tuple, int] = {}
+        self.bounds: list[tuple[float, float, int]] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self, key: tuple, lower: float, upper: float, integer: bool) -> None:
+        self.columns[key] = len(self.bounds)
+        self.bounds.append((lower, upper, int(integer)))
+
+    def row(self, terms: list[tuple[tuple, float]], lower: float, upper: float) -> None:
+        coefficients: dict[int, float] = {}
+        for key, value in terms:
+            if key in self.columns:
+                coefficients[self.columns[key]] = coefficients.get(self.columns[key], 0.0) + value
+        self.rows.append((coefficients, lower, upper))
+
+    def solve(self, cost: np.ndarray, time_limit: float):
+        data = [(r, c, v) for r, (terms, _, _) in enumerate(self.rows) for c, v in terms.items()]
+        rows, columns, values = zip(*data, strict=True) if data else ((), (), ())
+        matrix = coo_array((values, (rows, columns)), shape=(len(self.rows), len(self.bounds))).tocsr()
+        lower, upper, integer = zip(*self.bounds, strict=True)
+        return milp(cost, constraints=LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows]),
+                    integrality=np.array(integer), bounds=Bounds(lower, upper),
+                    options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
+
+
+def _build(training: TrainingGraph, budget: float) -> _Model:
+    """The variables and constraints above; memory in units of the largest node size."""
+    T, readers, last, home = training.size, training.readers(), last_use(training), training.home
     unit = max(max(training.mem, default=0), 1)
     mem = [m / unit for m in training.mem]
-    home = training.home
     runs = [[i for i in range(t + 1) if t == home[i] or (not training.once[i] and home[i] < t <= last[i])]
             for t in range(T)]
     model = _Model()
@@ -314,8 +285,7 @@ def _build(training: TrainingGraph, budget: float) -> _Model:
             if previous is None:
                 terms += [(("S", t, i), -mem[i]) for i in range(t)]
             else:
-                terms += [(("U", t, previous), -1.0)]
-                terms += [(("F", t, i, previous), mem[i]) for i in training.frees(previous)]
+                terms += [(("U", t, previous), -1.0)] + [(("F", t, i, previous), mem[i]) for i in training.frees(previous)]
             transient = training.transient[k] / unit if k == t else 0.0
             model.row(terms, transient, transient)
             previous = k
@@ -324,28 +294,21 @@ def _build(training: TrainingGraph, budget: float) -> _Model:
 
 def _schedule_rows(model: _Model, training: TrainingGraph, readers: list[list[int]], t: int) -> None:
     """Stage ``t``'s dependency, keep, free and dominance rows."""
-    inf, after = -math.inf, ("S", t + 1)
-    for k in range(t + 1):
-        if ("R", t, k) not in model.columns:
-            continue
-        # an extra is made only with its op; a recompute recomputes the uncuttable values it reads
-        recompute = training.fresh[k] if t != training.home[k] else ()
-        for i in (*recompute, *((training.home[k],) if training.home[k] != k else ())):
+    inf, after, home = -math.inf, ("S", t + 1), training.home
+    for k in (k for k in range(t + 1) if ("R", t, k) in model.columns):
+        recompute = training.fresh[k] if t != home[k] else ()
+        for i in (*recompute, *((home[k],) if home[k] != k else ())):
             model.row([(("R", t, k), 1.0), (("R", t, i), -1.0)], inf, 0.0)
         for i in training.preds[k]:
             model.row([(("R", t, k), 1.0), (("R", t, i), -1.0), (("S", t, i), -1.0)], inf, 0.0)
-        for i in training.frees(k) if k < t else ():  # F <= R[t,k], 1 - S[t+1,i], 1 - R[t,j>k]
+        for i in training.frees(k) if k < t else ():
             free = ("F", t, i, k)
             model.row([(free, 1.0), (("R", t, k), -1.0)], inf, 0.0)
             model.row([(free, 1.0), ((*after, i), 1.0)], inf, 1.0)
             for j in readers[i]:
                 if k < j <= t:
                     model.row([(free, 1.0), (("R", t, j), 1.0)], inf, 1.0)
-    # recomputing what is in memory is useless, except to read a fresh copy or make an extra
-    # dominance: what stage t computes or holds, it reads or keeps; nothing in memory is
-    # recomputed, except for a fresh copy of an uncuttable value or to make an op's extra
-    makers = training.makers()
-    again = makers | {i for reads in training.fresh for i in reads}
+    again = training.makers | {i for reads in training.fresh for i in reads}
     for i in range(t + 1):
         model.row([((*after, i), 1.0), (("S", t, i), -1.0), (("R", t, i), -1.0)], inf, 0.0)
         if i == t:
@@ -353,7 +316,7 @@ def _schedule_rows(model: _Model, training: TrainingGraph, readers: list[list[in
         if i not in again:
             model.row([(("S", t, i), 1.0), (("R", t, i), 1.0)], inf, 1.0)
         used = [(("R", t, j), -1.0) for j in readers[i] if j <= t] + [((*after, i), -1.0)]
-        if i not in makers:
+        if i not in training.makers:
             model.row([(("R", t, i), 1.0), *used], inf, 0.0)
         if not training.kept[i]:
             model.row([(("S", t, i), 1.0), *used], inf, 0.0)
@@ -368,33 +331,31 @@ def _matrix(model: _Model, x: np.ndarray, name: str, T: int) -> Matrix:
 
 
 def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0) -> CheckmateResult | None:
-    """Solve Checkmate's MILP for ``graph`` under ``budget_bytes``; ``None`` when infeasible.
+    """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits.
 
-    ``status`` is ``"optimal"`` or ``"time_limit"`` (a feasible schedule, maybe not optimal).
     Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`TimeoutError` when
-    the time limit passes before any feasible schedule is found.
+    the time limit passes before any schedule that fits is found.
     """
-    if len(op_nodes(graph)) > MAX_OPS:
-        raise ValueError(f"checkmate_schedule: {len(op_nodes(graph))} op nodes, more than {MAX_OPS}; "
+    n_ops = len(op_nodes(graph))
+    if n_ops > MAX_OPS:
+        raise ValueError(f"checkmate_schedule: {n_ops} op nodes, more than {MAX_OPS}; "
                          "the MILP grows as n^2 (use a heuristic strategy)")
-    training = training_graph(graph)
     if budget_bytes < 0:
         return None
+    training = training_graph(graph)
     model = _build(training, budget_bytes)
-    cost = np.zeros(len(model.lower))
+    cost = np.zeros(len(model.bounds))
     divisor = math.gcd(*training.flops) or 1
     for (kind, _, i, *_), column in model.columns.items():
         if kind == "R" and i < training.n_forward:
             cost[column] = training.flops[i] / divisor
     started = time.perf_counter()
-    solution = milp(cost, constraints=model.constraint(), integrality=np.array(model.integer),
-                    bounds=Bounds(model.lower, model.upper),
-                    options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
+    solution = model.solve(cost, time_limit)
     seconds = time.perf_counter() - started
     if solution.status == 2:
         return None
     if solution.x is None:
-        raise TimeoutError(f"checkmate_schedule: no feasible schedule within {time_limit}s ({solution.message})")
+        raise TimeoutError(f"checkmate_schedule: no schedule found within {time_limit}s ({solution.message})")
     T = training.size
     R, S = _matrix(model, solution.x, "R", T), _matrix(model, solution.x, "S", T)
     total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))

@@ -1,0 +1,270 @@
+"""Tests of the Checkmate MILP reference solver (:mod:`passes.checkmate`): pure networkx, no torch."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from passes.checkmate import (
+    MAX_OPS,
+    CheckmateResult,
+    checkmate_schedule,
+    no_recompute_peak,
+    stage_peaks,
+    training_graph,
+)
+from passes.costgraph import add_value, check_cost_graph, op_nodes
+from passes.simulate import eager_segments, simulate
+from passes.strategies import STRATEGIES, choose_plan
+
+UNIT = 10
+
+
+def chain(n: int, nbytes: int = UNIT) -> nx.DiGraph:
+    """x -> a0 -> ... -> a{n-1} -> loss -> output; each a_k saves its input and costs 1 flop,
+    the loss is a scalar (0 bytes, so no loss working set) that saves nothing."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=nbytes, requires_grad=False)
+    previous = "x"
+    for index in range(n):
+        add_value(graph, f"a{index}", kind="op", order=index + 1, bytes=nbytes, reads=[previous],
+                  flops=1, saved=(previous,))
+        previous = f"a{index}"
+    add_value(graph, "loss", kind="op", order=n + 1, bytes=0, reads=[previous])
+    add_value(graph, "output", kind="output", order=n + 2, bytes=0, reads=["loss"])
+    check_cost_graph(graph)
+    return graph
+
+
+def diamond_with_skip() -> nx.DiGraph:
+    """x -> p -> q -> a -> (b1, b2) -> c -> d -> loss, with a skip a -> d; b2 is a view of a
+    and b1 may not be recomputed."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=UNIT, requires_grad=False)
+    add_value(graph, "p", kind="op", order=1, bytes=UNIT, reads=["x"], flops=4, saved=("x",))
+    add_value(graph, "q", kind="op", order=2, bytes=UNIT, reads=["p"], flops=4, saved=("p",))
+    add_value(graph, "a", kind="op", order=3, bytes=UNIT, reads=["q"], flops=5, saved=("q",))
+    add_value(graph, "b1", kind="op", order=4, bytes=UNIT, reads=["a"], flops=3, saved=("b1",),
+              recomputable=False)
+    add_value(graph, "b2", kind="op", order=5, bytes=0, reads=["a"], alias_of="a", flops=0)
+    add_value(graph, "c", kind="op", order=6, bytes=UNIT, reads=["b1", "b2"], flops=7, saved=("b1", "b2"))
+    add_value(graph, "d", kind="op", order=7, bytes=UNIT, reads=["c", "a"], flops=2, saved=("c", "a"),
+              saved_extra_bytes=UNIT // 2)
+    add_value(graph, "loss", kind="op", order=8, bytes=0, reads=["d"], flops=1)
+    add_value(graph, "output", kind="output", order=9, bytes=0, reads=["loss"])
+    check_cost_graph(graph)
+    return graph
+
+
+def assert_valid_schedule(graph: nx.DiGraph, result: CheckmateResult, budget: float) -> None:
+    """The schedule obeys Checkmate's constraints, fits the budget and costs what it says."""
+    training = training_graph(graph)
+    R, S, T, home = result.R, result.S, training.size, training.home
+    assert result.stages == training.names
+    assert len(R) == len(S) == T
+    for t in range(T):
+        assert not any(R[t][t + 1:]) and not any(S[t][t:])
+        for k in range(t + 1):
+            if R[t][k]:
+                assert t >= home[k] and (not training.once[k] or t == home[k]), (t, k)
+                assert all(R[t][i] or S[t][i] for i in training.preds[k]), (t, k)
+                assert R[t][home[k]], (t, k)  # an extra only with its op
+                assert t == home[k] or all(R[t][i] for i in training.fresh[k]), (t, k)
+        if t + 1 < T:
+            assert all(S[t + 1][i] <= S[t][i] + R[t][i] for i in range(T)), t
+    for i in range(T):
+        if home[i] == i:
+            assert R[i][i] == 1, training.names[i]
+        if training.kept[i]:
+            assert all(S[t][i] for t in range(home[i] + 1, T)), training.names[i]
+    assert result.peak_bytes == max(stage_peaks(training, R, S)) <= budget
+    forward = sum(training.flops[: training.n_forward])
+    total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
+    assert result.recompute_flops == total - forward >= 0
+
+
+def test_chain_without_memory_pressure_recomputes_nothing() -> None:
+    graph = chain(6)
+    budget = no_recompute_peak(graph)
+    result = checkmate_schedule(graph, budget)
+    assert result is not None and result.status == "optimal"
+    assert result.recompute_flops == 0
+    assert_valid_schedule(graph, result, budget)
+
+
+def test_chain_under_a_tight_budget_recomputes_and_fits() -> None:
+    graph = chain(6)
+    budget = no_recompute_peak(graph) - 3 * UNIT
+    result = checkmate_schedule(graph, budget)
+    assert result is not None and result.status == "optimal"
+    assert result.recompute_flops > 0
+    assert_valid_schedule(graph, result, budget)
+    # the least budget: a gradient in, a gradient out and one saved value, so each backward
+    # step after the first (which finds a4 kept from forward) recomputes its saved input from x
+    least = checkmate_schedule(graph, 3 * UNIT)
+    assert least is not None and least.recompute_flops == 4 + 3 + 2 + 1
+    assert_valid_schedule(graph, least, 3 * UNIT)
+
+
+@pytest.mark.parametrize("budget", [0, UNIT // 2, 2 * UNIT])
+def test_impossible_budget_gives_none(budget: int) -> None:
+    assert checkmate_schedule(chain(6), budget) is None
+
+
+def test_diamond_with_skip_and_unrecomputable_node() -> None:
+    graph = diamond_with_skip()
+    peak = no_recompute_peak(graph)
+    assert peak == 85
+    relaxed = checkmate_schedule(graph, peak)
+    assert relaxed is not None and relaxed.recompute_flops == 0
+    assert_valid_schedule(graph, relaxed, peak)
+    # p (4 flops) once more, then p and q; below 65 the backward alone does not fit
+    for budget, recompute in [(80, 4), (75, 4), (70, 8), (65, 8), (60, None)]:
+        result = checkmate_schedule(graph, budget)
+        if recompute is None:
+            assert result is None
+            continue
+        assert result is not None and result.recompute_flops == recompute
+        assert_valid_schedule(graph, result, budget)
+        b1 = result.stages.index("b1")
+        assert sum(row[b1] for row in result.R) == 1, "b1 may not be recomputed"
+
+
+def test_training_graph_of_the_diamond() -> None:
+    training = training_graph(diamond_with_skip())
+    names = list(training.names)
+    assert names[:10] == ["p", "q", "a", "b1", "b2", "c", "extra:d", "d", "loss", "grad-seed:loss"]
+    assert names[10:] == ["backward:loss", "backward:d", "backward:d:a", "backward:c", "backward:c:b2",
+                          "backward:b2", "backward:b1", "backward:a", "backward:q", "backward:p"]
+    reads = {names[k]: {names[i] for i in training.preds[k]} for k in range(len(names))}
+    assert reads["c"] == {"a", "b1", "b2"}  # b2 is a view of a: reading it needs a's storage
+    assert reads["extra:d"] == reads["d"] == {"a", "c"}
+    assert training.home[names.index("extra:d")] == names.index("d")
+    # d's backward makes the gradients of c, then of a, from d's gradient, saved values and extra
+    assert reads["backward:d"] == reads["backward:d:a"] == {"backward:loss", "c", "a", "extra:d"}
+    assert reads["backward:b2"] == {"backward:c:b2", "backward:d:a"}  # adds into a's gradient
+    assert training.transient[names.index("backward:b2")] == UNIT
+    assert reads["backward:p"] == {"backward:q"}
+    assert training.mem[names.index("backward:p")] == 0  # x needs no gradient
+    assert training.kept == tuple(name == "loss" for name in names)
+
+
+def test_too_many_ops_is_refused() -> None:
+    with pytest.raises(ValueError, match="op nodes"):
+        checkmate_schedule(chain(MAX_OPS + 1), 1e12)
+
+
+def test_time_limit_without_a_schedule_raises() -> None:
+    with pytest.raises(TimeoutError, match="no schedule found"):
+        checkmate_schedule(chain(30), 6 * UNIT, time_limit=0.0)
+
+
+@st.composite
+def small_cost_graphs(draw) -> nx.DiGraph:
+    """Random DAG cost graphs of 1-8 ops (rare features drawn as ``!= last``: hypothesis
+    favours small integers), mostly chain-like (so that few values are graph
+    outputs, which stay alive): skips, views, saved values, extra bytes, a few
+    unrecomputable or uncuttable nodes, ops that need no gradient."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=draw(st.integers(0, 40)), requires_grad=draw(st.booleans()))
+    add_value(graph, "w", kind="param", order=1, bytes=0)
+    readable = ["x", "w"]
+    n_ops = draw(st.integers(1, 8))
+    for index in range(n_ops):
+        name = f"op{index}"
+        latest = draw(st.sampled_from(readable)) if draw(st.integers(0, 3)) == 3 else readable[-1]
+        reads = list(dict.fromkeys([latest, *draw(st.lists(st.sampled_from(readable), max_size=1))]))
+        view = graph.nodes[reads[0]]["kind"] == "op" and draw(st.integers(0, 4)) == 4
+        alias_of = (graph.nodes[reads[0]]["alias_of"] or reads[0]) if view else None
+        savable = [r for r in reads if graph.nodes[r]["kind"] != "param"] + [name]
+        add_value(graph, name, kind="op", order=index + 2, bytes=0 if view else draw(st.integers(1, 40)),
+                  reads=reads, alias_of=alias_of, flops=draw(st.integers(0, 20)),
+                  recomputable=draw(st.integers(0, 7)) != 7, cuttable=draw(st.integers(0, 9)) != 9,
+                  saved=tuple(v for v in savable if draw(st.booleans())),
+                  saved_extra_bytes=draw(st.sampled_from([0, 0, 5])), param_grad_bytes=draw(st.sampled_from([0, 30])),
+                  requires_grad=draw(st.integers(0, 5)) != 5)
+        readable.append(name)
+    unread = [n for n in op_nodes(graph) if graph.out_degree(n) == 0]
+    add_value(graph, "output", kind="output", order=n_ops + 2, bytes=0, reads=unread)
+    check_cost_graph(graph)
+    return graph
+
+
+def least_budget(graph: nx.DiGraph) -> int:
+    """The least integer budget with a schedule, by bisection (feasibility grows with the budget)."""
+    low, high = 0, int(no_recompute_peak(graph))
+    while low < high:
+        middle = (low + high) // 2
+        if checkmate_schedule(graph, middle) is None:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def check_monotone(graph: nx.DiGraph, fractions: list[float]) -> None:
+    """From the least budget that fits up to the no-recompute peak, each schedule is valid
+    and optimal, and recompute never grows with the budget."""
+    peak, least = int(no_recompute_peak(graph)), least_budget(graph)
+    budgets = sorted({least + round(f * (peak - least)) for f in fractions} | {least, peak})
+    results = [checkmate_schedule(graph, budget, time_limit=20) for budget in budgets]
+    assert results[-1] is not None and results[-1].recompute_flops == 0
+    if least > 0:
+        assert checkmate_schedule(graph, least - 1) is None
+    for budget, result in zip(budgets, results, strict=True):
+        assert result is not None and result.status == "optimal"
+        assert_valid_schedule(graph, result, budget)
+    for smaller, larger in pairwise(results):
+        assert larger.recompute_flops <= smaller.recompute_flops
+
+
+def check_strategies(graph: nx.DiGraph, segments: int | None) -> None:
+    """Each plan's run (its simulated peak, its recompute) is one of the schedules the MILP
+    searches, so the MILP at that peak fits and recomputes no more."""
+    for strategy in sorted(STRATEGIES):
+        plan = choose_plan(graph, strategy, segments)
+        result = checkmate_schedule(graph, plan.peak_bytes, time_limit=20)
+        assert result is not None and result.status == "optimal", strategy
+        assert result.recompute_flops <= plan.recompute_flops, strategy
+
+
+FEW = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FRACTIONS = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3)
+SEGMENTS = st.sampled_from([None, 2, 3])
+
+
+@FEW
+@given(graph=small_cost_graphs(), fractions=FRACTIONS)
+def test_recompute_is_monotone_in_the_budget(graph: nx.DiGraph, fractions: list[float]) -> None:
+    check_monotone(graph, fractions)
+
+
+@FEW
+@given(graph=small_cost_graphs(), segments=SEGMENTS)
+def test_no_strategy_beats_checkmate_at_its_own_peak(graph: nx.DiGraph, segments: int | None) -> None:
+    check_strategies(graph, segments)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=small_cost_graphs())
+def test_no_recompute_peak_is_the_simulators_eager_peak(graph: nx.DiGraph) -> None:
+    assert no_recompute_peak(graph) == simulate(graph, eager_segments(graph)).eager_peak_bytes
+
+
+@pytest.mark.slow
+@MANY
+@given(graph=small_cost_graphs(), fractions=FRACTIONS)
+def test_recompute_is_monotone_in_the_budget_many(graph: nx.DiGraph, fractions: list[float]) -> None:
+    check_monotone(graph, fractions)
+
+
+@pytest.mark.slow
+@MANY
+@given(graph=small_cost_graphs(), segments=SEGMENTS)
+def test_no_strategy_beats_checkmate_at_its_own_peak_many(graph: nx.DiGraph, segments: int | None) -> None:
+    check_strategies(graph, segments)
