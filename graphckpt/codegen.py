@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import networkx as nx
@@ -154,7 +154,7 @@ def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: 
         staging.add_module(target, segment)
     for node in top.nodes:
         if node.op in ("call_module", "get_attr") and not _has_attribute(staging, node.target):
-            _attach(staging, node.target, _resolve(source, node.target))
+            _attach(staging, node, _resolve(source, node.target))
     top.lint()
     rewritten = RewrittenModule(staging, top, type(model).__name__ + "Checkpointed")
     rewritten.meta["graphckpt_header"] = _header(plan, graph, method)
@@ -170,21 +170,12 @@ def _has_attribute(root: nn.Module, target: str) -> bool:
     return True
 
 
-def _attach(root: nn.Module, target: str, value: Any) -> None:
-    """Attach what only the captured graph has (export constants, guard modules) without
-    adding ``state_dict`` keys."""
-    *path, leaf = target.split(".")
-    owner = root
-    for part in path:
-        if not hasattr(owner, part):
-            owner.add_module(part, nn.Module())
-        owner = getattr(owner, part)
+def _attach(root: nn.Module, node: fx.Node, value: Any) -> None:
+    """Attach what only the captured graph has (export constants, guard modules) at the top
+    level, without adding ``state_dict`` keys or touching the model's own modules."""
+    name = "_graphckpt_" + node.target.replace(".", "_")
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        owner.register_buffer(leaf, value, persistent=False)
+        root.register_buffer(name, value, persistent=False)
     else:
-        setattr(owner, leaf, value)
-
-
-def segment_names(module: RewrittenModule) -> Sequence[str]:
-    """Names of the recomputed segments of a rewritten module, in forward order."""
-    return [name for name, _ in module.segments]
+        setattr(root, name, value)
+    node.target = name

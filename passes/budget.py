@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import networkx as nx
 
@@ -104,4 +105,4 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int) -> Plan:
         )
     chosen = min(fitting, key=lambda p: (p.recompute_flops, p.peak_bytes))
     note = f"budget {budget_bytes / 2**20:.2f} MiB: least recompute among {len(plans)} candidate plans"
-    return Plan(**{**chosen.__dict__, "notes": (note, *chosen.notes)})
+    return replace(chosen, notes=(note, *chosen.notes))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.costgraph import storage_root
+from passes.costgraph import op_nodes, storage_root
 from passes.plan import Segment, make_segments
 
 LOSS_WORKING_SET = 3
@@ -166,9 +166,7 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
 
 def eager_segments(graph: nx.DiGraph) -> tuple[Segment, ...]:
     """The plan of plain eager execution: one kept segment holding every op."""
-    ops = [n for n, k in sorted(graph.nodes(data="kind"), key=lambda x: graph.nodes[x[0]]["order"])
-           if k == "op"]
-    return make_segments(graph, [(ops, False)])
+    return make_segments(graph, [(op_nodes(graph), False)])
 
 
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:

@@ -16,6 +16,7 @@ forward, so recomputing it would save nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import accumulate
 
 import networkx as nx
@@ -98,7 +99,7 @@ def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
         plan = mincut_plan(graph, segments)
         note = (f"articulation: only {len(candidates)} articulation point(s); "
                 "used min-cut boundaries instead")
-        return Plan(**{**plan.__dict__, "notes": (note, *plan.notes)})
+        return replace(plan, notes=(note, *plan.notes))
     cumulative = list(accumulate(op_weights(graph, ops)))
     targets = balanced_targets(op_weights(graph, ops), count)
     return plan_from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
@@ -132,7 +133,7 @@ def auto_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
     recompute breaks ties); its ``strategy`` names the winner."""
     plans = [strategy(graph, segments) for strategy in (mincut_plan, articulation_plan, sqrt_plan)]
     best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
-    return Plan(**{**best.__dict__, "notes": (f"auto: chose {best.strategy}", *best.notes)})
+    return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))
 
 
 STRATEGIES: dict[str, Strategy] = {
