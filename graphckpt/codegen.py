@@ -142,7 +142,7 @@ def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: 
         body = fx.GraphModule(_attribute_table(body_graph, source), body_graph, "SegmentBody")
         target = f"segment_{len(segments)}"
         segments[target] = Segment(body, nodes=planned.nodes, inputs=planned.inputs,
-                                   outputs=planned.outputs,
+                                   outputs=planned.outputs, saved_inside=planned.saved_inside,
                                    kept_bytes=boundary_bytes(graph, planned.inputs))
         _emit_call(top, target, planned, env)
     for node in source.graph.nodes:

@@ -37,7 +37,7 @@ def node_label(node: fx.Node) -> str:
 def _unit_cost(node: fx.Node) -> NodeCost:
     is_op = node.op not in _KIND
     return NodeCost(bytes=int(is_op), alias_of=None, flops=int(is_op), saved=(),
-                    saved_extra_bytes=0, requires_grad=True, random=False, param_grad_bytes=0,
+                    saved_extra_bytes=0, requires_grad=True, random=False, expensive=False, param_grad_bytes=0,
                     shape="", dtype="")
 
 
@@ -85,6 +85,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             saved_extra_bytes=cost.saved_extra_bytes,
             requires_grad=cost.requires_grad,
             random=cost.random,
+            expensive=cost.expensive,
             param_grad_bytes=cost.param_grad_bytes,
             shape=cost.shape,
             dtype=cost.dtype,

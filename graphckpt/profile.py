@@ -33,6 +33,7 @@ class NodeCost:
     saved_extra_bytes: int
     requires_grad: bool
     random: bool
+    expensive: bool
     param_grad_bytes: int
     shape: str
     dtype: str
@@ -50,15 +51,22 @@ def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
     return shapes, dtypes
 
 
-class _RandomOps(TorchDispatchMode):
-    """Notices whether any op dispatched under it draws from the random number generator."""
+EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
+                           "mkldnn_convolution", "convolution_overrideable", "cudnn_convolution",
+                           "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"})
+
+
+class _OpKinds(TorchDispatchMode):
+    """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen = False
+        self.random = False
+        self.expensive = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags
+        self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
+        self.expensive = self.expensive or func.overloadpacket.__name__ in EXPENSIVE_OPS
         return func(*args, **(kwargs or {}))
 
 
@@ -82,10 +90,10 @@ class _CostInterpreter(fx.Interpreter):
             return tensor
 
         with self.mode, saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops, \
-                _RandomOps() as random:
+                _OpKinds() as kinds:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
-        self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops(), random.seen)
+        self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops(), kinds)
         return result
 
     def _param_grad_bytes(self, node: fx.Node) -> int:
@@ -95,7 +103,7 @@ class _CostInterpreter(fx.Interpreter):
             return _trainable_bytes(self.module.get_submodule(node.target).parameters())
         return _trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
 
-    def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, random: bool) -> NodeCost:
+    def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: _OpKinds) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         fresh, aliased = 0, []
         for tensor in tensors:
@@ -123,7 +131,8 @@ class _CostInterpreter(fx.Interpreter):
             saved=tuple(names),
             saved_extra_bytes=extra,
             requires_grad=any(t.requires_grad for t in tensors),
-            random=random,
+            random=kinds.random,
+            expensive=kinds.expensive,
             param_grad_bytes=self._param_grad_bytes(node),
             shape=shape,
             dtype=dtype,

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from graphckpt.profile import EXPENSIVE_OPS
 
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -58,9 +60,10 @@ class Segment(nn.Module):
     """
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
-                 outputs: Sequence[str], kept_bytes: float) -> None:
+                 outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
+        self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -72,12 +75,15 @@ class Segment(nn.Module):
         return [m for m in self.body.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), self._recomputing()
+        if not self.saved_inside:
+            return contextlib.nullcontext(), self._recomputing()
+        forward, recompute = create_selective_checkpoint_contexts(_keep_expensive)
+        return forward, self._recomputing(recompute)
 
     @contextlib.contextmanager
-    def _recomputing(self) -> Iterator[None]:
+    def _recomputing(self, selective: contextlib.AbstractContextManager | None = None) -> Iterator[None]:
         self.recomputations += 1
-        with frozen_running_stats(self.norms()):
+        with frozen_running_stats(self.norms()), selective or contextlib.nullcontext():
             yield
 
     def forward(self, *args: Any) -> Any:
@@ -87,5 +93,11 @@ class Segment(nn.Module):
                           context_fn=self._contexts)
 
     def extra_repr(self) -> str:
-        return (f"recomputes {len(self.nodes)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) in "
-                f"backward; keeps {', '.join(self.inputs)}")
+        kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
+        return (f"recomputes {len(self.nodes) - len(self.saved_inside)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) "
+                f"in backward; keeps {', '.join(self.inputs)}{kept}")
+
+
+def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing policy: keep matmul and convolution outputs from forward."""
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket.__name__ in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE

@@ -14,7 +14,7 @@ import networkx as nx
 
 from passes.costgraph import op_nodes
 from passes.plan import Plan
-from passes.strategies import articulation_plan, build_plan, mincut_plan, sqrt_plan
+from passes.strategies import articulation_plan, build_plan, keep_expensive, mincut_plan, sqrt_plan
 
 Budget = float | int | str
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -78,15 +78,22 @@ def partially_recomputed(graph: nx.DiGraph, plan: Plan) -> list[Plan]:
 
 
 def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
-    """Plans of every strategy over a range of segment counts, and their partially
-    recomputed variants (each simulated and validated)."""
+    """Plans of every strategy over a range of segment counts, their partially recomputed
+    variants, and selective variants of all of these that keep matmul/convolution outputs
+    (each simulated and validated)."""
     plans = [strategy(graph, count) for count in segment_counts(graph)
              for strategy in (sqrt_plan, articulation_plan, mincut_plan)]
-    return plans + [v for p in plans if len(p.segments) <= 17 for v in partially_recomputed(graph, p)]
+    plans += [v for p in plans if len(p.segments) <= 17 for v in partially_recomputed(graph, p)]
+    if any(graph.nodes[n]["expensive"] for n in graph):
+        plans += [keep_expensive(graph, p) for p in plans if p.recomputed_segments]
+    return plans
 
 
 def fit_budget(graph: nx.DiGraph, budget_bytes: int) -> Plan:
     """The candidate plan of least recompute whose simulated peak fits ``budget_bytes``.
+
+    Least recompute: fewest FLOPs, then fewest bytes recomputed (pointwise work, which the
+    FLOP counter calls free), then the lower peak.
 
     Raises :class:`BudgetError` naming the smallest peak any candidate reaches and the
     values its plan still keeps when none fits.
@@ -103,6 +110,6 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int) -> Plan:
             f"strategy {best.strategy} with {len(best.segments)} segments), kept values include "
             f"{', '.join(heaviest) or 'none'}. Raise the budget."
         )
-    chosen = min(fitting, key=lambda p: (p.recompute_flops, p.peak_bytes))
+    chosen = min(fitting, key=lambda p: (p.recompute_flops, p.recompute_bytes, p.peak_bytes))
     note = f"budget {budget_bytes / 2**20:.2f} MiB: least recompute among {len(plans)} candidate plans"
     return replace(chosen, notes=(note, *chosen.notes))

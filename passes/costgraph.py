@@ -35,6 +35,9 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``random``: ``bool``
     Whether computing the value draws from the random number generator (dropout). Such
     nodes keep their relative execution order in every plan, so random streams match eager.
+``expensive``: ``bool``
+    The value comes out of a matmul or convolution: costly to recompute, so a selective
+    plan keeps it from forward even inside a recomputed segment.
 ``param_grad_bytes``: ``int``
     Bytes of parameter gradients the node's backward creates; they live until autograd
     adds them into the parameters' existing ``.grad``.
@@ -69,6 +72,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "saved_extra_bytes": int,
     "requires_grad": bool,
     "random": bool,
+    "expensive": bool,
     "param_grad_bytes": int,
     "label": str,
 }
@@ -81,6 +85,7 @@ DEFAULTS: Mapping[str, Any] = {
     "saved_extra_bytes": 0,
     "requires_grad": True,
     "random": False,
+    "expensive": False,
     "param_grad_bytes": 0,
 }
 

@@ -23,12 +23,17 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Segment:
-    """Op nodes run together, in execution order, with the values crossing their edges."""
+    """Op nodes run together, in execution order, with the values crossing their edges.
+
+    ``saved_inside`` (recomputed segments only) are values kept from forward instead of
+    recomputed: selective checkpointing of matmul and convolution outputs.
+    """
 
     nodes: tuple[str, ...]
     recompute: bool
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    saved_inside: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Plan:
     recompute_flops: int
     forward_flops: int
     notes: tuple[str, ...] = field(default=())
+    recompute_bytes: int = 0
 
     @property
     def recomputed_segments(self) -> tuple[Segment, ...]:
@@ -158,6 +164,8 @@ def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
             if boundary_bytes(graph, edge_values) == float("inf"):
                 stuck = [v for v in edge_values if not graph.nodes[v]["cuttable"]]
                 raise PlanError(f"segment {index} keeps {stuck}, which are written in place later")
+        if segment.saved_inside and (not segment.recompute or not set(segment.saved_inside) <= set(segment.nodes)):
+            raise PlanError(f"segment {index}: saved_inside must be nodes of a recomputed segment")
         if (segment.inputs, segment.outputs) != segment_edges(graph, segment.nodes):
             raise PlanError(f"segment {index}: inputs/outputs do not match the graph")
     if expected:

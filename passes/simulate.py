@@ -6,8 +6,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
-  saving), then each op turns its output's gradient into its inputs' gradients (and
-  parameter gradients, freed once added into ``.grad``) and releases what it saved.
+  saving; values kept from forward, ``saved_inside``, are reused), then each op turns its
+  output's gradient into its inputs' gradients (and parameter gradients, freed once added
+  into ``.grad``) and releases what it saved.
   Gradients are as large as their values.
 
 * the loss: between forward and backward an elementwise loss and its reduction hold
@@ -39,6 +40,7 @@ class Simulation:
     eager_peak_bytes: int
     recompute_flops: int
     forward_flops: int
+    recompute_bytes: int = 0  # bytes written by recomputation: the cost of pointwise work FLOPs miss
 
 
 class _Memory:
@@ -84,18 +86,18 @@ def _needs_grad(graph: nx.DiGraph, name: str) -> bool:
 
 
 def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
-                 within: set[str] | None = None) -> None:
+                 within: set[str] | None = None, keep: Sequence[str] = ()) -> None:
     """Compute ``nodes``; with ``save`` each op also holds what its backward needs.
 
     ``within`` limits the readers that keep a value alive to that set (a recompute only
-    feeds its own segment).
+    feeds its own segment); ``keep`` values get one more hold (kept from forward).
     """
     for name in nodes:
         attributes = graph.nodes[name]
         if attributes["alias_of"] is None:
             memory.allocate(memory.key(name), attributes["bytes"])
         readers = [r for r in graph.successors(name) if within is None or r in within]
-        memory.hold(name, len(readers))
+        memory.hold(name, len(readers) + (name in keep))
         if save:
             for value in attributes["saved"]:
                 memory.hold(value)
@@ -143,7 +145,7 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
         if segment.recompute:
             for value in segment.inputs:
                 memory.hold(value)
-        _run_forward(memory, graph, segment.nodes, save=not segment.recompute)
+        _run_forward(memory, graph, segment.nodes, save=not segment.recompute, keep=segment.saved_inside)
     grads: set[str] = set()
     trained = [v for v in outputs if _needs_grad(graph, v)]
     output_bytes = sum(graph.nodes[storage_root(graph, v)]["bytes"] for v in trained)
@@ -154,8 +156,10 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
     memory.free(("loss",))
     for segment in reversed(segments):
         if segment.recompute:
-            memory.fresh = set(segment.nodes)
-            _run_forward(memory, graph, segment.nodes, save=True, within=memory.fresh)
+            memory.fresh = set(segment.nodes) - set(segment.saved_inside)
+            _run_forward(memory, graph, segment.nodes, save=True, within=set(segment.nodes))
+            for value in segment.saved_inside:
+                memory.release(value)
         _run_backward(memory, graph, segment.nodes, grads)
         memory.fresh = set()
         if segment.recompute:
@@ -172,11 +176,13 @@ def eager_segments(graph: nx.DiGraph) -> tuple[Segment, ...]:
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
-    recompute = sum(graph.nodes[n]["flops"] for s in segments if s.recompute for n in s.nodes)
+    again = [n for s in segments if s.recompute for n in set(s.nodes) - set(s.saved_inside)]
+    recompute = sum(graph.nodes[n]["flops"] for n in again)
     forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
     return Simulation(
         peak_bytes=_step_peak(graph, segments),
         eager_peak_bytes=_step_peak(graph, eager_segments(graph)),
         recompute_flops=recompute,
         forward_flops=forward,
+        recompute_bytes=sum(graph.nodes[n]["bytes"] for n in again),
     )

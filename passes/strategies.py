@@ -34,7 +34,7 @@ from passes.cuts import (
     prefix_costs,
     sqrt_segment_count,
 )
-from passes.plan import Plan, checkpoints_of, make_segments, validate_plan
+from passes.plan import Plan, Segment, checkpoints_of, make_segments, validate_plan
 from passes.simulate import simulate
 
 Strategy = Callable[..., Plan]
@@ -52,7 +52,13 @@ def groups_from_cuts(ops: Sequence[str], befores: Sequence[set[str]]) -> list[tu
 
 def build_plan(graph: nx.DiGraph, strategy: str, groups, notes: Sequence[str] = ()) -> Plan:
     """Validate segments, simulate them and wrap everything in a :class:`Plan`."""
-    segments = make_segments(graph, groups)
+    return plan_of_segments(graph, strategy, make_segments(graph, groups), notes)
+
+
+def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segment],
+                     notes: Sequence[str] = ()) -> Plan:
+    """A :class:`Plan` of ready segments: validated and simulated."""
+    segments = tuple(segments)
     validate_plan(graph, segments)
     checkpoints = checkpoints_of(graph, segments)
     result = simulate(graph, segments)
@@ -66,6 +72,7 @@ def build_plan(graph: nx.DiGraph, strategy: str, groups, notes: Sequence[str] = 
         recompute_flops=result.recompute_flops,
         forward_flops=result.forward_flops,
         notes=tuple(notes),
+        recompute_bytes=result.recompute_bytes,
     )
 
 
@@ -75,6 +82,14 @@ def plan_from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[in
     ops = op_nodes(graph)
     befores = [set(ops[: p + 1]) for p in positions]
     return build_plan(graph, strategy, groups_from_cuts(ops, befores), notes)
+
+
+def keep_expensive(graph: nx.DiGraph, plan: Plan) -> Plan:
+    """``plan`` with every matmul/convolution output of its recomputed segments kept from
+    forward (selective checkpointing): more memory, far less recompute."""
+    segments = [replace(s, saved_inside=tuple(n for n in s.nodes if graph.nodes[n]["expensive"]))
+                if s.recompute else s for s in plan.segments]
+    return plan_of_segments(graph, f"{plan.strategy}+selective", segments, plan.notes)
 
 
 def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:

@@ -56,7 +56,7 @@ def test_fitted_plan_fits_and_recomputes_least(ops: int, sizes: list[int], fract
         return
     chosen = fit_budget(graph, budget)
     assert chosen.peak_bytes <= budget
-    assert chosen.recompute_flops == min(p.recompute_flops for p in fitting)
+    assert (chosen.recompute_flops, chosen.recompute_bytes) == min((p.recompute_flops, p.recompute_bytes) for p in fitting)
 
 
 def test_budget_honoured_on_measured_peak_with_equal_gradients() -> None:
@@ -81,3 +81,10 @@ def test_budget_with_a_strategy_is_refused() -> None:
     model, inputs = zoo.make("mlp", depth=4, width=16)
     with pytest.raises(ValueError, match="budget= picks the strategy"):
         graphckpt.plan(model, inputs, strategy="sqrt", budget=0.5)
+
+
+def test_a_budget_eager_already_fits_recomputes_nothing() -> None:
+    model, inputs = zoo.make("gpt")
+    plan = graphckpt.plan(model, inputs, budget=1.0)
+    assert plan.recompute_flops == 0 and plan.recompute_bytes == 0
+    assert not plan.recomputed_segments

@@ -65,3 +65,21 @@ def test_gradients_flow_into_the_models_own_parameters() -> None:
     zoo.scalar_loss(rewritten(*inputs)).backward()
     optimizer.step()
     assert not torch.equal(before, model.head.weight)
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_selective_plans_keep_matmuls_and_train_like_eager(name: str) -> None:
+    from graphckpt.api import analyze
+    from graphckpt.codegen import generate
+    from passes.strategies import keep_expensive
+
+    reference, model = fresh_pair(zoo.make(name)[0])
+    inputs = zoo.make(name)[1]
+    analysis = analyze(model, inputs, strategy="mincut")
+    plan = keep_expensive(analysis.cost_graph, analysis.plan)
+    assert any(s.saved_inside for s in plan.segments)
+    assert plan.recompute_flops < analysis.plan.recompute_flops
+    rewritten = generate(analysis.captured.graph_module, model, analysis.cost_graph, plan)
+    assert "keeps matmul/conv outputs" in rewritten.code
+    for _ in range(2):
+        assert_trains_like(reference, model, rewritten, inputs)
