@@ -19,7 +19,7 @@ from graphckpt.costs import build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
 from passes.budget import Budget, fit_budget, parse_budget
 from passes.plan import Plan
-from passes.simulate import eager_segments, simulate
+from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES, choose_plan
 
 
@@ -56,8 +56,7 @@ def _choose(cost_graph: nx.DiGraph, strategy: str, segments: int | None, budget:
     if strategy != "auto" or segments is not None:
         raise ValueError("budget= picks the strategy and segment count itself; leave strategy='auto' "
                          "and segments=None, or drop the budget")
-    eager = simulate(cost_graph, eager_segments(cost_graph)).eager_peak_bytes
-    return fit_budget(cost_graph, parse_budget(budget, eager))
+    return fit_budget(cost_graph, parse_budget(budget, eager_peak(cost_graph)))
 
 
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",

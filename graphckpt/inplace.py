@@ -144,9 +144,10 @@ def mutation_constraints(graph_module: fx.GraphModule,
     position = {n: i for i, n in enumerate(nodes)}
     not_recomputable: set[str] = set()
     not_cuttable: set[str] = set()
+    roots = _storage_roots(nodes, parents)
     for node in nodes:
         for target in mutated_arguments(graph_module, node):
-            group = [n for n in _sharing_storage(target, nodes, parents) if position[n] < position[node]]
+            group = [n for n in nodes if roots[n] is roots[target] and position[n] < position[node]]
             if any(n.op in ("placeholder", "get_attr") for n in group):
                 not_recomputable.add(node.name)
                 not_recomputable.update(r.name for n in group for r in n.users

@@ -171,9 +171,9 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_module = deepcopy_to_fake_tensor(graph_module, mode).train(training)
-    inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-              for v in _positional_inputs(graph_module, args, kwargs or {})]
-    for fake, real in zip(inputs, _positional_inputs(graph_module, args, kwargs or {}), strict=True):
+    real_inputs = _positional_inputs(graph_module, args, kwargs or {})
+    inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in real_inputs]
+    for fake, real in zip(inputs, real_inputs, strict=True):
         if isinstance(real, torch.Tensor) and real.requires_grad:
             fake.requires_grad_(True)
     interpreter = _CostInterpreter(fake_module, mode)

@@ -57,7 +57,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from passes.costgraph import in_order, op_nodes, storage_root
-from passes.simulate import LOSS_WORKING_SET
+from passes.simulate import LOSS_WORKING_SET, gradient_bytes, needs_grad
 
 MAX_OPS = 60
 Matrix = tuple[tuple[int, ...], ...]
@@ -113,15 +113,6 @@ class CheckmateResult:
     S: Matrix = ()
 
 
-def _grad_bytes(graph: nx.DiGraph, name: str) -> int:
-    """Bytes of ``name``'s gradient buffer: its storage root's size (as the simulator)."""
-    return graph.nodes[storage_root(graph, name)]["bytes"]
-
-
-def _needs_grad(graph: nx.DiGraph, name: str) -> bool:
-    return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
-
-
 def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     """The forward ops and their extras, the gradient seeds and the backward nodes."""
     nodes: dict[str, list] = {name: [] for name in FIELDS}
@@ -148,20 +139,20 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
         index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh)
     n_forward = len(nodes["names"])
-    trained = [v for v in in_order(graph, sink_reads) if _needs_grad(graph, v)]
-    loss = LOSS_WORKING_SET * sum(_grad_bytes(graph, v) for v in trained)
-    owner = {v: add(f"grad-seed:{v}", _grad_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
+    trained = [v for v in in_order(graph, sink_reads) if needs_grad(graph, v)]
+    loss = LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained)
+    owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
                     transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
     for k in reversed(list(index)):
-        gets_grad = k in owner and _needs_grad(graph, k)
-        inputs = [u for u in graph.predecessors(k) if gets_grad and _needs_grad(graph, u)]
+        gets_grad = k in owner and needs_grad(graph, k)
+        inputs = [u for u in graph.predecessors(k) if gets_grad and needs_grad(graph, u)]
         reads = [owner[k]] if gets_grad else []
         reads += [owner[u] for u in inputs if u in owner] + ([extra[k]] if k in extra else [])
         reads += [index[r] for r in {storage_root(graph, v) for v in graph.nodes[k]["saved"]} if r in index]
         new = [u for u in inputs if u not in owner]
         moment = max(_partial_peak(graph, inputs, owner), graph.nodes[k]["param_grad_bytes"] if gets_grad else 0)
         for position, u in enumerate(new or [None]):
-            node = add(f"backward:{k}" + (f":{u}" if position else ""), _grad_bytes(graph, u) if u else 0, reads,
+            node = add(f"backward:{k}" + (f":{u}" if position else ""), gradient_bytes(graph, u) if u else 0, reads,
                        kept=bool(u) and graph.nodes[u]["kind"] == "input",
                        transient=moment if position == max(len(new) - 1, 0) else 0)
             if u is not None:
@@ -175,9 +166,9 @@ def _partial_peak(graph: nx.DiGraph, inputs: list[str], owner: dict[str, int]) -
     peak, made_after = 0, 0
     for u in reversed(inputs):
         if u in owner:
-            peak = max(peak, _grad_bytes(graph, u) - made_after)
+            peak = max(peak, gradient_bytes(graph, u) - made_after)
         else:
-            made_after += _grad_bytes(graph, u)
+            made_after += gradient_bytes(graph, u)
     return peak
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import networkx as nx
 
@@ -81,8 +82,14 @@ class _Memory:
         self.current -= self.live.pop(key, 0)
 
 
-def _needs_grad(graph: nx.DiGraph, name: str) -> bool:
-    return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] != "param"
+def needs_grad(graph: nx.DiGraph, name: str) -> bool:
+    """Whether backward computes a gradient for this value (ops and inputs that require it)."""
+    return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
+
+
+def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
+    """Bytes of ``name``'s gradient buffer: the size of the storage it lives in."""
+    return graph.nodes[storage_root(graph, name)]["bytes"]
 
 
 def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
@@ -113,9 +120,9 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
     for name in reversed(nodes):
         if name in grads:
             for value in graph.predecessors(name):
-                if not _needs_grad(graph, value):
+                if not needs_grad(graph, value):
                     continue
-                size = graph.nodes[storage_root(graph, value)]["bytes"]
+                size = gradient_bytes(graph, value)
                 if value in grads:
                     memory.allocate(("grad-partial", value), size)
                     memory.free(("grad-partial", value))
@@ -147,11 +154,11 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
                 memory.hold(value)
         _run_forward(memory, graph, segment.nodes, save=not segment.recompute, keep=segment.saved_inside)
     grads: set[str] = set()
-    trained = [v for v in outputs if _needs_grad(graph, v)]
-    output_bytes = sum(graph.nodes[storage_root(graph, v)]["bytes"] for v in trained)
+    trained = [v for v in outputs if needs_grad(graph, v)]
+    output_bytes = sum(gradient_bytes(graph, v) for v in trained)
     memory.allocate(("loss",), LOSS_WORKING_SET * output_bytes)
     for value in trained:
-        memory.allocate(("grad", value), graph.nodes[storage_root(graph, value)]["bytes"])
+        memory.allocate(("grad", value), gradient_bytes(graph, value))
         grads.add(value)
     memory.free(("loss",))
     for segment in reversed(segments):
@@ -173,6 +180,17 @@ def eager_segments(graph: nx.DiGraph) -> tuple[Segment, ...]:
     return make_segments(graph, [(op_nodes(graph), False)])
 
 
+_EAGER_PEAKS: WeakKeyDictionary[nx.DiGraph, int] = WeakKeyDictionary()
+
+
+def eager_peak(graph: nx.DiGraph) -> int:
+    """Simulated peak of plain eager execution; computed once per cost graph (cost graphs
+    are not changed after they are built)."""
+    if graph not in _EAGER_PEAKS:
+        _EAGER_PEAKS[graph] = _step_peak(graph, eager_segments(graph))
+    return _EAGER_PEAKS[graph]
+
+
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
@@ -181,7 +199,7 @@ def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
     return Simulation(
         peak_bytes=_step_peak(graph, segments),
-        eager_peak_bytes=_step_peak(graph, eager_segments(graph)),
+        eager_peak_bytes=eager_peak(graph),
         recompute_flops=recompute,
         forward_flops=forward,
         recompute_bytes=sum(graph.nodes[n]["bytes"] for n in again),
