@@ -1,51 +1,378 @@
-"""The ``graphckpt`` command. Only ``demo`` exists so far; ``inspect``, ``compare``,
-``bench`` and ``pareto`` are planned (issue 4) and say so when run."""
+"""The ``graphckpt`` command: inspect, compare, bench and pareto plans of a model, or run the demo.
+
+TARGET names the model: ``zoo:NAME`` (``zoo:gpt?layers=2&d=32&batch=2``) or
+``package.module:callable`` returning ``(model, example_inputs)``; see :mod:`graphckpt.targets`.
+The commands are thin: planning data comes from :mod:`graphckpt.report`, pictures from
+:mod:`graphckpt.draw` and :mod:`graphckpt.plots`, measurements from :mod:`graphckpt.bench`.
+Bad input ends in one red ``error:`` line and exit status 1 (``--debug`` shows the traceback).
+"""
 
 from __future__ import annotations
 
-import argparse
+import functools
+import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
-PLANNED = ("inspect", "compare", "bench", "pareto")
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from graphckpt.console import err, error_line, note_line, out, quiet_profiler
+from graphckpt.report import human_bytes
+
+app = typer.Typer(name="graphckpt", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Automatic gradient checkpointing: see what is kept, what is recomputed, and what it costs.")
+_state = {"debug": False}
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEMO_TARGET = "zoo:gpt?layers=8&d=128&heads=4&seq=128&dropout=0.1&batch=8"
+TargetArg = Annotated[str, typer.Argument(help="zoo:NAME[?key=value&...] or package.module:callable",
+                                          show_default=False)]
+BatchOpt = Annotated[int | None, typer.Option("--batch", help="batch size of the example inputs")]
+StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="timed rounds per variant (median reported)")]
 
 
-def demo(steps: int = 3) -> None:
-    """Rewrite a zoo transformer, show its cut, train a few steps with and without it."""
+@app.callback()
+def _options(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks of errors")] = False) -> None:
+    """Automatic gradient checkpointing for PyTorch, as a graph rewrite."""
+    _state["debug"] = debug
+
+
+def friendly(command: F) -> F:
+    """Run ``command``; turn any exception into one red line and exit status 1, unless --debug."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as error:
+            if _state["debug"]:
+                raise
+            error_line(_describe(error))
+            raise typer.Exit(1) from None
+    return run  # type: ignore[return-value]
+
+
+def _describe(error: Exception) -> str:
+    from graphckpt.capture import CaptureError
+    from graphckpt.targets import TargetError
+    from passes.budget import BudgetError
+
+    if isinstance(error, (TargetError, BudgetError, CaptureError, ValueError, KeyError)):
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        return str(message)
+    return f"{type(error).__name__}: {error} (run `graphckpt --debug ...` for the traceback)"
+
+
+# ---------------------------------------------------------------- shared steps
+
+
+def check_strategy(name: str) -> str:
+    """``name`` if it is a strategy of :data:`passes.strategies.STRATEGIES`, else ValueError."""
+    from passes.strategies import STRATEGIES
+
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return name
+
+
+def parse_budget_option(text: str | None) -> float | int | str | None:
+    """``--budget``: ``0.5`` (fraction of eager's peak), ``50%``, ``2MiB`` or bytes ``1000000``."""
+    from passes.budget import BudgetError, parse_budget
+
+    if text is None:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        parse_budget(text, 1)  # raises BudgetError on a bad format
+        return text
+    if 0 < number <= 1:
+        return number
+    if number > 1 and number.is_integer():
+        return int(number)
+    raise BudgetError(f"budget {text!r}: give a fraction 0 < b <= 1, bytes, or a size like '2GiB' or '25%'")
+
+
+def _load(target: str, batch: int | None) -> Any:
+    from graphckpt.targets import load_target
+
+    return load_target(target, batch)
+
+
+@contextmanager
+def _timer() -> Iterator[list[float]]:
+    box: list[float] = []
+    start = time.perf_counter()
+    yield box
+    box.append(time.perf_counter() - start)
+
+
+def _analyze(loaded: Any, strategy: str, budget: Any = None, segments: int | None = None) -> tuple[Any, float]:
+    import graphckpt
+
+    with _timer() as seconds, quiet_profiler():
+        analysis = graphckpt.analyze(loaded.model, loaded.inputs, strategy=strategy, budget=budget, segments=segments)
+    return analysis, seconds[0]
+
+
+def _print_json(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def _draw(analysis: Any, target: str, strategy: str, files: dict[str, Path | None], collapse: bool | None) -> None:
+    from graphckpt import draw
+
+    if not any(files.values()):
+        return
+    view = draw.cut_view(analysis.cost_graph, analysis.plan, collapse)
+    title, subtitle = draw.cut_titles(analysis.plan, target, strategy, analysis.captured.method)
+    for kind, path in files.items():
+        if path is None:
+            continue
+        if kind == "dot":
+            draw.write_dot(view, path, title)
+        else:
+            draw.draw_cut(view, path, title, subtitle)
+        err().print(f"[dim]wrote {path}[/]", soft_wrap=True)
+
+
+# ---------------------------------------------------------------- inspect and compare
+
+
+@app.command()
+@friendly
+def inspect(
+    target: TargetArg,
+    strategy: Annotated[str, typer.Option(help="a strategy name (see `graphckpt compare`)")] = "auto",
+    budget: Annotated[str | None, typer.Option(help="peak bound: 0.5 (of eager), 50%, 2MiB or bytes")] = None,
+    segments: Annotated[int | None, typer.Option(help="segment count instead of √n")] = None,
+    batch: BatchOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")] = False,
+    dot: Annotated[Path | None, typer.Option(help="write the cut as Graphviz DOT")] = None,
+    svg: Annotated[Path | None, typer.Option(help="draw the cut to an SVG file")] = None,
+    png: Annotated[Path | None, typer.Option(help="draw the cut to a PNG file")] = None,
+    collapse: Annotated[bool | None, typer.Option("--collapse/--no-collapse",
+                                                  help="one box per segment (default: above 60 ops)")] = None,
+) -> None:
+    """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
+    from graphckpt.report import inspect_view, plan_document
+
+    check_strategy(strategy)
+    parsed_budget = parse_budget_option(budget)
+    loaded = _load(target, batch)
+    analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments)
+    document = plan_document(analysis.cost_graph, analysis.plan, target=target, capture=analysis.captured.method,
+                             strategy=strategy, budget=budget, planning_seconds=round(seconds, 4))
+    if json_:
+        _print_json(document)
+    else:
+        out().print(inspect_view(document))
+    _draw(analysis, target, strategy, {"dot": dot, "svg": svg, "png": png}, collapse)
+
+
+@app.command()
+@friendly
+def compare(
+    target: TargetArg,
+    batch: BatchOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="print the rows as JSON")] = False,
+) -> None:
+    """Every strategy side by side: simulated peak, recompute, checkpoints, planning time."""
+    from graphckpt.report import compare_strategies, compare_table
+    from passes.strategies import STRATEGIES
+
+    loaded = _load(target, batch)
+    analysis, _ = _analyze(loaded, "sqrt" if "sqrt" in STRATEGIES else next(iter(STRATEGIES)))
+    rows = compare_strategies(analysis.cost_graph)
+    if json_:
+        _print_json({"target": target, "capture": analysis.captured.method,
+                     "eager_peak_bytes": analysis.plan.eager_peak_bytes, "strategies": rows})
+        return
+    title = (f"{loaded.description}: captured with {analysis.captured.method}, "
+             f"eager simulated peak {human_bytes(analysis.plan.eager_peak_bytes)}")
+    out().print(compare_table(rows, title))
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err(), transient=True, auto_refresh=False)
+
+
+def _measure(variants: Sequence[Any], inputs: tuple, steps: int) -> list[Any]:
+    """Measure with a progress bar on stderr (redrawn between steps, never during one)."""
+    from graphckpt import zoo
+    from graphckpt.bench import measure_variants, work_units
+
+    with _progress() as progress:
+        task = progress.add_task("measuring", total=work_units(variants, steps))
+
+        def tick(message: str) -> None:
+            progress.update(task, advance=1, description=message)
+            progress.refresh()
+
+        return measure_variants(variants, inputs, zoo.scalar_loss, steps=steps, progress=tick)
+
+
+def _threads() -> str:
     import torch
 
+    count = torch.get_num_threads()
+    return f"{count} CPU thread{'s' if count != 1 else ''}"
+
+
+def _build(what: str, make: Callable[[], Any]) -> Any:
+    with err().status(f"[dim]{what}[/]"), quiet_profiler():
+        return make()
+
+
+def _results_table(results: Sequence[Any], title: str) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for header in ("variant", "setting", "measured peak", "vs eager", "simulated", "step time", "vs eager"):
+        table.add_column(header, justify="left" if header in ("variant", "setting") else "right")
+    for r in results:
+        simulated = human_bytes(r.simulated_peak_bytes) if r.simulated_peak_bytes is not None else ""
+        table.add_row(r.name, r.setting, human_bytes(r.peak_bytes), f"{r.peak_ratio:.2f}x", simulated,
+                      f"{r.step_seconds * 1e3:.1f} ms", f"{r.time_ratio:.2f}x")
+    return table
+
+
+def _report_measured(results: Sequence[Any], skipped: Sequence[Any], title: str, json_: bool) -> None:
+    if json_:
+        _print_json({"title": title, "results": [r.as_dict() for r in results],
+                     "skipped": [{"name": s.name, "reason": s.reason} for s in skipped]})
+    else:
+        out().print(_results_table(results, title))
+    for s in skipped:
+        note_line(f"{s.name} skipped: {s.reason}")
+
+
+@app.command()
+@friendly
+def bench(
+    target: TargetArg,
+    steps: StepsOpt = 5,
+    png: Annotated[Path | None, typer.Option(help="bar chart of peak and step time")] = None,
+    batch: BatchOpt = None,
+    strategy: Annotated[list[str] | None, typer.Option(help="strategies to measure (repeat; default all)")] = None,
+    compile_budget: Annotated[float, typer.Option(help="activation_memory_budget of the torch.compile anchor")] = 0.5,
+    with_compile: Annotated[bool, typer.Option("--compile/--no-compile", help="measure the torch.compile anchor")] = True,
+    json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
+) -> None:
+    """Measured peak and median step time: eager, each strategy, checkpoint_sequential, torch.compile."""
+    from graphckpt import zoo
+    from graphckpt.bench import bench_variants
+    from passes.strategies import STRATEGIES
+
+    names = [check_strategy(s) for s in strategy] if strategy else list(STRATEGIES)
+    loaded = _load(target, batch)
+    variants, skipped = _build("rewriting and compiling", lambda: bench_variants(
+        loaded.model, loaded.inputs, zoo.scalar_loss, strategies=names,
+        compile_budget=compile_budget if with_compile else None))
+    results = _measure(variants, loaded.inputs, steps)
+    title = f"{loaded.description}: median of {steps} interleaved rounds, {_threads()}"
+    _report_measured(results, skipped, title, json_)
+    if png is not None:
+        from graphckpt.plots import plot_bench
+
+        plot_bench(results, png, title)
+        err().print(f"[dim]wrote {png}[/]", soft_wrap=True)
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--budgets {text!r}: expected fractions separated by commas, e.g. 1,0.5,0.25") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise ValueError(f"--budgets {text!r}: each budget is a fraction of eager's peak, 0 < b <= 1")
+    return values
+
+
+@app.command()
+@friendly
+def pareto(
+    target: TargetArg,
+    png: Annotated[Path | None, typer.Option(help="plot peak memory against step time or recompute")] = None,
+    budgets: Annotated[str, typer.Option(help="fractions of eager's peak, comma-separated")] =
+        "1,0.75,0.5,0.35,0.25,0.15",
+    x: Annotated[str, typer.Option(help="x axis: time (measured step time) or flops (recompute %)")] = "time",
+    steps: StepsOpt = 5,
+    batch: BatchOpt = None,
+    with_compile: Annotated[bool, typer.Option("--compile/--no-compile", help="sweep the torch.compile anchor")] = True,
+    json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
+) -> None:
+    """Sweep memory budgets: measured (and simulated) peak against step time, ours and the anchors."""
+    from graphckpt import zoo
+    from graphckpt.bench import pareto_variants
+
+    if x not in ("time", "flops"):
+        raise ValueError(f"--x {x!r}: choose time or flops")
+    fractions = _budgets(budgets)
+    loaded = _load(target, batch)
+    variants, skipped = _build("planning, rewriting and compiling", lambda: pareto_variants(
+        loaded.model, loaded.inputs, zoo.scalar_loss, budgets=fractions, with_compile=with_compile))
+    results = _measure(variants, loaded.inputs, steps)
+    title = f"{loaded.description}: budget sweep, {_threads()}"
+    _report_measured(results, skipped, title, json_)
+    if png is not None:
+        from graphckpt.plots import plot_pareto
+
+        plot_pareto(results, png, title, x)
+        err().print(f"[dim]wrote {png}[/]", soft_wrap=True)
+
+
+# ---------------------------------------------------------------- demo
+
+
+@app.command()
+@friendly
+def demo(
+    steps: StepsOpt = 3,
+    target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
+) -> None:
+    """Rewrite a zoo transformer, show its cut, train a few steps with and without the rewrite."""
     import graphckpt
     from graphckpt import zoo
     from graphckpt.measure import measure_step
+    from graphckpt.report import inspect_view, plan_document
 
-    torch.manual_seed(0)
-    model, inputs = zoo.make("gpt", batch=8, layers=8, d=128, heads=4, seq=128, dropout=0.1)
-    print(f"model: zoo GPT, 8 layers, d=128, seq 128, batch 8 ({sum(p.numel() for p in model.parameters()):,} parameters)")
-    rewritten = graphckpt.rewrite(model, inputs)
-    plan = rewritten.meta["graphckpt_plan"]
-    print(plan)
-    eager = measure_step(model, inputs, zoo.scalar_loss, repeats=steps)
-    ours = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=steps)
-    print(f"\n{'':10s}{'measured peak':>16s}{'step time':>12s}")
-    print(f"{'eager':10s}{eager.peak_bytes / 2**20:13.1f} MiB{eager.step_seconds * 1e3:9.0f} ms")
-    print(f"{'graphckpt':10s}{ours.peak_bytes / 2**20:13.1f} MiB{ours.step_seconds * 1e3:9.0f} ms")
-    print(f"ratio: peak {ours.peak_bytes / eager.peak_bytes:.2f}x eager, step time "
-          f"{ours.step_seconds / eager.step_seconds:.2f}x eager")
+    loaded = _load(target, None)
+    console = out()
+    console.print(f"model: {loaded.description}")
+    analysis, _ = _analyze(loaded, "auto")
+    console.print(inspect_view(plan_document(analysis.cost_graph, analysis.plan, target=target,
+                                             capture=analysis.captured.method, strategy="auto")))
+    with quiet_profiler():
+        rewritten = graphckpt.rewrite(loaded.model, loaded.inputs)
+    with quiet_profiler():
+        eager = measure_step(loaded.model, loaded.inputs, zoo.scalar_loss, repeats=steps)
+        ours = measure_step(rewritten, loaded.inputs, zoo.scalar_loss, repeats=steps)
+    table = Table(title=f"training step, median of {steps}", title_justify="left", title_style="bold")
+    for header in ("", "measured peak", "step time"):
+        table.add_column(header, justify="right" if header else "left")
+    table.add_row("eager", human_bytes(eager.peak_bytes), f"{eager.step_seconds * 1e3:.0f} ms")
+    table.add_row("graphckpt", human_bytes(ours.peak_bytes), f"{ours.step_seconds * 1e3:.0f} ms")
+    console.print(table)
+    console.print(f"ratio: peak {ours.peak_bytes / max(eager.peak_bytes, 1):.2f}x eager, step time "
+                  f"{ours.step_seconds / eager.step_seconds:.2f}x eager")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="graphckpt", description="Automatic gradient checkpointing.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    run_demo = commands.add_parser("demo", help="rewrite a zoo transformer and measure it")
-    run_demo.add_argument("--steps", type=int, default=3, help="timed steps per variant")
-    for name in PLANNED:
-        commands.add_parser(name, help="not available yet (planned)")
-    options = parser.parse_args(argv)
-    if options.command in PLANNED:
-        print(f"graphckpt {options.command}: not available yet; it is planned (see the issue "
-              "tracker). Use graphckpt.plan(model, inputs) from Python meanwhile.", file=sys.stderr)
-        return 2
-    demo(options.steps)
+    """Console-script entry point (``graphckpt = graphckpt.cli:main``); returns the exit status."""
+    try:
+        app(args=list(argv) if argv is not None else None, prog_name="graphckpt", standalone_mode=True)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     return 0
 
 

@@ -1,0 +1,244 @@
+"""A plan as data a person or a program reads: rows, a JSON document, rich tables.
+
+Everything here reads a cost graph (:mod:`passes.costgraph`'s node attributes) and a
+:class:`passes.plan.Plan`; nothing runs the model. ``graphckpt inspect`` and ``compare``
+print what these functions return, and ``--json`` dumps the same dictionaries, so the
+table and the JSON never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import networkx as nx
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from passes.costgraph import is_activation, keep_cost, op_nodes, storage_root
+from passes.plan import Plan, Segment
+from passes.strategies import STRATEGIES
+
+JSON_VERSION = 1
+
+
+def human_bytes(nbytes: float) -> str:
+    """``32768`` -> ``"32.0 KiB"``: binary units, three significant figures."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_flops(flops: float) -> str:
+    """``4194304`` -> ``"4.19 MFLOP"``: decimal units as FLOP counters use."""
+    value = float(flops)
+    for unit in ("", "k", "M", "G", "T"):
+        if abs(value) < 1000 or unit == "T":
+            return f"{value:.3g} {unit}FLOP"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def ratio(part: float, whole: float) -> float:
+    """``part / whole``, 0 when ``whole`` is 0 (a graph with no FLOPs, say)."""
+    return part / whole if whole else 0.0
+
+
+def children(segment: Segment) -> tuple[Segment, ...]:
+    """Nested segments run when ``segment`` is recomputed (empty for flat plans)."""
+    return tuple(getattr(segment, "children", ()) or ())
+
+
+def values_bytes(graph: nx.DiGraph, values: Iterable[str]) -> int:
+    """Activation bytes ``values`` keep alive, each storage once; uncuttable values count
+    their own bytes (they are kept by a segment that runs like eager code)."""
+    roots: dict[str, float] = {}
+    for name in values:
+        if not is_activation(graph, name):
+            continue
+        cost = keep_cost(graph, name)
+        root = storage_root(graph, name)
+        roots[root] = float(graph.nodes[root]["bytes"]) if cost == float("inf") else cost
+    return int(sum(roots.values()))
+
+
+def recomputed_flops(graph: nx.DiGraph, segment: Segment) -> int:
+    """FLOPs backward spends running ``segment`` again: its nodes (less ``saved_inside``)
+    once, plus its recomputed children once more."""
+    if not segment.recompute:
+        return 0
+    kept = set(segment.saved_inside)
+    own = sum(graph.nodes[n]["flops"] for n in segment.nodes if n not in kept)
+    return own + sum(recomputed_flops(graph, child) for child in children(segment))
+
+
+def segment_dict(graph: nx.DiGraph, segment: Segment, index: str) -> dict[str, Any]:
+    """One segment as plain data; nested ``children`` the same way."""
+    return {
+        "index": index,
+        "nodes": len(segment.nodes),
+        "first": segment.nodes[0],
+        "last": segment.nodes[-1],
+        "recompute": segment.recompute,
+        "inputs": list(segment.inputs),
+        "outputs": list(segment.outputs),
+        "boundary_bytes": values_bytes(graph, segment.outputs),
+        "saved_inside": list(segment.saved_inside),
+        "recompute_flops": recomputed_flops(graph, segment),
+        "children": [segment_dict(graph, child, f"{index}.{i}") for i, child in enumerate(children(segment))],
+    }
+
+
+def flatten_segments(segments: Sequence[Mapping[str, Any]], depth: int = 0) -> list[dict[str, Any]]:
+    """Nested segment dicts in display order, each with its nesting ``depth``."""
+    rows: list[dict[str, Any]] = []
+    for segment in segments:
+        rows.append({**segment, "depth": depth})
+        rows.extend(flatten_segments(segment["children"], depth + 1))
+    return rows
+
+
+def checkpoint_dicts(graph: nx.DiGraph, plan: Plan) -> list[dict[str, Any]]:
+    """The values kept from forward at the edges of recomputed segments."""
+    return [{
+        "node": name,
+        "label": graph.nodes[name]["label"],
+        "shape": graph.nodes[name].get("shape", ""),
+        "dtype": graph.nodes[name].get("dtype", ""),
+        "bytes": values_bytes(graph, [name]),
+    } for name in plan.checkpoints]
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The plan's headline numbers (simulated peak, recompute) as a flat dict."""
+    return {
+        "strategy_used": plan.strategy,
+        "peak_bytes": int(plan.peak_bytes),
+        "eager_peak_bytes": int(plan.eager_peak_bytes),
+        "peak_ratio": round(ratio(plan.peak_bytes, plan.eager_peak_bytes), 4),
+        "recompute_flops": int(plan.recompute_flops),
+        "forward_flops": int(plan.forward_flops),
+        "recompute_fraction": round(ratio(plan.recompute_flops, plan.forward_flops), 4),
+        "recompute_bytes": int(plan.recompute_bytes),
+        "checkpoint_bytes": int(plan.checkpoint_bytes),
+        "segment_count": len(plan.segments),
+        "recomputed_segment_count": sum(s.recompute for s in plan.segments),
+        "notes": list(plan.notes),
+    }
+
+
+def plan_document(graph: nx.DiGraph, plan: Plan, *, target: str, capture: str, strategy: str,
+                  budget: str | None = None, planning_seconds: float | None = None) -> dict[str, Any]:
+    """The ``inspect --json`` document: stable top-level keys, every size in bytes."""
+    return {
+        "version": JSON_VERSION,
+        "target": target,
+        "capture": capture,
+        "strategy": strategy,
+        "budget": budget,
+        **plan_summary(plan),
+        "planning_seconds": planning_seconds,
+        "graph": {"nodes": graph.number_of_nodes(), "op_nodes": len(op_nodes(graph)),
+                  "edges": graph.number_of_edges()},
+        "checkpoints": checkpoint_dicts(graph, plan),
+        "segments": [segment_dict(graph, s, str(i)) for i, s in enumerate(plan.segments)],
+    }
+
+
+def compare_strategies(graph: nx.DiGraph, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """Run every strategy (default: all of :data:`STRATEGIES`) on ``graph`` and time it.
+
+    A strategy that raises gets a row with its ``error`` instead of numbers, so one broken
+    or not-applicable strategy does not hide the others.
+    """
+    rows = []
+    for name in names if names is not None else list(STRATEGIES):
+        start = time.perf_counter()
+        try:
+            plan = STRATEGIES[name](graph, None)
+        except Exception as error:  # report, keep comparing the rest
+            rows.append({"strategy": name, "error": f"{type(error).__name__}: {error}"})
+            continue
+        seconds = time.perf_counter() - start
+        rows.append({"strategy": name, **plan_summary(plan), "checkpoints": len(plan.checkpoints),
+                     "planning_seconds": round(seconds, 4)})
+    return rows
+
+
+# ---------------------------------------------------------------- rich rendering
+
+
+def _segment_table(document: Mapping[str, Any]) -> Table:
+    table = Table(title="segments (in execution order)", title_justify="left", title_style="bold")
+    for header, justify in (("#", "right"), ("nodes", "right"), ("first .. last", "left"),
+                            ("backward", "left"), ("kept at boundary", "right"), ("recomputed", "right")):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for row in flatten_segments(document["segments"]):
+        indent = "  " * row["depth"]
+        what = Text("recomputed", style="yellow") if row["recompute"] else Text("kept", style="green")
+        if row["saved_inside"]:
+            what.append(f" ({len(row['saved_inside'])} kept inside)", style="dim")
+        table.add_row(indent + row["index"], str(row["nodes"]), f"{indent}{row['first']} .. {row['last']}",
+                      what, human_bytes(row["boundary_bytes"]) if row["recompute"] else "-",
+                      human_flops(row["recompute_flops"]) if row["recompute"] else "-")
+    return table
+
+
+def _checkpoint_table(document: Mapping[str, Any]) -> Table:
+    table = Table(title=f"checkpoints: {len(document['checkpoints'])} value(s) kept for backward, "
+                        f"{human_bytes(document['checkpoint_bytes'])}", title_justify="left", title_style="bold")
+    for header, justify in (("node", "left"), ("module / op", "left"), ("shape", "left"),
+                            ("dtype", "left"), ("bytes", "right")):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for row in document["checkpoints"]:
+        table.add_row(row["node"], row["label"], row["shape"], row["dtype"], human_bytes(row["bytes"]))
+    return table
+
+
+def summary_text(document: Mapping[str, Any]) -> Text:
+    """Simulated peak vs eager, recompute share, capture path and notes, a few lines."""
+    text = Text()
+    used = document["strategy_used"]
+    chosen = document["strategy"] if used == document["strategy"] else f"{document['strategy']} -> {used}"
+    text.append(f"{document['target']}", style="bold")
+    text.append(f"   captured with {document['capture']}, strategy {chosen}"
+                + (f", budget {document['budget']}" if document.get("budget") else "") + "\n")
+    text.append("simulated peak ")
+    text.append(human_bytes(document["peak_bytes"]), style="bold cyan")
+    text.append(f" vs eager {human_bytes(document['eager_peak_bytes'])} ")
+    text.append(f"({document['peak_ratio']:.2f}x)", style="bold")
+    text.append(f"; recompute {document['recompute_fraction']:.0%} of forward FLOPs "
+                f"({human_flops(document['recompute_flops'])} of {human_flops(document['forward_flops'])})")
+    if document.get("planning_seconds") is not None:
+        text.append(f"; captured, costed and planned in {document['planning_seconds']:.2f} s")
+    for note in document["notes"]:
+        text.append(f"\nnote: {note}", style="dim")
+    return text
+
+
+def inspect_view(document: Mapping[str, Any]) -> Group:
+    """What ``graphckpt inspect`` prints: the summary, segments and checkpoints tables."""
+    return Group(summary_text(document), _segment_table(document), _checkpoint_table(document))
+
+
+def compare_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
+    """Strategies side by side: simulated peak and its ratio to eager, recompute, timing."""
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for header in ("strategy", "used", "simulated peak", "vs eager", "recompute", "checkpoints",
+                   "segments", "planning"):
+        table.add_column(header, justify="left" if header in ("strategy", "used") else "right")
+    best = min((r["peak_bytes"] for r in rows if "error" not in r), default=None)
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["strategy"], Text(row["error"], style="red"), *[""] * 6)
+            continue
+        style = "bold green" if row["peak_bytes"] == best else ""
+        table.add_row(row["strategy"], row["strategy_used"], Text(human_bytes(row["peak_bytes"]), style=style),
+                      f"{row['peak_ratio']:.2f}x", f"{row['recompute_fraction']:.0%}", str(row["checkpoints"]),
+                      str(row["segment_count"]), f"{row['planning_seconds'] * 1e3:.0f} ms")
+    return table

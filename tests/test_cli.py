@@ -1,0 +1,326 @@
+"""The ``graphckpt`` command line: every command on tiny zoo models, its files and its errors.
+
+Models are tiny (a 4-layer MLP of width 32, a 1-block GPT of width 16) so each command
+runs in seconds; the torch.compile anchor (several seconds to compile) is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from graphckpt.cli import app, parse_budget_option
+from graphckpt.report import human_bytes, human_flops
+from graphckpt.targets import TargetError, load_target, parse_zoo_spec
+from passes.budget import BudgetError
+from passes.strategies import STRATEGIES
+
+MLP = "zoo:mlp?depth=4&width=32&batch=4"
+GPT = "zoo:gpt?layers=1&d=16&heads=2&seq=8&batch=2"
+JSON_KEYS = {"checkpoints", "segments", "peak_bytes", "eager_peak_bytes", "recompute_flops", "strategy", "capture"}
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    return CliRunner(env={"COLUMNS": "160"})
+
+
+def invoke(runner: CliRunner, *args: str):
+    return runner.invoke(app, list(args))
+
+
+def ok(result) -> str:
+    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after checking the signature)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def test_inspect_prints_segments_checkpoints_and_peaks(runner: CliRunner) -> None:
+    text = ok(invoke(runner, "inspect", GPT))
+    for expected in ("segments", "checkpoints", "simulated peak", "vs eager", "captured with fx", "recomputed",
+                     "of forward FLOPs"):
+        assert expected in text
+
+
+def test_inspect_json_has_stable_keys(runner: CliRunner) -> None:
+    document = json.loads(ok(invoke(runner, "inspect", MLP, "--strategy", "mincut", "--json")))
+    assert JSON_KEYS <= set(document)
+    assert document["strategy"] == "mincut" and document["capture"] == "fx"
+    assert 0 < document["peak_bytes"] <= document["eager_peak_bytes"]
+    assert document["checkpoints"] and {"node", "shape", "dtype", "bytes"} <= set(document["checkpoints"][0])
+    segment = document["segments"][0]
+    assert {"nodes", "first", "last", "recompute", "boundary_bytes", "recompute_flops", "children"} <= set(segment)
+    assert sum(s["nodes"] for s in document["segments"]) == document["graph"]["op_nodes"]
+
+
+def test_inspect_recompute_per_segment_adds_up(runner: CliRunner) -> None:
+    document = json.loads(ok(invoke(runner, "inspect", GPT, "--strategy", "sqrt", "--json")))
+    assert sum(s["recompute_flops"] for s in document["segments"]) == document["recompute_flops"]
+
+
+def test_inspect_budget_and_batch(runner: CliRunner) -> None:
+    document = json.loads(ok(invoke(runner, "inspect", "zoo:mlp?depth=4&width=32", "--batch", "8",
+                                    "--budget", "0.9", "--json")))
+    assert document["budget"] == "0.9"
+    assert document["peak_bytes"] <= 0.9 * document["eager_peak_bytes"]
+    assert document["checkpoints"] == [] or document["checkpoints"][0]["shape"].startswith("[8,")
+
+
+def test_inspect_draws_png_svg_and_dot(runner: CliRunner, tmp_path: Path) -> None:
+    png, svg, dot = tmp_path / "cut.png", tmp_path / "cut.svg", tmp_path / "cut.dot"
+    result = invoke(runner, "inspect", MLP, "--png", str(png), "--svg", str(svg), "--dot", str(dot))
+    ok(result)
+    width, height = png_size(png)
+    assert 600 <= width <= 6000 and 300 <= height <= 6000
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+    text = dot.read_text()
+    assert text.startswith("digraph") and text.rstrip().endswith("}")
+    assert "cluster_0" in text and "penwidth=3" in text  # segments grouped, checkpoints marked
+    assert f"wrote {png}" in result.stderr
+
+
+def test_inspect_collapses_segments_into_boxes(runner: CliRunner, tmp_path: Path) -> None:
+    dot, png = tmp_path / "cut.dot", tmp_path / "cut.png"
+    ok(invoke(runner, "inspect", GPT, "--collapse", "--dot", str(dot), "--png", str(png)))
+    text = dot.read_text()
+    assert '"segment 0"' in text and "ops" in text and "cluster_" not in text
+    assert png_size(png)[0] > 600
+
+
+def test_inspect_json_stays_clean_when_drawing(runner: CliRunner, tmp_path: Path) -> None:
+    result = invoke(runner, "inspect", MLP, "--json", "--png", str(tmp_path / "c.png"))
+    json.loads(ok(result))  # the "wrote ..." line goes to stderr
+
+
+# ---------------------------------------------------------------- compare
+
+
+def test_compare_lists_every_strategy(runner: CliRunner) -> None:
+    text = ok(invoke(runner, "compare", MLP))
+    for name in STRATEGIES:
+        assert name in text
+    assert "simulated peak" in text and "planning" in text
+
+
+def test_compare_json(runner: CliRunner) -> None:
+    document = json.loads(ok(invoke(runner, "compare", MLP, "--json")))
+    rows = {row["strategy"]: row for row in document["strategies"]}
+    assert set(rows) == set(STRATEGIES)
+    for row in rows.values():
+        if "error" not in row:
+            assert 0 < row["peak_ratio"] <= 1.0 + 1e-9 and row["planning_seconds"] >= 0
+
+
+# ---------------------------------------------------------------- bench, pareto, demo
+
+
+def test_bench_measures_eager_strategies_and_sequential_anchor(runner: CliRunner, tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    result = invoke(runner, "bench", MLP, "--steps", "1", "--no-compile", "--strategy", "sqrt",
+                    "--strategy", "auto", "--json", "--png", str(png))
+    document = json.loads(ok(result))
+    names = [r["name"] for r in document["results"]]
+    assert names[0] == "eager" and "graphckpt sqrt" in names and "graphckpt auto" in names
+    assert any(n.startswith("checkpoint_sequential") for n in names)
+    assert all(r["peak_bytes"] > 0 and r["step_seconds"] > 0 for r in document["results"])
+    assert document["results"][0]["peak_ratio"] == 1.0
+    assert png_size(png)[0] > 600
+    assert "USDT" not in result.stderr
+
+
+def test_bench_notes_a_missing_sequential_anchor(runner: CliRunner) -> None:
+    result = invoke(runner, "bench", GPT, "--steps", "1", "--no-compile", "--strategy", "sqrt")
+    assert "graphckpt sqrt" in ok(result)
+    assert "checkpoint_sequential skipped" in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_with_torch_compile_anchor(runner: CliRunner) -> None:
+    document = json.loads(ok(invoke(runner, "bench", MLP, "--steps", "1", "--strategy", "auto", "--json")))
+    kinds = {r["kind"] for r in document["results"]} | {s["name"].split()[0] for s in document["skipped"]}
+    assert "torch.compile" in kinds  # measured, or skipped with a note saying why
+
+
+def test_pareto_plots_and_skips_infeasible_budgets(runner: CliRunner, tmp_path: Path) -> None:
+    png = tmp_path / "pareto.png"
+    result = invoke(runner, "pareto", MLP, "--budgets", "1,0.95,0.01", "--steps", "1", "--no-compile",
+                    "--png", str(png))
+    text = ok(result)
+    assert "graphckpt 1" in text and "graphckpt 0.95" in text and "checkpoint_sequential" in text
+    assert "graphckpt budget 0.01 skipped: infeasible" in result.stderr
+    assert png_size(png)[0] > 600
+
+
+def test_pareto_flops_axis(runner: CliRunner, tmp_path: Path) -> None:
+    png = tmp_path / "pareto.png"
+    ok(invoke(runner, "pareto", MLP, "--budgets", "1,0.95", "--steps", "1", "--no-compile", "--x", "flops",
+              "--png", str(png)))
+    assert png.exists()
+
+
+def test_demo_shows_cut_and_measurements(runner: CliRunner) -> None:
+    text = ok(invoke(runner, "demo", "--steps", "1", "--target", GPT))
+    for expected in ("model:", "segments", "checkpoints", "measured peak", "eager", "graphckpt", "ratio: peak"):
+        assert expected in text
+
+
+# ---------------------------------------------------------------- user targets
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "cli_user_models.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def build(batch=3):
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), \\
+                torch.randn(batch, 8)
+
+        def wrong():
+            return 42
+
+        def broken():
+            raise RuntimeError("no weights here")
+
+        NOT_CALLABLE = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return path
+
+
+def test_module_callable_target_with_batch(runner: CliRunner, user_module: Path) -> None:
+    document = json.loads(ok(invoke(runner, "inspect", "cli_user_models:build", "--batch", "5", "--json")))
+    assert document["target"] == "cli_user_models:build"
+    assert "[5, 8]" in json.dumps(document) or document["eager_peak_bytes"] > 0
+
+
+def test_file_path_target(runner: CliRunner, user_module: Path) -> None:
+    ok(invoke(runner, "compare", f"{user_module}:build"))
+
+
+# ---------------------------------------------------------------- errors
+
+
+ERRORS = [
+    (["inspect", "zoo:nope"], "unknown zoo model 'nope'"),
+    (["inspect", "zoo:mlp?depth=2&colour=red"], "colour"),
+    (["inspect", MLP, "--strategy", "nope"], "unknown strategy 'nope'"),
+    (["inspect", MLP, "--budget", "lots"], "budget 'lots'"),
+    (["inspect", MLP, "--budget", "0.001"], "no plan fits"),
+    (["inspect", MLP, "--budget", "0.5", "--strategy", "sqrt"], "budget"),
+    (["inspect", "no_such_package_xyz.models:build"], "cannot import 'no_such_package_xyz.models'"),
+    (["inspect", "cli_user_models:wrong"], "must return (model, example_inputs)"),
+    (["inspect", "cli_user_models:broken"], "no weights here"),
+    (["inspect", "cli_user_models:NOT_CALLABLE"], "not a callable"),
+    (["inspect", "cli_user_models:missing"], "has no attribute 'missing'"),
+    (["inspect", "just-a-word"], "expected zoo:NAME or package.module:callable"),
+    (["compare", "zoo:nope"], "unknown zoo model"),
+    (["bench", MLP, "--strategy", "nope"], "unknown strategy"),
+    (["pareto", MLP, "--budgets", "2,0.5"], "0 < b <= 1"),
+    (["pareto", MLP, "--x", "bytes"], "choose time or flops"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), ERRORS, ids=[" ".join(a)[:60] for a, _ in ERRORS])
+def test_bad_input_is_one_red_line(runner: CliRunner, user_module: Path, args: list[str], message: str) -> None:
+    result = invoke(runner, *args)
+    assert result.exit_code == 1, result.output
+    assert message in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_debug_shows_the_exception(runner: CliRunner) -> None:
+    result = invoke(runner, "--debug", "inspect", "zoo:nope")
+    assert result.exit_code != 0
+    assert isinstance(result.exception, TargetError)
+
+
+def test_console_script_runs_in_a_real_process(tmp_path: Path) -> None:
+    env = {**os.environ, "COLUMNS": "120"}
+    command = [sys.executable, "-m", "graphckpt.cli"]
+    good = subprocess.run([*command, "inspect", MLP, "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert JSON_KEYS <= set(json.loads(good.stdout))
+    bad = subprocess.run([*command, "inspect", "zoo:nope"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().startswith("error: unknown zoo model") and "Traceback" not in bad.stderr
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def test_parse_zoo_spec_coerces_values() -> None:
+    assert parse_zoo_spec("zoo:gpt?layers=2&dropout=0.0&name=x&flag=true") == (
+        "gpt", {"layers": 2, "dropout": 0.0, "name": "x", "flag": True})
+    assert parse_zoo_spec("zoo:mlp") == ("mlp", {})
+
+
+def test_load_target_zoo_batch_option_wins() -> None:
+    target = load_target("zoo:mlp?depth=2&width=8&batch=3", batch=6)
+    assert target.inputs[0].shape == (6, 8)
+
+
+def test_parse_budget_option() -> None:
+    assert parse_budget_option("0.5") == 0.5
+    assert parse_budget_option("1000000") == 1_000_000
+    assert parse_budget_option("2MiB") == "2MiB"
+    assert parse_budget_option(None) is None
+    with pytest.raises(BudgetError):
+        parse_budget_option("-3")
+
+
+def test_human_units() -> None:
+    assert human_bytes(32768) == "32 KiB" and human_bytes(512) == "512 B"
+    assert human_bytes(3.5 * 2**20) == "3.5 MiB"
+    assert human_flops(4_194_304) == "4.19 MFLOP"
+
+
+def test_nested_segments_are_indented_in_rows_and_table() -> None:
+    from dataclasses import fields, replace
+
+    from rich.console import Console
+
+    import graphckpt
+    from graphckpt import report
+    from passes.plan import Segment
+
+    if "children" not in {f.name for f in fields(Segment)}:
+        pytest.skip("this version of passes.plan has no nested segments")
+    target = load_target(MLP)
+    analysis = graphckpt.analyze(target.model, target.inputs, strategy="sqrt", segments=2)
+    graph, plan = analysis.cost_graph, analysis.plan
+    outer = plan.segments[0]
+    half = len(outer.nodes) // 2
+    inner = tuple(Segment(nodes, True, (), ()) for nodes in (outer.nodes[:half], outer.nodes[half:]))
+    nested = replace(plan, segments=(replace(outer, children=inner), *plan.segments[1:]))
+    document = report.plan_document(graph, nested, target=MLP, capture="fx", strategy="sqrt")
+    rows = report.flatten_segments(document["segments"])
+    assert [(r["index"], r["depth"]) for r in rows[:3]] == [("0", 0), ("0.0", 1), ("0.1", 1)]
+    console = Console(record=True, width=160)
+    console.print(report.inspect_view(document))
+    assert "  0.1" in console.export_text()
