@@ -7,9 +7,10 @@ Pipeline: capture (fx / export) -> costs -> pass (``passes``) -> simulate -> cod
 """
 
 from graphckpt.api import analyze, plan, rewrite
+from graphckpt.backend import backend
 from graphckpt.capture import CaptureError
 from graphckpt.codegen import RewrittenModule
 from passes.plan import Plan, PlanError
 
-__all__ = ["CaptureError", "Plan", "PlanError", "RewrittenModule", "analyze", "plan", "rewrite"]
+__all__ = ["CaptureError", "Plan", "PlanError", "RewrittenModule", "analyze", "backend", "plan", "rewrite"]
 __version__ = "0.1.0"

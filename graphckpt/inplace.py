@@ -43,6 +43,31 @@ def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
     return [value for value in written if isinstance(value, fx.Node)]
 
 
+# Python-level norms that update running statistics given in their arguments: positions of
+# (running_mean, running_var) and of the flag that makes them update (name, position, default).
+_FUNCTIONAL_NORMS = {
+    torch.nn.functional.batch_norm: ((1, 2), ("training", 5, False)),
+    torch.nn.functional.instance_norm: ((1, 2), ("use_input_stats", 5, True)),
+    torch.batch_norm: ((3, 4), ("training", 5, True)),
+    torch.instance_norm: ((3, 4), ("use_input_stats", 5, True)),
+}
+
+
+def _functional_norm_written(node: fx.Node) -> list[fx.Node]:
+    """Running statistics a ``torch.nn.functional.batch_norm``-style call updates (what
+    ``torch.compile`` graphs call, with the module's buffers as graph inputs): those it is
+    passed while in training mode (or ``use_input_stats``); a flag that is itself a value of
+    the graph counts as on."""
+    (mean, var), (flag, position, default) = _FUNCTIONAL_NORMS[node.target]
+    names = ("running_mean", "running_var")
+    on = node.args[position] if position < len(node.args) else node.kwargs.get(flag, default)
+    if on is False:
+        return []
+    written = [node.args[i] if i < len(node.args) else node.kwargs.get(name)
+               for i, name in zip((mean, var), names, strict=True)]
+    return [value for value in written if isinstance(value, fx.Node)]
+
+
 def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
     """The values ``node`` writes into in place (empty if it writes nothing).
 
@@ -59,6 +84,8 @@ def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
         return []
     if isinstance(node.target, torch._ops.OpOverload):
         return _schema_written_arguments(node)
+    if node.target in _FUNCTIONAL_NORMS:
+        return _functional_norm_written(node)
     if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
         return first
     name = getattr(node.target, "__name__", "")
