@@ -17,7 +17,8 @@ from graphckpt.capture import Captured, CaptureError, capture
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
-from passes.budget import Budget, fit_budget, parse_budget
+from graphckpt.progress import planning_progress
+from passes.budget import Budget, fit_budget, optimal_plan, parse_budget
 from passes.plan import Plan
 from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES, choose_plan
@@ -51,12 +52,15 @@ def _require_costs_for_inplace(source: fx.GraphModule) -> None:
 
 
 def _choose(cost_graph: nx.DiGraph, strategy: str, segments: int | None, budget: Budget | None) -> Plan:
-    if budget is None:
+    if budget is not None and (strategy not in ("auto", "optimal") or segments is not None):
+        raise ValueError("budget= picks the segments itself with the optimal pass; leave strategy='auto' "
+                         "(or 'optimal') and segments=None, or drop the budget")
+    with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress:
+        if budget is not None:
+            return fit_budget(cost_graph, parse_budget(budget, eager_peak(cost_graph)), progress)
+        if strategy == "optimal":
+            return optimal_plan(cost_graph, segments, progress)
         return choose_plan(cost_graph, strategy, segments)
-    if strategy != "auto" or segments is not None:
-        raise ValueError("budget= picks the strategy and segment count itself; leave strategy='auto' "
-                         "and segments=None, or drop the budget")
-    return fit_budget(cost_graph, parse_budget(budget, eager_peak(cost_graph)))
 
 
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
@@ -68,6 +72,8 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     if budget is not None and example_inputs is None:
         raise ValueError("a memory budget needs example_inputs: sizes come from running them")
     args = _as_tuple(example_inputs)
+    if args is None and example_kwargs:
+        args = ()  # keyword inputs alone are example inputs too
     captured = capture(model, args, example_kwargs)
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
@@ -94,10 +100,12 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
 
     It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
     so an optimizer over ``model.parameters()`` trains it. ``strategy`` is one of
-    ``"auto"``, ``"sqrt"``, ``"articulation"``, ``"mincut"``; ``segments`` overrides the
-    √n segment count. ``budget`` (a fraction of eager's simulated peak, bytes, or a string
-    like ``"2GiB"``) picks the plan of least recompute whose simulated peak fits, or raises
-    :class:`passes.budget.BudgetError` saying the smallest peak reachable.
+    ``"auto"``, ``"sqrt"``, ``"articulation"``, ``"mincut"``, ``"optimal"`` (least
+    recompute at auto's peak, nested segments allowed); ``segments`` overrides the √n
+    segment count of the heuristics. ``budget`` (a fraction of eager's simulated peak,
+    bytes, or a string like ``"2GiB"``) runs the optimal pass: the plan of least recompute
+    whose simulated peak fits, or :class:`passes.budget.BudgetError` saying the smallest
+    peak reachable.
     ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,

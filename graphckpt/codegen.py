@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import networkx as nx
@@ -41,7 +41,8 @@ class RewrittenModule(fx.GraphModule):
 
     @property
     def segments(self) -> list[tuple[str, Segment]]:
-        return [(name, m) for name, m in self.named_children() if isinstance(m, Segment)]
+        """Every recomputed segment by name, nested ones after their parent."""
+        return list(_walk_segments(self))
 
     @property
     def code(self) -> str:
@@ -51,6 +52,13 @@ class RewrittenModule(fx.GraphModule):
             body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
             bodies.append(f"# {name}: {segment.extra_repr()}{body}")
         return "\n".join([header + super().code, *bodies])
+
+
+def _walk_segments(owner: nn.Module) -> Iterator[tuple[str, Segment]]:
+    for name, child in owner.named_children():
+        if isinstance(child, Segment):
+            yield name, child
+            yield from _walk_segments(child.body)
 
 
 def adopt_structure(target: nn.Module, source: nn.Module) -> None:
@@ -65,6 +73,18 @@ def adopt_structure(target: nn.Module, source: nn.Module) -> None:
     for name, buffer in source._buffers.items():
         if buffer is not None:
             target.register_buffer(name, buffer, persistent=name not in source._non_persistent_buffers_set)
+    for own, theirs in ((target._modules, source._modules), (target._parameters, source._parameters),
+                        (target._buffers, source._buffers)):
+        _order_like(own, theirs)
+
+
+def _order_like(mapping: dict, reference: Mapping) -> None:
+    """Reorder ``mapping`` in place: ``reference``'s keys first, in its order, so
+    ``parameters()`` and ``state_dict()`` list tensors in the model's order."""
+    ordered = {key: mapping[key] for key in reference if key in mapping}
+    ordered.update((key, value) for key, value in mapping.items() if key not in ordered)
+    mapping.clear()
+    mapping.update(ordered)
 
 
 def _resolve(root: nn.Module, target: str) -> Any:
@@ -74,23 +94,60 @@ def _resolve(root: nn.Module, target: str) -> Any:
     return value
 
 
-def _attribute_table(graph: fx.Graph, owner: nn.Module) -> dict[str, Any]:
-    """Every module and attribute the graph names, looked up on ``owner``."""
-    return {n.target: _resolve(owner, n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")}
+def _attribute_table(graph: fx.Graph, owner: nn.Module, skip: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """Every module and attribute the graph names (but those in ``skip``), looked up on ``owner``."""
+    return {n.target: _resolve(owner, n.target) for n in graph.nodes
+            if n.op in ("call_module", "get_attr") and n.target not in skip}
 
 
-def _body_graph(source: fx.GraphModule, planned: PlannedSegment) -> fx.Graph:
-    """The graph of one segment: its inputs as placeholders, its outputs as a tuple."""
-    nodes = {n.name: n for n in source.graph.nodes}
+def _segment_module(source: fx.GraphModule, graph: nx.DiGraph, planned: PlannedSegment, target: str) -> Segment:
+    """The runtime module of one recomputed segment. Its body takes the segment's inputs and
+    returns its outputs; nested recomputed children become segments called from the body."""
+    originals = {n.name: n for n in source.graph.nodes}
     body = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for name in planned.inputs:
-        env[nodes[name]] = body.placeholder(name)
-    for name in planned.nodes:
-        env[nodes[name]] = body.node_copy(nodes[name], lambda n: env[n])
-    results = [env[nodes[name]] for name in planned.outputs]
+    env = {name: body.placeholder(name) for name in planned.inputs}
+
+    def copy_node(name: str) -> None:
+        if name not in env:
+            env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+
+    children = planned.children or (PlannedSegment(planned.nodes, False, planned.inputs, planned.outputs),)
+    modules = _emit_segments(body, source, graph, children, env, copy_node, prefix=f"{target}_")
+    results = [env[name] for name in planned.outputs]
     body.output(results[0] if len(results) == 1 else tuple(results))
-    return body
+    attributes = {**_attribute_table(body, source, skip=modules), **modules}
+    segment = Segment(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes, inputs=planned.inputs,
+                      outputs=planned.outputs, saved_inside=planned.saved_inside,
+                      kept_bytes=boundary_bytes(graph, planned.inputs),
+                      replays_rng=_may_draw_random(graph, planned.nodes))
+    for child in modules.values():
+        object.__setattr__(child, "enclosing", segment)
+    return segment
+
+
+def _may_draw_random(graph: nx.DiGraph, nodes: tuple[str, ...]) -> bool:
+    """Whether recomputing ``nodes`` may draw random numbers (then the RNG state is kept
+    from forward); unknown, so yes, when the graph was costed without example inputs."""
+    return not graph.graph.get("measured", False) or any(graph.nodes[n]["random"] for n in nodes)
+
+
+def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule, graph: nx.DiGraph,
+                   segments: tuple[PlannedSegment, ...], env: dict[str, fx.Node],
+                   copy_node: Callable[[str], None], prefix: str) -> dict[str, Segment]:
+    """Emit a sequence of planned segments into ``target_graph``: kept ones inline, each
+    recomputed one as a call of a new :class:`Segment` (returned by name)."""
+    modules: dict[str, Segment] = {}
+    for planned in segments:
+        if not planned.recompute:
+            for name in planned.nodes:
+                copy_node(name)
+            continue
+        for name in planned.inputs:
+            copy_node(name)
+        target = f"{prefix}{len(modules)}"
+        modules[target] = _segment_module(source, graph, planned, target)
+        _emit_call(target_graph, target, planned, env)
+    return modules
 
 
 def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[str, fx.Node]) -> None:
@@ -105,8 +162,10 @@ def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[st
 
 
 def _header(plan: Plan, graph: nx.DiGraph, method: str) -> str:
+    depth = max((s.depth for s in plan.segments), default=0)
+    nesting = f", nested {depth} deep (segment_i_j runs inside segment_i's recompute)" if depth > 1 else ""
     lines = [f"# graphckpt: strategy {plan.strategy}, captured with {method}; "
-             f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward"]
+             f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}"]
     for name in plan.checkpoints:
         attributes = graph.nodes[name]
         lines.append(f"#   keeps {name}: {attributes.get('shape', '')} {attributes.get('dtype', '')} "
@@ -130,21 +189,8 @@ def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: 
     for node in source.graph.nodes:
         if node.op == "placeholder":
             lookup(node)
-    segments: dict[str, Segment] = {}
-    for planned in plan.segments:
-        if not planned.recompute:
-            for name in planned.nodes:
-                lookup(originals[name])
-            continue
-        for name in planned.inputs:
-            lookup(originals[name])
-        body_graph = _body_graph(source, planned)
-        body = fx.GraphModule(_attribute_table(body_graph, source), body_graph, "SegmentBody")
-        target = f"segment_{len(segments)}"
-        segments[target] = Segment(body, nodes=planned.nodes, inputs=planned.inputs,
-                                   outputs=planned.outputs, saved_inside=planned.saved_inside,
-                                   kept_bytes=boundary_bytes(graph, planned.inputs))
-        _emit_call(top, target, planned, env)
+    segments = _emit_segments(top, source, graph, plan.segments, env,
+                              lambda name: lookup(originals[name]), prefix="segment_")
     for node in source.graph.nodes:
         if node.op == "output":
             lookup(node)

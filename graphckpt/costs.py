@@ -47,6 +47,7 @@ class Profile:
 
     costs: Mapping[str, NodeCost]
     parents: Mapping[fx.Node, fx.Node]
+    measured: bool = True  # False: unit costs, nothing was run
 
 
 def prepare(graph_module: fx.GraphModule, args: tuple | None,
@@ -55,7 +56,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     final graph; unit costs when there are no example inputs."""
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
-                       view_parents(graph_module, []))
+                       view_parents(graph_module, []), measured=False)
     runs = [node_costs(graph_module, args, kwargs, training=mode) for mode in (True, False)]
     parents = view_parents(graph_module, runs)
     if isolate_inplace(graph_module, parents):
@@ -67,7 +68,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
     not_recomputable, not_cuttable = mutation_constraints(graph_module, profile.parents)
-    graph = nx.DiGraph(name=type(graph_module).__name__)
+    graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         add_value(
@@ -87,6 +88,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             random=cost.random,
             expensive=cost.expensive,
             param_grad_bytes=cost.param_grad_bytes,
+            backward_extra_bytes=cost.backward_extra_bytes,
             shape=cost.shape,
             dtype=cost.dtype,
         )

@@ -3,12 +3,15 @@
 One fake-tensor pass (no real memory, no real compute) gives, per node: bytes of new
 storage, which earlier value it aliases (views), FLOPs (``torch.utils.flop_counter``),
 which values its backward saves (``saved_tensors_hooks``), shapes and dtypes.
+
+Memory a kernel allocates *inside* itself, which fake tensors cannot show, comes from
+:mod:`graphckpt.scratch` (``backward_extra_bytes``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,6 +21,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
+
+from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch
 
 PARAM = "<param>"
 
@@ -37,6 +42,7 @@ class NodeCost:
     param_grad_bytes: int
     shape: str
     dtype: str
+    backward_extra_bytes: int = 0
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -57,25 +63,36 @@ EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_con
 
 
 class _OpKinds(TorchDispatchMode):
-    """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions."""
+    """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
+    ops that are neither views nor pointwise (``opaque``).
+
+    Only the backward of an opaque op can need scratch memory: views allocate nothing, and
+    the derivatives of pointwise ops are pointwise ops (and sums for broadcasting), kernels
+    that write straight into their outputs (every one replayed on the zoo measured 0 bytes).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.random = False
         self.expensive = False
+        self.opaque = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
         self.expensive = self.expensive or func.overloadpacket.__name__ in EXPENSIVE_OPS
+        self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)
         return func(*args, **(kwargs or {}))
 
 
 class _CostInterpreter(fx.Interpreter):
     """Runs nodes on fake tensors and records a :class:`NodeCost` for each."""
 
-    def __init__(self, module: fx.GraphModule, mode: FakeTensorMode) -> None:
+    def __init__(self, module: fx.GraphModule, mode: FakeTensorMode, *, backward: bool = True) -> None:
         super().__init__(module)
         self.mode = mode
+        self.backward = backward
+        self.recorder = Recorder()
+        self.grad_fns: set[Any] = set()  # autograd functions claimed by a node
         self.owner: dict[int, str] = {}
         self.keep_alive: list[Any] = []
         self.costs: dict[str, NodeCost] = {}
@@ -94,7 +111,59 @@ class _CostInterpreter(fx.Interpreter):
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops(), kinds)
+        if self.backward and node.op.startswith("call_"):
+            self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result
+
+    def _claim_grad_fns(self, result: Any, name: str | None) -> None:
+        """Hook the autograd functions this node made (those its outputs reach before the
+        functions of earlier nodes and the leaves' ``AccumulateGrad``) so that, in the
+        backward, :class:`Recorder` gives their ATen calls to ``name``; ``None`` (a node
+        that ran only views and pointwise ops) records nothing."""
+        recorder = self.recorder
+
+        def enter(grad_outputs: Any) -> None:
+            recorder.owner = name
+
+        def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+            recorder.owner = None
+
+        stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        while stack:
+            function = stack.pop()
+            if function is None or function in self.grad_fns or hasattr(function, "variable"):
+                continue  # hasattr(.., "variable"): a leaf's AccumulateGrad
+            self.grad_fns.add(function)
+            function.register_prehook(enter)
+            function.register_hook(leave)
+            stack.extend(next_function for next_function, _ in function.next_functions)
+
+    def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:
+        """Set each node's ``backward_extra_bytes``: the most bytes any one ATen call of its
+        backward allocates beyond what it returns (the calls run one after another, each
+        freeing its scratch before the next; results passed between them are not counted).
+
+        One backward of the whole graph runs on fake tensors, from ``outputs`` to the
+        parameters and ``inputs``, as autograd runs it in training: each call gets the
+        gradient layouts it gets for real (a gradient that comes out of ``cat``'s backward
+        is a strided slice, which ``convolution_backward`` first copies). The calls not
+        measured before in this process are then replayed (:func:`measure_kernel_scratch`).
+        """
+        outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = [t for t in (*self.module.parameters(), *inputs) if t.requires_grad]
+        if not outputs or not leaves:
+            return
+        with self.mode, self.recorder:
+            try:
+                torch.autograd.grad(outputs, leaves, [torch.empty_like(t) for t in outputs], allow_unused=True)
+            except (RuntimeError, NotImplementedError):
+                return
+        keys = {name: [call_key(*call) for call in calls] for name, calls in self.recorder.calls.items()}
+        measure_kernel_scratch({key: call for name, calls in self.recorder.calls.items()
+                                for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
+        for name, node_keys in keys.items():
+            extra = max((KERNEL_EXTRA.get(key, 0) for key in node_keys), default=0)
+            self.costs[name] = replace(self.costs[name], backward_extra_bytes=extra)
 
     def _param_grad_bytes(self, node: fx.Node) -> int:
         """Bytes of parameter gradients this node's backward creates (before they are
@@ -165,7 +234,10 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
     the module in training (default) or eval mode.
 
     The real module is not run and its buffers are not touched (it is copied to fake
-    tensors first).
+    tensors first). In training mode a fake backward follows, and the ATen calls of each
+    node's backward are replayed once on real stand-in tensors to measure their scratch
+    memory (:meth:`_CostInterpreter.backward_extra_bytes`; cached per process, so repeated
+    plans of one model replay nothing).
     """
     from torch._dynamo.utils import deepcopy_to_fake_tensor  # slow import, only needed here
 
@@ -176,7 +248,9 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
     for fake, real in zip(inputs, real_inputs, strict=True):
         if isinstance(real, torch.Tensor) and real.requires_grad:
             fake.requires_grad_(True)
-    interpreter = _CostInterpreter(fake_module, mode)
+    interpreter = _CostInterpreter(fake_module, mode, backward=training)
     with torch.enable_grad():
-        interpreter.run(*inputs)
+        outputs = interpreter.run(*inputs)
+        if training:
+            interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
     return interpreter.costs

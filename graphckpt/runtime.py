@@ -43,12 +43,9 @@ def frozen_running_stats(norms: Sequence[_NormBase]) -> Iterator[None]:
                 setattr(norm, name, buffer)
 
 
-def _wants_grad(args: Sequence[Any], module: nn.Module) -> bool:
-    """Whether backward may run through this call (so recomputation is worth arranging)."""
-    if not torch.is_grad_enabled():
-        return False
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or any(
-        p.requires_grad for p in module.parameters())
+def _wants_grad(args: Sequence[Any]) -> bool:
+    """Whether an input brings gradients into this call."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 class Segment(nn.Module):
@@ -60,42 +57,78 @@ class Segment(nn.Module):
     """
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
-                 outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = ()) -> None:
+                 outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
+                 replays_rng: bool = True) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
+        object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
+        self.recomputing = 0
         self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.kept_bytes = kept_bytes
         self.recomputations = 0
+        self.replays_rng = replays_rng  # keep the RNG state for recompute (5 KiB a segment on CPU)
+
+    def called_modules(self) -> Iterator[nn.Module]:
+        """The modules the body calls, those of nested segments included."""
+        for module in self.body.modules():
+            if isinstance(module, Segment):
+                yield from module.called_modules()
+            else:
+                yield module
 
     def norms(self) -> list[_NormBase]:
-        """Normalization layers the body calls that keep running statistics."""
-        return [m for m in self.body.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        """Normalization layers the body (or a nested segment) calls that keep running statistics."""
+        return [m for m in self.called_modules() if isinstance(m, _NormBase) and m.track_running_stats]
+
+    def _trains_parameters(self) -> bool:
+        return any(p.requires_grad for m in self.called_modules() for p in m.parameters(recurse=False))
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        if not self.saved_inside:
+        # Nested in a segment's first forward, nothing is kept: matmul outputs are kept from
+        # the enclosing segment's recompute, not held through the whole step.
+        enclosing_recomputes = self.enclosing is None or self.enclosing.recomputing
+        if not self.saved_inside or not enclosing_recomputes:
             return contextlib.nullcontext(), self._recomputing()
         forward, recompute = create_selective_checkpoint_contexts(_keep_expensive)
         return forward, self._recomputing(recompute)
 
-    @contextlib.contextmanager
-    def _recomputing(self, selective: contextlib.AbstractContextManager | None = None) -> Iterator[None]:
-        self.recomputations += 1
-        with frozen_running_stats(self.norms()), selective or contextlib.nullcontext():
-            yield
+    def _recomputing(self, selective: contextlib.AbstractContextManager | None = None) -> _Recomputing:
+        return _Recomputing(self, selective)
 
     def forward(self, *args: Any) -> Any:
-        if not _wants_grad(args, self.body):
+        if not torch.is_grad_enabled() or not (_wants_grad(args) or self._trains_parameters()):
             return self.body(*args)
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
                           context_fn=self._contexts)
 
     def extra_repr(self) -> str:
         kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
         return (f"recomputes {len(self.nodes) - len(self.saved_inside)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) "
                 f"in backward; keeps {', '.join(self.inputs)}{kept}")
+
+
+class _Recomputing:
+    """What surrounds every recompute of a segment: counted, running statistics frozen, the
+    selective policy on. Re-enterable, since a double backward recomputes twice."""
+
+    def __init__(self, segment: Segment, selective: contextlib.AbstractContextManager | None) -> None:
+        self.segment = segment
+        self.selective = selective
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        self.segment.recomputations += 1
+        self.segment.recomputing += 1
+        self.stack.enter_context(frozen_running_stats(self.segment.norms()))
+        if self.selective is not None:
+            self.stack.enter_context(self.selective)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.segment.recomputing -= 1
+        self.stack.close()
 
 
 def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

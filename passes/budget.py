@@ -13,8 +13,9 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
+from passes.optimal import DynamicProgram, Progress, plan_for_budget
 from passes.plan import Plan
-from passes.strategies import articulation_plan, build_plan, keep_expensive, mincut_plan, sqrt_plan
+from passes.strategies import articulation_plan, auto_plan, build_plan, keep_expensive, mincut_plan, sqrt_plan
 
 Budget = float | int | str
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -77,39 +78,68 @@ def partially_recomputed(graph: nx.DiGraph, plan: Plan) -> list[Plan]:
     return variants
 
 
+THOROUGH_UP_TO = 400  # ops; larger graphs try only each heuristic's default segment count
+
+
 def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
-    """Plans of every strategy over a range of segment counts, their partially recomputed
-    variants, and selective variants of all of these that keep matmul/convolution outputs
-    (each simulated and validated)."""
-    plans = [strategy(graph, count) for count in segment_counts(graph)
-             for strategy in (sqrt_plan, articulation_plan, mincut_plan)]
-    plans += [v for p in plans if len(p.segments) <= 17 for v in partially_recomputed(graph, p)]
+    """Flat plans of every heuristic strategy over a range of segment counts (their default
+    √n count included), their partially recomputed variants, and selective variants of all
+    of these that keep matmul/convolution outputs (each simulated and validated). Graphs
+    over ``THOROUGH_UP_TO`` ops get only the default count of each strategy."""
+    heuristics = (sqrt_plan, articulation_plan, mincut_plan)
+    thorough = len(op_nodes(graph)) <= THOROUGH_UP_TO
+    counts = [*segment_counts(graph), None] if thorough else [1, None]
+    plans = [strategy(graph, count) for count in counts for strategy in heuristics]
+    if thorough:
+        plans += [v for p in plans if len(p.segments) <= 9 for v in partially_recomputed(graph, p)]
     if any(graph.nodes[n]["expensive"] for n in graph):
         plans += [keep_expensive(graph, p) for p in plans if p.recomputed_segments]
     return plans
 
 
-def fit_budget(graph: nx.DiGraph, budget_bytes: int) -> Plan:
-    """The candidate plan of least recompute whose simulated peak fits ``budget_bytes``.
+def _cheapest(plans: list[Plan]) -> Plan:
+    """Least recompute: fewest FLOPs, then fewest bytes recomputed (pointwise work, which
+    the FLOP counter calls free), then the lower peak."""
+    return min(plans, key=lambda p: (p.recompute_flops, p.recompute_bytes, p.peak_bytes))
 
-    Least recompute: fewest FLOPs, then fewest bytes recomputed (pointwise work, which the
-    FLOP counter calls free), then the lower peak.
 
-    Raises :class:`BudgetError` naming the smallest peak any candidate reaches and the
-    values its plan still keeps when none fits.
+def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
+    """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
+    program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
+    the best of the flat :func:`candidate_plans`. Its ``strategy`` is ``"optimal"``; a note
+    says which plan won.
+
+    Raises :class:`BudgetError` naming the smallest peak any plan reaches and the values
+    its plan still keeps when none fits.
     """
-    plans = candidate_plans(graph)  # segments=1 is eager itself: no recompute
-    eager = plans[0].eager_peak_bytes
-    fitting = [p for p in plans if p.peak_bytes <= budget_bytes]
+    program = DynamicProgram(graph, progress=progress)
+    plans = candidate_plans(graph)  # count 1 is eager itself: no recompute
+    found = plan_for_budget(program, budget_bytes)
+    fitting = [p for p in [*plans, found] if p is not None and p.peak_bytes <= budget_bytes]
     if not fitting:
-        best = min(plans, key=lambda p: p.peak_bytes)
-        heaviest = sorted(best.checkpoints, key=lambda v: -graph.nodes[v]["bytes"])[:5]
-        raise BudgetError(
-            f"no plan fits {budget_bytes / 2**20:.2f} MiB; the smallest simulated peak is "
-            f"{best.peak_bytes / 2**20:.2f} MiB ({best.peak_bytes / max(eager, 1):.2f}x eager, "
-            f"strategy {best.strategy} with {len(best.segments)} segments), kept values include "
-            f"{', '.join(heaviest) or 'none'}. Raise the budget."
-        )
-    chosen = min(fitting, key=lambda p: (p.recompute_flops, p.recompute_bytes, p.peak_bytes))
-    note = f"budget {budget_bytes / 2**20:.2f} MiB: least recompute among {len(plans)} candidate plans"
-    return replace(chosen, notes=(note, *chosen.notes))
+        raise _unreachable(graph, budget_bytes, [*plans, program.smallest()])
+    chosen = _cheapest(fitting)
+    origin = ("the dynamic program's plan" if chosen is found else
+              f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
+    note = (f"optimal: least recompute for {budget_bytes / 2**20:.2f} MiB among the dynamic program's "
+            f"plan and {len(plans)} flat plans: {origin}")
+    return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
+
+
+def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan]) -> BudgetError:
+    best = min(plans, key=lambda p: p.peak_bytes)
+    eager = best.eager_peak_bytes
+    heaviest = sorted(best.checkpoints, key=lambda v: -graph.nodes[v]["bytes"])[:5]
+    return BudgetError(
+        f"no plan fits {budget_bytes / 2**20:.2f} MiB; the smallest simulated peak is "
+        f"{best.peak_bytes / 2**20:.2f} MiB ({best.peak_bytes / max(eager, 1):.2f}x eager, "
+        f"strategy {best.strategy} with {len(best.segments)} segments), kept values include "
+        f"{', '.join(heaviest) or 'none'}. Raise the budget."
+    )
+
+
+def optimal_plan(graph: nx.DiGraph, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """Least recompute for the peak :func:`passes.strategies.auto_plan` reaches (without a
+    budget, "optimal" keeps auto's memory and cuts its recompute). ``segments`` is ignored:
+    the program chooses segments itself."""
+    return fit_budget(graph, auto_plan(graph).peak_bytes, progress)

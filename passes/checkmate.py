@@ -12,8 +12,9 @@ gradient seed per graph output that needs a gradient (size: its storage root's b
 loss working set ``LOSS_WORKING_SET`` x those bytes is held for a moment). Then, ops in
 reverse, the backward of op ``k``: one node per gradient buffer it creates (one node if none),
 each reading ``k``'s gradient buffer, the buffers it adds into, ``k``'s extra and the storage
-roots of ``k``'s ``saved`` values. A gradient added into an existing buffer and the
-``param_grad_bytes`` are held for a moment (*transient* bytes). Inputs and params are free;
+roots of ``k``'s ``saved`` values. A gradient added into an existing buffer, and the
+``param_grad_bytes`` with, if any, the ``backward_extra_bytes`` plus the gradients ``k`` adds
+into existing buffers, are held for a moment (*transient* bytes). Inputs and params are free;
 input gradients, graph outputs and their storage roots stay in memory to the end (*kept*).
 ``random`` ops need nothing more: each first runs in its own stage, in eager order.
 
@@ -150,7 +151,7 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         reads += [owner[u] for u in inputs if u in owner] + ([extra[k]] if k in extra else [])
         reads += [index[r] for r in {storage_root(graph, v) for v in graph.nodes[k]["saved"]} if r in index]
         new = [u for u in inputs if u not in owner]
-        moment = max(_partial_peak(graph, inputs, owner), graph.nodes[k]["param_grad_bytes"] if gets_grad else 0)
+        moment = max(_partial_peak(graph, inputs, owner), _kernel_moment(graph, k, inputs, owner) if gets_grad else 0)
         for position, u in enumerate(new or [None]):
             node = add(f"backward:{k}" + (f":{u}" if position else ""), gradient_bytes(graph, u) if u else 0, reads,
                        kept=bool(u) and graph.nodes[u]["kind"] == "input",
@@ -170,6 +171,15 @@ def _partial_peak(graph: nx.DiGraph, inputs: list[str], owner: dict[str, int]) -
         else:
             made_after += gradient_bytes(graph, u)
     return peak
+
+
+def _kernel_moment(graph: nx.DiGraph, name: str, inputs: list[str], owner: dict[str, int]) -> int:
+    """Bytes above "all new gradient buffers made" while ``name``'s parameter gradients
+    exist and, if it has any, its ``backward_extra_bytes`` with every gradient it returns
+    (those to be added into existing buffers too), as :func:`passes.simulate` holds them."""
+    extra = graph.nodes[name]["backward_extra_bytes"]
+    partial = sum(gradient_bytes(graph, u) for u in inputs if u in owner)
+    return graph.nodes[name]["param_grad_bytes"] + (extra and extra + partial)
 
 
 def _forward_reads(graph: nx.DiGraph, name: str, index: dict[str, int]) -> set[int]:

@@ -2,7 +2,9 @@
 
 A cost graph is a :class:`networkx.DiGraph` over the values of one forward pass. Nodes are
 value names (the fx node names, e.g. ``"linear_3"``); an edge ``u -> v`` means "computing
-``v`` reads ``u``". Graph attribute ``graph.graph["name"]`` is optional (for display).
+``v`` reads ``u``". Graph attributes, both optional: ``graph.graph["name"]`` (for display)
+and ``graph.graph["measured"]``: ``True`` when the node attributes come from running example
+inputs; otherwise every op costs one unit and ``random`` is unknown (assume any op may draw).
 
 Node attributes (every node has all of them; :func:`check_cost_graph` verifies this):
 
@@ -41,6 +43,14 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``param_grad_bytes``: ``int``
     Bytes of parameter gradients the node's backward creates; they live until autograd
     adds them into the parameters' existing ``.grad``.
+``backward_extra_bytes``: ``int``
+    Bytes the node's backward allocates for a moment beyond the gradients it returns
+    (kernel scratch: on CPU, oneDNN's ``convolution_backward`` reorders grad_output and the
+    input to blocked layouts and builds grad_input in a blocked buffer, ``X + Y`` bytes
+    for a stride-1 convolution of input ``X`` and output ``Y`` bytes, ``2 X`` when strided;
+    ``native_batch_norm_backward`` holds an input-sized buffer). It lives while all of the
+    node's gradients exist, those added into existing buffers included, and is freed before
+    the next node's backward. ``0`` for nodes whose backward only allocates its gradients.
 ``requires_grad``: ``bool``
     Whether the value takes part in backward (its gradient is computed).
 ``label``: ``str``
@@ -74,6 +84,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "random": bool,
     "expensive": bool,
     "param_grad_bytes": int,
+    "backward_extra_bytes": int,
     "label": str,
 }
 DEFAULTS: Mapping[str, Any] = {
@@ -87,6 +98,7 @@ DEFAULTS: Mapping[str, Any] = {
     "random": False,
     "expensive": False,
     "param_grad_bytes": 0,
+    "backward_extra_bytes": 0,
 }
 
 

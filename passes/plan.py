@@ -5,6 +5,11 @@ after another. A segment with ``recompute=True`` keeps only its inputs and outpu
 forward; everything inside it is recomputed during backward. A segment with
 ``recompute=False`` runs like eager code. The plan's ``checkpoints`` are the activations
 kept at the boundaries of recomputed segments.
+
+A recomputed segment may itself be split into ``children`` (nesting, Chen et al.'s
+recursive variant): when backward recomputes it, its children run like a plan of their
+own, so a recomputed child again keeps only its edges and is recomputed once more when
+backward reaches it. Less memory, more recompute.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class Segment:
 
     ``saved_inside`` (recomputed segments only) are values kept from forward instead of
     recomputed: selective checkpointing of matmul and convolution outputs.
+    ``children`` (recomputed segments only) split ``nodes`` into segments run when the
+    segment is recomputed; empty means the recompute keeps everything it computes.
     """
 
     nodes: tuple[str, ...]
@@ -34,6 +41,15 @@ class Segment:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     saved_inside: tuple[str, ...] = ()
+    children: tuple[Segment, ...] = ()
+
+    @property
+    def depth(self) -> int:
+        """Levels of recomputation inside this segment: 0 when nothing is recomputed, 1
+        for a flat recomputed segment, 2 when a child is recomputed again, ..."""
+        if not self.recompute:
+            return 0
+        return 1 + max((child.depth for child in self.children), default=0)
 
 
 @dataclass(frozen=True)
@@ -65,11 +81,33 @@ class Plan:
             f"{self.recompute_flops / max(self.forward_flops, 1):.0%} of forward FLOPs",
         ]
         for index, segment in enumerate(self.segments):
-            what = "recomputed" if segment.recompute else "kept"
-            lines.append(f"  segment {index} ({what}, {len(segment.nodes)} nodes): "
-                         f"{segment.nodes[0]} .. {segment.nodes[-1]} -> {', '.join(segment.outputs)}")
+            lines.extend(_describe(segment, f"segment {index}", "  "))
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def _describe(segment: Segment, name: str, indent: str) -> list[str]:
+    """One line per segment, nested children indented under their parent."""
+    what = "recomputed" if segment.recompute else "kept"
+    if segment.saved_inside:
+        what += f", keeps {len(segment.saved_inside)} matmul/conv outputs"
+    lines = [f"{indent}{name} ({what}, {len(segment.nodes)} nodes): "
+             f"{segment.nodes[0]} .. {segment.nodes[-1]} -> {', '.join(segment.outputs)}"]
+    for index, child in enumerate(segment.children):
+        lines.extend(_describe(child, f"{name}.{index}", indent + "  "))
+    return lines
+
+
+def recomputed_nodes(segments: Iterable[Segment]) -> list[str]:
+    """Every node backward computes again, once per time it is recomputed (a node in a
+    recomputed child of a recomputed segment appears twice); ``saved_inside`` excluded."""
+    again: list[str] = []
+    for segment in segments:
+        if segment.recompute:
+            kept = set(segment.saved_inside)
+            again.extend(n for n in segment.nodes if n not in kept)
+            again.extend(recomputed_nodes(segment.children))
+    return again
 
 
 def _mib(nbytes: float) -> str:
@@ -156,17 +194,55 @@ def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
             if missing:
                 raise PlanError(f"segment {index}: {name!r} reads {missing} before they are computed")
             done.add(name)
-        if segment.recompute:
-            bad = [n for n in segment.nodes if not graph.nodes[n]["recomputable"]]
-            if bad:
-                raise PlanError(f"segment {index} recomputes {bad}, which may not be recomputed")
-            edge_values = [*segment.inputs, *segment.outputs]
-            if boundary_bytes(graph, edge_values) == float("inf"):
-                stuck = [v for v in edge_values if not graph.nodes[v]["cuttable"]]
-                raise PlanError(f"segment {index} keeps {stuck}, which are written in place later")
-        if segment.saved_inside and (not segment.recompute or not set(segment.saved_inside) <= set(segment.nodes)):
-            raise PlanError(f"segment {index}: saved_inside must be nodes of a recomputed segment")
-        if (segment.inputs, segment.outputs) != segment_edges(graph, segment.nodes):
-            raise PlanError(f"segment {index}: inputs/outputs do not match the graph")
+        _validate_shape(graph, segment, f"segment {index}")
     if expected:
         raise PlanError(f"op nodes in no segment: {in_order(graph, expected)}")
+
+
+def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:
+    """Check one segment's edges, recompute safety, selective values and children."""
+    if (segment.inputs, segment.outputs) != segment_edges(graph, segment.nodes):
+        raise PlanError(f"{where}: inputs/outputs do not match the graph")
+    if not segment.recompute:
+        if segment.saved_inside or segment.children:
+            raise PlanError(f"{where}: only recomputed segments have saved_inside or children")
+        return
+    bad = [n for n in segment.nodes if not graph.nodes[n]["recomputable"]]
+    if bad:
+        raise PlanError(f"{where} recomputes {bad}, which may not be recomputed")
+    edge_values = [*segment.inputs, *segment.outputs]
+    if boundary_bytes(graph, edge_values) == float("inf"):
+        stuck = [v for v in edge_values if not graph.nodes[v]["cuttable"]]
+        raise PlanError(f"{where} keeps {stuck}, which are written in place later")
+    if not set(segment.saved_inside) <= set(segment.nodes):
+        raise PlanError(f"{where}: saved_inside must be nodes of the segment")
+    if segment.children:
+        if segment.saved_inside:
+            raise PlanError(f"{where}: a segment with children keeps nothing from forward (saved_inside)")
+        if tuple(n for child in segment.children for n in child.nodes) != segment.nodes:
+            raise PlanError(f"{where}: children must split the segment's nodes in order")
+        for index, child in enumerate(segment.children):
+            _validate_shape(graph, child, f"{where}.{index}")
+
+
+def merge_kept(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[Segment, ...]:
+    """``segments`` with neighbouring kept segments joined into one."""
+    merged: list[Segment] = []
+    for segment in segments:
+        if merged and not segment.recompute and not merged[-1].recompute:
+            nodes = merged[-1].nodes + segment.nodes
+            merged[-1] = Segment(nodes, False, *segment_edges(graph, nodes))
+        else:
+            merged.append(segment)
+    return tuple(merged)
+
+
+def nested(graph: nx.DiGraph, children: Iterable[Segment]) -> Segment:
+    """The recomputed segment made of ``children`` (ready segments, in order): when backward
+    recomputes it, its recomputed children keep only their edges and are recomputed again
+    when backward reaches them. A parent whose children are all kept is a flat recomputed
+    segment."""
+    merged = merge_kept(graph, children)
+    nodes = tuple(n for child in merged for n in child.nodes)
+    kept_only = all(not child.recompute for child in merged)
+    return Segment(nodes, True, *segment_edges(graph, nodes), children=() if kept_only else merged)

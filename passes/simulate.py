@@ -28,7 +28,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.costgraph import op_nodes, storage_root
-from passes.plan import Segment, make_segments
+from passes.plan import Segment, make_segments, recomputed_nodes
 
 LOSS_WORKING_SET = 3
 
@@ -47,21 +47,25 @@ class Simulation:
 class _Memory:
     """Live storages with the number of reasons each is alive, and the running peak.
 
-    Values of the segment being recomputed (``fresh``) get storages of their own: the
-    recompute makes new tensors even where forward's are still alive.
+    Values of a segment being recomputed get storages of their own: the recompute makes new
+    tensors even where forward's are still alive. ``fresh`` is a stack with one set of
+    recomputed values per level of nesting; a value belongs to the innermost level naming it.
     """
 
     def __init__(self, graph: nx.DiGraph) -> None:
         self.graph = graph
         self.holds: Counter = Counter()
         self.live: dict = {}
-        self.fresh: set[str] = set()
+        self.fresh: list[set[str]] = []
         self.current = 0
         self.peak = 0
 
-    def key(self, name: str) -> tuple[str, str]:
+    def key(self, name: str) -> tuple:
         root = storage_root(self.graph, name)
-        return ("recomputed" if root in self.fresh else "value", root)
+        for level in range(len(self.fresh) - 1, -1, -1):
+            if root in self.fresh[level]:
+                return ("recomputed", level, root)
+        return ("value", root)
 
     def allocate(self, key: tuple, nbytes: int) -> None:
         if key not in self.live and nbytes:
@@ -116,9 +120,14 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
 
 
 def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
-    """Backward of ``nodes`` in reverse: gradients in, gradients out, saved values released."""
+    """Backward of ``nodes`` in reverse: gradients in, gradients out, saved values released.
+
+    A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
+    (those added into existing buffers too), for a moment after its gradients are made.
+    """
     for name in reversed(nodes):
         if name in grads:
+            partial = 0
             for value in graph.predecessors(name):
                 if not needs_grad(graph, value):
                     continue
@@ -126,16 +135,56 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
                 if value in grads:
                     memory.allocate(("grad-partial", value), size)
                     memory.free(("grad-partial", value))
+                    partial += size
                 else:
                     memory.allocate(("grad", value), size)
                     grads.add(value)
             memory.allocate(("param-grad", name), graph.nodes[name]["param_grad_bytes"])
+            # Kernel scratch lives while every gradient the node returns exists: the new
+            # buffers and parameter gradients above and those still to be added into a buffer.
+            extra = graph.nodes[name]["backward_extra_bytes"]
+            memory.allocate(("backward-extra", name), extra and extra + partial)
+            memory.free(("backward-extra", name))
             memory.free(("param-grad", name))
             memory.free(("grad", name))
             grads.discard(name)
         for value in graph.nodes[name]["saved"]:
             memory.release(value)
         memory.free(("extra", name))
+
+
+def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment],
+                      within: set[str] | None = None) -> None:
+    """Run segments forward: kept ones save for backward, recomputed ones hold their inputs."""
+    for segment in segments:
+        if segment.recompute:
+            for value in segment.inputs:
+                memory.hold(value)
+        _run_forward(memory, graph, segment.nodes, save=not segment.recompute, within=within,
+                     keep=segment.saved_inside)
+
+
+def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str]) -> None:
+    """Backward of segments in reverse; each recomputed one is first run again."""
+    for segment in reversed(segments):
+        if not segment.recompute:
+            _run_backward(memory, graph, segment.nodes, grads)
+            continue
+        _backward_recomputed(memory, graph, segment, grads)
+        for value in segment.inputs:
+            memory.release(value)
+
+
+def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, grads: set[str]) -> None:
+    """Recompute a segment (its children as a plan of their own), then run its backward."""
+    memory.fresh.append(set(segment.nodes) - set(segment.saved_inside))
+    within = set(segment.nodes)
+    children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
+    _forward_sequence(memory, graph, children, within)
+    for value in segment.saved_inside:
+        memory.release(value)
+    _backward_sequence(memory, graph, children, grads)
+    memory.fresh.pop()
 
 
 def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
@@ -148,11 +197,7 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
             memory.hold(name, graph.out_degree(name))
     for value in outputs:
         memory.hold(value)
-    for segment in segments:
-        if segment.recompute:
-            for value in segment.inputs:
-                memory.hold(value)
-        _run_forward(memory, graph, segment.nodes, save=not segment.recompute, keep=segment.saved_inside)
+    _forward_sequence(memory, graph, segments)
     grads: set[str] = set()
     trained = [v for v in outputs if needs_grad(graph, v)]
     output_bytes = sum(gradient_bytes(graph, v) for v in trained)
@@ -161,17 +206,7 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
         memory.allocate(("grad", value), gradient_bytes(graph, value))
         grads.add(value)
     memory.free(("loss",))
-    for segment in reversed(segments):
-        if segment.recompute:
-            memory.fresh = set(segment.nodes) - set(segment.saved_inside)
-            _run_forward(memory, graph, segment.nodes, save=True, within=set(segment.nodes))
-            for value in segment.saved_inside:
-                memory.release(value)
-        _run_backward(memory, graph, segment.nodes, grads)
-        memory.fresh = set()
-        if segment.recompute:
-            for value in segment.inputs:
-                memory.release(value)
+    _backward_sequence(memory, graph, segments, grads)
     return memory.peak
 
 
@@ -194,7 +229,7 @@ def eager_peak(graph: nx.DiGraph) -> int:
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
-    again = [n for s in segments if s.recompute for n in set(s.nodes) - set(s.saved_inside)]
+    again = recomputed_nodes(segments)
     recompute = sum(graph.nodes[n]["flops"] for n in again)
     forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
     return Simulation(

@@ -8,6 +8,8 @@
 * :func:`mincut_plan` — at each balanced position, the minimum-bytes vertex cut in the
   window around it, so a boundary may be several tensors.
 * :func:`auto_plan` — runs the three and keeps the lowest simulated peak.
+* :func:`optimal_plan` — least recompute at that peak: a dynamic program that may nest
+  segments and keep matmul outputs (:mod:`passes.optimal`, :mod:`passes.budget`).
 
 Every segment except the last is recomputed: the last one's backward runs right after
 forward, so recomputing it would save nothing.
@@ -151,11 +153,20 @@ def auto_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
     return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))
 
 
+def optimal_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """Least recompute for the peak :func:`auto_plan` reaches, nested segments allowed
+    (:mod:`passes.optimal`); with a budget, use :func:`passes.budget.fit_budget`."""
+    from passes.budget import optimal_plan as least_recompute  # budgets build on the strategies above
+
+    return least_recompute(graph, segments)
+
+
 STRATEGIES: dict[str, Strategy] = {
     "sqrt": sqrt_plan,
     "articulation": articulation_plan,
     "mincut": mincut_plan,
     "auto": auto_plan,
+    "optimal": optimal_plan,
 }
 
 

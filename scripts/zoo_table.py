@@ -27,7 +27,7 @@ SIZES = {
     "unet": {"batch": 8},
     "densenet": {"batch": 16},
 }
-STRATEGIES = ("sqrt", "articulation", "mincut", "auto")
+STRATEGIES = ("sqrt", "articulation", "mincut", "auto", "optimal")
 
 
 def interleaved_step_times(modules: list, inputs: tuple, repeats: int) -> list[float]:

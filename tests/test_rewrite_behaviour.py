@@ -222,3 +222,32 @@ def test_unknown_strategy_lists_the_known_ones() -> None:
 def test_not_a_module() -> None:
     with pytest.raises(CaptureError, match=r"nn\.Module"):
         graphckpt.rewrite(lambda x: x, (torch.randn(2),))
+
+
+def test_rng_state_is_kept_only_where_recompute_may_draw() -> None:
+    """Dropout masks replay exactly; segments without random ops skip keeping the RNG state
+    (5 KiB each on CPU), except without example inputs, where nobody knows which ops draw."""
+    from graphckpt import zoo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.Dropout(0.3))])
+    x = torch.randn(4, 16)
+    reference, model = fresh_pair(model)
+    profiled = graphckpt.rewrite(model, (x,), strategy="sqrt")
+    assert all(segment.replays_rng for _, segment in profiled.segments)
+    assert_trains_like(reference, model, profiled, (x,))
+    unknown = graphckpt.rewrite(model, strategy="sqrt")
+    assert all(segment.replays_rng for _, segment in unknown.segments)
+    assert_trains_like(reference, model, unknown, (x,))
+    mlp, inputs = zoo.make("mlp", depth=8, width=16)
+    assert not any(segment.replays_rng for _, segment in graphckpt.rewrite(mlp, inputs).segments)
+
+
+def test_keyword_only_example_inputs_are_profiled() -> None:
+    model = TwoInputsDictOut()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rewritten = graphckpt.rewrite(model, example_kwargs={"x": x, "y": y})
+    assert rewritten.meta["graphckpt_plan"].eager_peak_bytes > 4 * 8 * 4, "planned on unit costs"
+    reference, model = fresh_pair(model)
+    assert_trains_like(reference, model, graphckpt.rewrite(model, example_kwargs={"x": x, "y": y}), (),
+                       {"x": x, "y": y})

@@ -10,7 +10,7 @@ from graphckpt import zoo
 from graphckpt.measure import measure_step
 from tests.equivalence import assert_trains_like, fresh_pair
 
-STRATEGIES = ["sqrt", "articulation", "mincut", "auto"]
+STRATEGIES = ["sqrt", "articulation", "mincut", "auto", "optimal"]
 MEMORY_SIZES = {  # large enough that activations dominate the measured peak
     "mlp": {"batch": 256},
     "resnet": {"batch": 16},

@@ -1,0 +1,160 @@
+"""A cost graph seen as a chain of stages: what the ``optimal`` dynamic program works on.
+
+The forward's op order is cut at candidate boundaries (prefix cuts of the execution order
+that are allowed and cheap: articulation points and the cheapest cut of each window); the
+ops between two boundaries form a *stage*. A range of stages then has a few numbers that
+are enough to plan it, all prefix sums or range maxima so the program reads them in O(1):
+
+* ``flops`` / ``written``: what recomputing the range costs (FLOPs, and bytes written,
+  the cost of pointwise work that the FLOP counter calls free);
+* ``stored``: bytes the range keeps alive when run saving for backward;
+* ``expensive_bytes`` / ``expensive_flops``: the part of those that matmul/convolution
+  outputs make up (kept by a selective segment instead of recomputed);
+* ``boundary``: bytes kept at each boundary;
+* ``working``: the transient bytes of the range's backward (gradients in flight);
+* ``finish``: what the loss adds between forward and backward (its working set and the
+  outputs' gradients), held on top of everything the forward keeps.
+
+These are estimates in the same model of memory as :mod:`passes.simulate`; plans the
+program builds are simulated before anyone trusts their peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import networkx as nx
+
+from passes.cuts import INF, op_positions, op_weights, prefix_costs
+from passes.simulate import LOSS_WORKING_SET, gradient_bytes, needs_grad
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Stages of a cost graph. ``ends[s]`` is the position (in op order) of the last op of
+    stage ``s``; ranges ``[i, j)`` of stages are read through the methods."""
+
+    ops: tuple[str, ...]
+    ends: tuple[int, ...]
+    boundaries: tuple[float, ...]  # bytes kept at the end of each stage
+    prefix_flops: tuple[float, ...]
+    prefix_written: tuple[float, ...]
+    prefix_stored: tuple[float, ...]
+    prefix_expensive_bytes: tuple[float, ...]
+    prefix_expensive_flops: tuple[float, ...]
+    prefix_unrecomputable: tuple[int, ...]
+    stage_working: tuple[float, ...]
+    finish: float
+
+    @property
+    def stages(self) -> int:
+        return len(self.ends)
+
+    def nodes(self, i: int, j: int) -> tuple[str, ...]:
+        """Op nodes of stages ``i .. j-1``."""
+        start = self.ends[i - 1] + 1 if i else 0
+        return self.ops[start: self.ends[j - 1] + 1]
+
+    def flops(self, i: int, j: int) -> float:
+        return self.prefix_flops[j] - self.prefix_flops[i]
+
+    def written(self, i: int, j: int) -> float:
+        return self.prefix_written[j] - self.prefix_written[i]
+
+    def stored(self, i: int, j: int) -> float:
+        return self.prefix_stored[j] - self.prefix_stored[i]
+
+    def expensive_bytes(self, i: int, j: int) -> float:
+        return self.prefix_expensive_bytes[j] - self.prefix_expensive_bytes[i]
+
+    def expensive_flops(self, i: int, j: int) -> float:
+        return self.prefix_expensive_flops[j] - self.prefix_expensive_flops[i]
+
+    def recomputable(self, i: int, j: int) -> bool:
+        return self.prefix_unrecomputable[j] == self.prefix_unrecomputable[i]
+
+    def working(self, i: int, j: int) -> float:
+        return max(self.stage_working[i:j])
+
+
+def candidate_ends(graph: nx.DiGraph, max_stages: int) -> list[int]:
+    """Positions after which the order may be cut, at most ``max_stages - 1`` of them plus
+    the last op: every allowed position when there are few, else the cheapest allowed
+    position in each of ``max_stages`` windows of equal bytes."""
+    costs = prefix_costs(graph)
+    last = len(costs) - 1
+    allowed = [p for p, cost in enumerate(costs[:-1]) if cost < INF]
+    if len(allowed) < max_stages:
+        return [*allowed, last]
+    cumulative = list(accumulate(op_weights(graph, op_positions(graph)[0])))
+    total = cumulative[-1]
+    windows: dict[int, int] = {}
+    for p in allowed:
+        window = min(int(cumulative[p] / total * max_stages), max_stages - 1)
+        if window not in windows or costs[p] <= costs[windows[window]]:
+            windows[window] = p
+    return [*sorted(windows.values()), last]
+
+
+def retained_bytes(graph: nx.DiGraph, name: str, saved_by_someone: set[str]) -> float:
+    """Bytes an op keeps alive after a saving forward: its storage when backward or a later
+    op needs it, plus what its backward saves outside the graph's values."""
+    attributes = graph.nodes[name]
+    kept = attributes["alias_of"] is None and (name in saved_by_someone or graph.out_degree(name) > 0)
+    return attributes["bytes"] * kept + attributes["saved_extra_bytes"]
+
+
+def build_chain(graph: nx.DiGraph, max_stages: int = 64) -> Chain:
+    """The chain of stages of ``graph`` (see the module docstring)."""
+    ops, _ = op_positions(graph)
+    costs = prefix_costs(graph)
+    ends = candidate_ends(graph, max_stages)
+    saved_by_someone = {v for n in ops for v in graph.nodes[n]["saved"]}
+    stage_of = _stage_of_positions(ends)
+    sums = {key: [0.0] * len(ends) for key in ("flops", "written", "stored", "exp_bytes", "exp_flops", "fixed")}
+    working = [0.0] * len(ends)
+    for position, name in enumerate(ops):
+        attributes, stage = graph.nodes[name], stage_of[position]
+        sums["flops"][stage] += attributes["flops"]
+        sums["written"][stage] += attributes["bytes"]
+        sums["stored"][stage] += retained_bytes(graph, name, saved_by_someone)
+        if attributes["expensive"]:
+            sums["exp_bytes"][stage] += attributes["bytes"]
+            sums["exp_flops"][stage] += attributes["flops"]
+        sums["fixed"][stage] += not attributes["recomputable"]
+        backward = 2 * attributes["bytes"] + attributes["param_grad_bytes"] + attributes["backward_extra_bytes"]
+        working[stage] = max(working[stage], backward)
+    return Chain(
+        ops=tuple(ops),
+        ends=tuple(ends),
+        boundaries=tuple(costs[e] for e in ends),
+        prefix_flops=_prefix(sums["flops"]),
+        prefix_written=_prefix(sums["written"]),
+        prefix_stored=_prefix(sums["stored"]),
+        prefix_expensive_bytes=_prefix(sums["exp_bytes"]),
+        prefix_expensive_flops=_prefix(sums["exp_flops"]),
+        prefix_unrecomputable=tuple(int(x) for x in _prefix(sums["fixed"])),
+        stage_working=tuple(working),
+        finish=loss_bytes(graph),
+    )
+
+
+def loss_bytes(graph: nx.DiGraph) -> float:
+    """Bytes the loss holds at the end of forward, as :mod:`passes.simulate` counts them."""
+    outputs = {v for n, k in graph.nodes(data="kind") if k == "output" for v in graph.predecessors(n)}
+    trained = sum(gradient_bytes(graph, v) for v in outputs if needs_grad(graph, v))
+    return (LOSS_WORKING_SET + 1) * trained
+
+
+def _stage_of_positions(ends: Sequence[int]) -> list[int]:
+    stage_of, start = [], 0
+    for stage, end in enumerate(ends):
+        stage_of.extend([stage] * (end - start + 1))
+        start = end + 1
+    return stage_of
+
+
+def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+    return (0.0, *accumulate(values))

@@ -1,0 +1,226 @@
+"""The ``optimal`` pass: least recompute whose simulated peak fits a memory budget.
+
+A dynamic program over a chain of stages (:mod:`passes.chain`), in the spirit of Chen et
+al.'s recursive checkpointing and of Rotor's DP for heterogeneous chains. It solves, for
+every range of stages ``[i, j)`` and every amount of free memory ``m`` (in slots of the
+eager peak):
+
+    ``least[i][j][m]``: the least recompute to run backward through stages ``i..j-1``
+    once their forward is to be run again, using at most ``m`` beyond what is already held.
+
+The range runs as a sequence of children. Its first child ``[i, k)`` is one of
+
+* *kept*: run saving everything; the rest runs in ``m - stored(i, k)``;
+* *recomputed*: keeps only its output boundary; the rest runs in ``m - boundary(k)`` and,
+  when backward reaches the child, it is recomputed with its own children in the same
+  memory: nested segments, the O(log n) regime of Chen et al. and revolve;
+* *selective*: like recomputed, but keeps its matmul/convolution outputs from forward, so
+  its recompute is only the cheap pointwise work;
+
+or the range is one kept child (everything stored). The whole forward is the range
+``[0, stages)`` with the memory left after the budget's fixed costs; which amount of memory
+that is comes from simulating the resulting plans (:func:`plan_for_budget`), so the budget
+is judged by the simulator, not by the program's own estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import networkx as nx
+import numpy as np
+
+from passes.chain import Chain, build_chain
+from passes.plan import Plan, Segment, make_segments, merge_kept, nested
+from passes.simulate import eager_peak
+from passes.strategies import plan_of_segments
+
+KEPT, RECOMPUTED, SELECTIVE = 0, 1, 2
+SLOTS = 160
+Progress = Callable[[int, int], None]  # (done, total): planning is long enough to show
+
+
+@dataclass(frozen=True)
+class Table:
+    """The program's answers: ``least[(i, j)][m]`` and how it got each (``-1``: one kept
+    child; else ``3 * k + kind`` for a first child ``[i, k)`` of that kind)."""
+
+    chain: Chain
+    unit: float
+    least: dict[tuple[int, int], np.ndarray]
+    choice: dict[tuple[int, int], np.ndarray]
+
+
+def slots(nbytes: float, unit: float) -> int:
+    """Memory slots ``nbytes`` needs (rounded up: a plan never gets less than it needs)."""
+    return math.ceil(nbytes / unit - 1e-9)
+
+
+def memory_unit(chain: Chain, eager_peak_bytes: float, slot_count: int) -> float:
+    """Bytes per slot: the slots span eager's peak, or the program's own estimate of eager
+    when that is higher, so storing everything is always one of its answers."""
+    everything = chain.stored(0, chain.stages) + max(chain.working(0, chain.stages), chain.finish)
+    return max(eager_peak_bytes, everything, 1) / slot_count
+
+
+BYTE_WEIGHT = 1e-3  # FLOPs a recomputed byte costs: a tie-break among plans of equal FLOPs
+
+
+def recompute_cost(chain: Chain, i: int, j: int) -> float:
+    """What recomputing stages ``i..j-1`` costs: FLOPs, plus a little per byte written so
+    pointwise work (which the FLOP counter calls free) is not free."""
+    return chain.flops(i, j) + BYTE_WEIGHT * chain.written(i, j)
+
+
+def _shifted(values: np.ndarray, by: int) -> np.ndarray:
+    """``out[m] = values[m - by]``: a sub-problem run with ``by`` slots already taken."""
+    out = np.full_like(values, np.inf)
+    if by < len(values):
+        out[by:] = values[: len(values) - by]
+    return out
+
+
+def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
+          progress: Progress | None = None) -> Table:
+    """Fill the table for every range, shortest first (each range reads shorter ones), then
+    the whole forward, ``least[(0, stages, "top")]``, whose last child also holds the loss."""
+    memory = np.arange(slot_count + 1)
+    least: dict = {}
+    choice: dict = {}
+    n = chain.stages
+
+    def fill(i: int, j: int, key: tuple, rest: Callable[[int], np.ndarray], extra: float) -> None:
+        need = slots(chain.stored(i, j) + max(chain.working(i, j), extra), unit)
+        best = np.where(memory >= need, 0.0, np.inf)
+        how = np.full(slot_count + 1, -1)
+        for k in range(i + 1, j):
+            for kind, cost in _first_child_options(chain, unit, memory, least, i, k, rest(k), selective):
+                better = cost < best
+                best = np.where(better, cost, best)
+                how = np.where(better, 3 * k + kind, how)
+        least[key], choice[key] = best, how
+
+    for length in range(1, n + 1):
+        for i in range(n - length + 1):
+            fill(i, i + length, (i, i + length), lambda k, j=i + length: least[(k, j)], 0.0)
+        if progress:
+            progress(length, n + 1)
+    for i in range(n - 1, -1, -1):
+        fill(i, n, (i, n, "top"), lambda k: least[(k, n, "top")], chain.finish)
+    if progress:
+        progress(n + 1, n + 1)
+    return Table(chain, unit, least, choice)
+
+
+def _first_child_options(chain: Chain, unit: float, memory: np.ndarray, least: dict, i: int, k: int,
+                         rest: np.ndarray, selective: bool):
+    """(kind, cost over memory) of each way to run ``[i, k)`` first and the rest (whose
+    costs are ``rest``) after it."""
+    boundary = slots(chain.boundaries[k - 1], unit)
+    stored = slots(chain.stored(i, k), unit)
+    own_backward = slots(chain.stored(i, k) + chain.working(i, k), unit) + boundary
+    yield KEPT, np.where(memory >= own_backward, _shifted(rest, stored), np.inf)
+    if not chain.recomputable(i, k):
+        return
+    yield RECOMPUTED, recompute_cost(chain, i, k) + _shifted(least[(i, k)], boundary) + _shifted(rest, boundary)
+    expensive = chain.expensive_bytes(i, k)
+    if selective and expensive:
+        cheap = recompute_cost(chain, i, k) - chain.expensive_flops(i, k) - BYTE_WEIGHT * expensive
+        yield SELECTIVE, np.where(memory >= own_backward, cheap + _shifted(rest, boundary + slots(expensive, unit)), np.inf)
+
+
+def children(table: Table, i: int, j: int, m: int, top: bool = False) -> list[tuple[int, int, int, list]]:
+    """The children the table chose for ``[i, j)`` with ``m`` free slots, as
+    ``(kind, start, end, grandchildren)``; ``top`` for the whole forward's entry."""
+    chain, unit = table.chain, table.unit
+    how = int(table.choice[(i, j, "top") if top else (i, j)][m])
+    if how < 0:
+        return [(KEPT, i, j, [])]
+    k, kind = divmod(how, 3)
+    boundary = slots(chain.boundaries[k - 1], unit)
+    if kind == KEPT:
+        return [(KEPT, i, k, []), *children(table, k, j, m - slots(chain.stored(i, k), unit), top)]
+    if kind == RECOMPUTED:
+        return [(RECOMPUTED, i, k, children(table, i, k, m - boundary)), *children(table, k, j, m - boundary, top)]
+    rest = m - boundary - slots(chain.expensive_bytes(i, k), unit)
+    return [(SELECTIVE, i, k, []), *children(table, k, j, rest, top)]
+
+
+def segments_of(graph: nx.DiGraph, chain: Chain, chosen: list) -> list[Segment]:
+    """Plan segments for chosen children: kept ones plain, recomputed ones nested."""
+    segments: list[Segment] = []
+    for kind, i, k, inner in chosen:
+        nodes = chain.nodes(i, k)
+        if kind == KEPT:
+            segments.extend(make_segments(graph, [(nodes, False)]))
+        elif kind == SELECTIVE:
+            expensive = tuple(n for n in nodes if graph.nodes[n]["expensive"])
+            segments.extend(replace(s, saved_inside=tuple(n for n in expensive if n in s.nodes)) if s.recompute else s
+                            for s in make_segments(graph, [(nodes, True)]))
+        elif len(inner) == 1:
+            segments.extend(make_segments(graph, [(nodes, True)]))
+        else:
+            segments.append(nested(graph, segments_of(graph, chain, inner)))
+    return segments
+
+
+class DynamicProgram:
+    """The solved table of one cost graph, turned into plans for any amount of memory."""
+
+    def __init__(self, graph: nx.DiGraph, max_stages: int = 64, slot_count: int = SLOTS,
+                 progress: Progress | None = None) -> None:
+        self.graph = graph
+        self.chain = build_chain(graph, max_stages)
+        self.slot_count = slot_count
+        unit = memory_unit(self.chain, eager_peak(graph), slot_count)
+        self.table = solve(self.chain, unit, slot_count, selective=True, progress=progress)
+        self._plans: dict[int, Plan] = {}
+
+    def feasible(self, m: int) -> bool:
+        return bool(np.isfinite(self.table.least[(0, self.chain.stages, "top")][m]))
+
+    def plan(self, m: int) -> Plan:
+        """The program's plan with ``m`` free slots for the whole forward (memoised)."""
+        if m not in self._plans:
+            chosen = children(self.table, 0, self.chain.stages, m, top=True)
+            top = merge_kept(self.graph, segments_of(self.graph, self.chain, chosen))
+            self._plans[m] = plan_of_segments(self.graph, "optimal", top)
+        return self._plans[m]
+
+    def smallest(self) -> Plan:
+        """The plan of least memory the program can build."""
+        return self.plan(next(m for m in range(self.slot_count + 1) if self.feasible(m)))
+
+
+def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8) -> Plan | None:
+    """The program's plan with the most free memory whose *simulated* peak fits the budget
+    (so the least recompute), or ``None`` when none fits within ``tries`` simulations.
+
+    The program's own estimate puts the plan with ``budget / unit`` free slots near the
+    budget; each simulation then moves the free memory by what the estimate missed.
+    """
+    unit, top = program.table.unit, program.slot_count
+    feasible = [m for m in range(top + 1) if program.feasible(m)]
+    if not feasible:
+        return None
+    m = max(feasible[0], min(top, math.floor(budget_bytes / unit)))
+    best: Plan | None = None
+    tried: set[int] = set()
+    while m not in tried and len(tried) < tries:
+        tried.add(m)
+        plan = program.plan(m)
+        if plan.peak_bytes <= budget_bytes:
+            if best is None or _less_recompute(plan, best):
+                best = plan
+            step = max(1, math.floor((budget_bytes - plan.peak_bytes) / unit))
+            m = min(top, m + step)
+        else:
+            step = max(1, math.ceil((plan.peak_bytes - budget_bytes) / unit))
+            m = max(feasible[0], m - step)
+    return best
+
+
+def _less_recompute(plan: Plan, other: Plan) -> bool:
+    return (plan.recompute_flops, plan.recompute_bytes) < (other.recompute_flops, other.recompute_bytes)

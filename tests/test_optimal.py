@@ -1,0 +1,185 @@
+"""The optimal pass: nested plans that fit a budget with the least recompute.
+
+Three layers of checks: the dynamic program equals a brute force over its own plan space
+(every tree of nested segments over the chain's stages, priced by the same model); the
+plans it builds fit the budget by the simulator and recompute no more than the heuristics
+that fit too; and nested plans run in torch exactly like eager.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphckpt import zoo
+from graphckpt.api import analyze
+from graphckpt.codegen import generate
+from passes.budget import BudgetError, fit_budget
+from passes.chain import Chain, build_chain
+from passes.costgraph import op_nodes
+from passes.optimal import (
+    BYTE_WEIGHT,
+    KEPT,
+    RECOMPUTED,
+    SELECTIVE,
+    DynamicProgram,
+    children,
+    memory_unit,
+    recompute_cost,
+    slots,
+    solve,
+)
+from passes.simulate import eager_peak
+from passes.strategies import choose_plan
+from tests.equivalence import assert_trains_like, fresh_pair
+from tests.test_passes_properties import SETTINGS, cost_graphs
+
+BRUTE_FORCE_SLOTS = 40
+
+
+@st.composite
+def graphs_with_matmuls(draw, max_ops: int = 20):
+    """Random cost graphs where some ops are matmul/convolution outputs (``expensive``)."""
+    graph = draw(cost_graphs(max_ops=max_ops))
+    for name in op_nodes(graph):
+        graph.nodes[name]["expensive"] = draw(st.integers(0, 3)) == 0
+    return graph
+
+
+# --- the program against a brute force over the same plan space ----------------------------
+
+def sequences(chain: Chain, i: int, j: int) -> Iterator[list]:
+    """Every way to run stages ``[i, j)`` as children: a first child ``[i, k)`` kept,
+    recomputed (with any children of its own) or selective, then the rest; or one kept child."""
+    yield [(KEPT, i, j, [])]
+    for k in range(i + 1, j):
+        firsts = [(KEPT, i, k, [])]
+        if chain.recomputable(i, k):
+            firsts += [(RECOMPUTED, i, k, inner) for inner in sequences(chain, i, k)]
+            if chain.expensive_bytes(i, k):
+                firsts.append((SELECTIVE, i, k, []))
+        for first in firsts:
+            for rest in sequences(chain, k, j):
+                yield [first, *rest]
+
+
+def price(chain: Chain, unit: float, children: list, finish: float = 0.0) -> tuple[int, float]:
+    """(slots needed, recompute) of running ``children`` in order then backward in reverse:
+    while a child's backward runs, the children before it hold what they keep and it holds
+    its own work plus the gradient of its output; the last child also holds ``finish``."""
+    need, held, cost = 0, 0, 0.0
+    for index, (kind, i, k, inner) in enumerate(children):
+        if index == len(children) - 1:
+            need = max(need, held + slots(chain.stored(i, k) + max(chain.working(i, k), finish), unit))
+            break
+        boundary = slots(chain.boundaries[k - 1], unit)
+        own = slots(chain.stored(i, k) + chain.working(i, k), unit) + boundary
+        if kind == KEPT:
+            need, held = max(need, held + own), held + slots(chain.stored(i, k), unit)
+        elif kind == RECOMPUTED:
+            inner_need, inner_cost = price(chain, unit, inner)
+            need, held = max(need, held + boundary + inner_need), held + boundary
+            cost += recompute_cost(chain, i, k) + inner_cost
+        else:
+            need, held = max(need, held + own), held + boundary + slots(chain.expensive_bytes(i, k), unit)
+            cost += recompute_cost(chain, i, k) - chain.expensive_flops(i, k) - BYTE_WEIGHT * chain.expensive_bytes(i, k)
+    return need, cost
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs_with_matmuls(max_ops=5))
+def test_program_equals_brute_force_over_its_plan_space(graph) -> None:
+    chain = build_chain(graph)
+    unit = memory_unit(chain, eager_peak(graph), BRUTE_FORCE_SLOTS)
+    table = solve(chain, unit, BRUTE_FORCE_SLOTS)
+    priced = [price(chain, unit, tree, chain.finish) for tree in sequences(chain, 0, chain.stages)]
+    top = table.least[(0, chain.stages, "top")]
+    for m in range(BRUTE_FORCE_SLOTS + 1):
+        expected = min((cost for need, cost in priced if need <= m), default=math.inf)
+        assert top[m] == pytest.approx(expected, rel=1e-9, abs=1e-6), f"{m} free slots"
+        if math.isfinite(top[m]):
+            need, cost = price(chain, unit, children(table, 0, chain.stages, m, top=True), chain.finish)
+            assert need <= m and cost == pytest.approx(top[m], rel=1e-9, abs=1e-6), "rebuilt plan differs from its price"
+
+
+# --- plans judged by the simulator ---------------------------------------------------------
+
+FEWER = settings(SETTINGS, max_examples=50)
+
+
+@FEWER
+@given(graphs_with_matmuls(), st.floats(0.05, 1.0))
+def test_optimal_fits_the_budget_and_recomputes_no_more_than_heuristics(graph, fraction: float) -> None:
+    budget = int(fraction * eager_peak(graph))
+    heuristics = [choose_plan(graph, name) for name in ("sqrt", "articulation", "mincut")]
+    fitting = [p for p in heuristics if p.peak_bytes <= budget]
+    try:
+        plan = fit_budget(graph, budget)
+    except BudgetError as error:
+        assert not fitting, f"{[p.strategy for p in fitting]} fit but optimal says: {error}"
+        return
+    assert plan.peak_bytes <= budget
+    for other in fitting:
+        assert (plan.recompute_flops, plan.recompute_bytes) <= (other.recompute_flops, other.recompute_bytes), other.strategy
+
+
+@FEWER
+@given(graphs_with_matmuls())
+def test_optimal_without_budget_matches_auto_memory_with_no_more_recompute(graph) -> None:
+    auto, optimal = choose_plan(graph, "auto"), choose_plan(graph, "optimal")
+    assert optimal.peak_bytes <= auto.peak_bytes
+    assert (optimal.recompute_flops, optimal.recompute_bytes) <= (auto.recompute_flops, auto.recompute_bytes)
+
+
+def test_deep_chain_nests_below_the_flat_minimum() -> None:
+    """Chen et al.'s recursive regime: on a long chain the program's smallest plan nests
+    segments and goes well below the best flat (√n) plan."""
+    from tests.test_budget import chain as chain_graph
+
+    graph = chain_graph(64, [100])
+    smallest = DynamicProgram(graph).smallest()
+    flat = min((choose_plan(graph, s, count) for s in ("sqrt", "mincut") for count in range(2, 17)),
+               key=lambda p: p.peak_bytes)
+    assert max(s.depth for s in smallest.segments) >= 3
+    assert smallest.peak_bytes <= 0.75 * flat.peak_bytes
+
+
+# --- nested plans in torch -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_nested_plans_train_like_eager(name: str) -> None:
+    """The program's smallest plan (the deepest nesting it builds) on every zoo model:
+    outputs, gradients, BatchNorm buffers and dropout equal to eager over two steps."""
+    reference, model = fresh_pair(zoo.make(name)[0])
+    inputs = zoo.make(name)[1]
+    analysis = analyze(model, inputs, strategy="sqrt")
+    plan = DynamicProgram(analysis.cost_graph).smallest()
+    rewritten = generate(analysis.captured.graph_module, model, analysis.cost_graph, plan)
+    if name in ("mlp", "gpt", "densenet"):
+        assert max(s.depth for s in plan.segments) >= 2, "expected nesting"
+        assert "self.segment_0_0(" in rewritten.code or "segment_1_0(" in rewritten.code
+    for _ in range(2):
+        assert_trains_like(reference, model, rewritten, inputs)
+
+
+def test_slow_planning_shows_a_progress_bar_on_a_terminal() -> None:
+    import io
+
+    from rich.console import Console
+
+    from graphckpt.progress import planning_progress
+    from tests.test_budget import chain as chain_graph
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=100)
+    with planning_progress("planning 130 nodes", show_after=0.0, console=console) as progress:
+        DynamicProgram(chain_graph(128, [100]), progress=progress)
+    assert "planning 130 nodes" in screen.getvalue()
+    quiet = io.StringIO()
+    with planning_progress("fast", show_after=60.0, console=Console(file=quiet, force_terminal=True)) as progress:
+        DynamicProgram(chain_graph(8, [100]), progress=progress)
+    assert quiet.getvalue() == ""

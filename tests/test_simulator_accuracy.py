@@ -1,0 +1,232 @@
+"""The simulator's model of memory (:mod:`passes.simulate`) against the measured truth
+(:mod:`graphckpt.measure`): single layers, every zoo model in eager mode and under plans
+fitted to three budgets each.
+
+The CPU kernels behind conv nets allocate scratch in their backward that no value of the
+graph accounts for (oneDNN reorders in ``convolution_backward``, an input-sized buffer in
+``native_batch_norm_backward``): the cost graph's ``backward_extra_bytes``. Without it the
+simulator was 0.63x the measured peak on a stride-2 convolution and 0.75-0.95x on the
+resnet and unet zoo models.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import graphckpt
+from graphckpt import zoo
+from graphckpt.api import analyze
+from graphckpt.measure import measure_step, peak_memory
+from passes.checkmate import no_recompute_peak
+from passes.costgraph import add_value, check_cost_graph, op_nodes
+from passes.simulate import eager_peak, eager_segments, simulate
+from tests.test_checkmate import check_strategies, small_cost_graphs
+
+TOLERANCE = 0.05  # plans: simulated peak within 5% of the measured one
+EAGER_TOLERANCE = 0.02
+
+# Small configurations: the whole file runs in well under a minute on two CPU cores. Not
+# too small: each recomputed segment also holds the CPU RNG state that the runtime's
+# ``checkpoint(preserve_rng_state=True)`` saves from forward to backward (5056 bytes,
+# unmodelled: measured peaks exceed simulated ones by 5056 x the recomputed segments on
+# the mlp and gpt), 8% of the peak of a 4-segment plan of a width-128, batch-32 MLP and
+# 5% of a 7-segment one of a batch-2 GPT, 1-2% here.
+CONFIGS = {
+    "mlp": {"depth": 12, "width": 256, "batch": 64},
+    "resnet": {"batch": 4},
+    "gpt": {"layers": 2, "batch": 8},
+    "unet": {"batch": 4},
+    "densenet": {"batch": 4},
+}
+# Three feasible budgets per model (fractions of the simulated eager peak). The least
+# reachable peaks are about 0.38x (mlp), 0.64x (resnet), 0.32x (gpt), 0.59x (unet) and
+# 0.49x (densenet), so 0.5 and 0.35 raise BudgetError for resnet and unet.
+BUDGETS = {
+    "mlp": (0.75, 0.55, 0.45),
+    "resnet": (0.9, 0.8, 0.7),
+    "gpt": (0.75, 0.55, 0.45),
+    "unet": (0.9, 0.75, 0.65),
+    "densenet": (0.8, 0.65, 0.55),
+}
+# Known gap, not a backward transient: cat's backward hands its inputs *views* of its
+# output's gradient, so that whole gradient stays alive until the last slice is used,
+# while the simulator gives each input a buffer of its own. In this plan the skip
+# gradients are only used deep inside a recomputed encoder: measured 7.5% above simulated
+# (the up_2 and up_1 halves of the cat_2 and cat_1 gradients, 196608 bytes at batch 4).
+CAT_GRADIENT_VIEWS = {("unet", 0.65)}
+
+# Budget cases run by default: the conv nets, whose peaks this model of memory fixed. The
+# mlp's and gpt's plans (no backward scratch) and the known gap run with -m slow.
+SLOW = {"mlp", "gpt"}
+
+
+def within(simulated: int, measured: int, tolerance: float) -> bool:
+    return abs(simulated / measured - 1) <= tolerance
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_eager_peak_matches_measured(name: str) -> None:
+    model, inputs = zoo.make(name, **CONFIGS[name])
+    simulated = eager_peak(analyze(model, inputs).cost_graph)
+    measured = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert within(simulated, measured, EAGER_TOLERANCE), f"{name}: simulated/measured {simulated / measured:.3f}"
+
+
+def _budget_cases() -> list:
+    cases = []
+    for name in zoo.names():
+        for budget in BUDGETS[name]:
+            marks = [pytest.mark.slow] if name in SLOW or (name, budget) in CAT_GRADIENT_VIEWS else []
+            if (name, budget) in CAT_GRADIENT_VIEWS:
+                marks.append(pytest.mark.xfail(reason="cat's backward passes gradient views (not modelled)",
+                                               strict=False))
+            cases.append(pytest.param(name, budget, marks=marks, id=f"{name}-{budget}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "budget"), _budget_cases())
+def test_budget_plan_peak_matches_measured(name: str, budget: float) -> None:
+    model, inputs = zoo.make(name, **CONFIGS[name])
+    rewritten = graphckpt.rewrite(model, inputs, budget=budget)
+    simulated = rewritten.meta["graphckpt_plan"].peak_bytes
+    measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert within(simulated, measured, TOLERANCE), f"{name} at {budget}: simulated/measured {simulated / measured:.3f}"
+
+
+# ---------------------------------------------------------------- single layers
+
+# name: (layer, input shape, input requires grad, backward has scratch on oneDNN)
+LAYERS = {
+    "conv3x3": (lambda: nn.Conv2d(16, 16, 3, padding=1), (8, 16, 32, 32), True, True),
+    "conv3x3_stride2": (lambda: nn.Conv2d(16, 32, 3, stride=2, padding=1), (8, 16, 32, 32), True, True),
+    "conv1x1_stride2": (lambda: nn.Conv2d(16, 32, 1, stride=2, bias=False), (8, 16, 32, 32), True, True),
+    "conv_stem_no_input_grad": (lambda: nn.Conv2d(3, 16, 3, padding=1), (8, 3, 32, 32), False, True),
+    "conv_20_channels": (lambda: nn.Conv2d(20, 8, 3, padding=1), (8, 20, 16, 16), True, True),
+    "conv_transpose": (lambda: nn.ConvTranspose2d(16, 8, 2, stride=2), (8, 16, 16, 16), True, True),
+    "batch_norm": (lambda: nn.BatchNorm2d(16), (8, 16, 32, 32), True, True),
+    "relu": (lambda: nn.ReLU(), (8, 16, 32, 32), True, False),
+    "max_pool": (lambda: nn.MaxPool2d(2), (8, 16, 32, 32), True, False),
+    "linear": (lambda: nn.Linear(256, 256), (64, 256), True, False),
+}
+
+
+def _layer(name: str) -> tuple[nn.Module, torch.Tensor]:
+    make, shape, input_grad, _ = LAYERS[name]
+    torch.manual_seed(0)
+    return nn.Sequential(make()), torch.randn(shape, requires_grad=input_grad)
+
+
+def measured_backward_extra(layer: nn.Module, x: torch.Tensor) -> int:
+    """Peak bytes the layer's backward allocates (real autograd, after a warm-up run) above
+    the gradients it returns."""
+    y = layer(x)
+    grad = torch.ones_like(y)
+    wrt = [t for t in (x, *layer.parameters()) if t.requires_grad]
+    torch.autograd.grad(y, wrt, grad, retain_graph=True)
+    grads: list[torch.Tensor] = []
+    peak = peak_memory(lambda: grads.extend(torch.autograd.grad(y, wrt, grad, retain_graph=True)))
+    return peak - sum(t.numel() * t.element_size() for t in grads)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_backward_extra_bytes_is_what_the_layers_backward_allocates(name: str) -> None:
+    layer, x = _layer(name)
+    graph = analyze(layer, (x,)).cost_graph
+    (node,) = op_nodes(graph)
+    extra = graph.nodes[node]["backward_extra_bytes"]
+    assert extra == measured_backward_extra(layer, x)
+    if LAYERS[name][3] and torch.backends.mkldnn.is_available():
+        assert extra > 0
+    elif not LAYERS[name][3]:
+        assert extra == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the formulas are oneDNN's")
+def test_convolution_scratch_formulas() -> None:
+    """What the measurements found (16 channels: no rounding up to oneDNN's channel blocks):
+    a stride-1 convolution's backward reorders grad_output (Y bytes) and the input (X bytes)
+    for the weight gradient, while its grad_input exists; a strided one copies grad_input
+    twice (blocked buffer, then a contiguous copy): 3X in all, less the gradients."""
+    x_bytes, y_bytes = 8 * 16 * 32 * 32 * 4, 8 * 16 * 32 * 32 * 4
+    graph = analyze(*_as_args("conv3x3")).cost_graph
+    assert graph.nodes[op_nodes(graph)[0]]["backward_extra_bytes"] == x_bytes + y_bytes
+    graph = analyze(*_as_args("conv3x3_stride2")).cost_graph
+    node = graph.nodes[op_nodes(graph)[0]]
+    assert node["backward_extra_bytes"] == 3 * x_bytes - x_bytes - node["param_grad_bytes"]
+
+
+def _as_args(name: str) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    layer, x = _layer(name)
+    return layer, (x,)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_one_layer_peak_matches_measured(name: str) -> None:
+    layer, x = _layer(name)
+    simulated = eager_peak(analyze(layer, (x,)).cost_graph)
+    measured = measure_step(layer, (x,), zoo.scalar_loss, repeats=1).peak_bytes
+    assert within(simulated, measured, 0.01), f"{name}: simulated/measured {simulated / measured:.3f}"
+
+
+# ---------------------------------------------------------------- the memory model
+
+def test_backward_extra_bytes_default_to_zero() -> None:
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=10)
+    assert graph.nodes["x"]["backward_extra_bytes"] == 0
+    check_cost_graph(graph)
+
+
+def _graph(extra: int, *, diamond: bool) -> nx.DiGraph:
+    """x -> a -> output, or x -> a -> b -> c(a, b) -> output; 10 bytes each, nothing saved;
+    the last op but one (``a``, or ``b``) has ``extra`` scratch bytes."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=10, requires_grad=False)
+    add_value(graph, "a", kind="op", order=1, bytes=10, reads=["x"], backward_extra_bytes=0 if diamond else extra)
+    last = "a"
+    if diamond:
+        add_value(graph, "b", kind="op", order=2, bytes=10, reads=["a"], backward_extra_bytes=extra)
+        add_value(graph, "c", kind="op", order=3, bytes=10, reads=["a", "b"])
+        last = "c"
+    add_value(graph, "output", kind="output", order=4, bytes=0, reads=[last])
+    check_cost_graph(graph)
+    return graph
+
+
+def test_scratch_is_held_on_top_of_the_gradients() -> None:
+    # Loss: output + 3 x output + its gradient = 50. Backward of a: output, its gradient, 100.
+    assert simulate(_graph(0, diamond=False), eager_segments(_graph(0, diamond=False))).peak_bytes == 50
+    graph = _graph(100, diamond=False)
+    assert simulate(graph, eager_segments(graph)).peak_bytes == 120 == no_recompute_peak(graph)
+
+
+def test_scratch_is_held_with_the_gradients_added_into_existing_buffers() -> None:
+    # c's backward leaves c (output), grad a, grad b = 30; b's backward makes a gradient for a
+    # that is added into grad a (10), and holds its scratch (100) while that gradient exists.
+    graph = _graph(100, diamond=True)
+    assert simulate(graph, eager_segments(graph)).peak_bytes == 140 == no_recompute_peak(graph)
+
+
+@st.composite
+def graphs_with_scratch(draw) -> nx.DiGraph:
+    graph = draw(small_cost_graphs())
+    for name in op_nodes(graph):
+        graph.nodes[name]["backward_extra_bytes"] = draw(st.sampled_from([0, 0, 7, 60]))
+    return graph
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs_with_scratch())
+def test_checkmate_holds_scratch_like_the_simulator(graph: nx.DiGraph) -> None:
+    assert no_recompute_peak(graph) == simulate(graph, eager_segments(graph)).eager_peak_bytes
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs_with_scratch(), segments=st.sampled_from([None, 2, 3]))
+def test_no_strategy_beats_checkmate_with_scratch(graph: nx.DiGraph, segments: int | None) -> None:
+    check_strategies(graph, segments)
