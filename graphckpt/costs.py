@@ -67,7 +67,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
-    not_recomputable, not_cuttable = mutation_constraints(graph_module, profile.parents)
+    not_recomputable, not_cuttable, ordered = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
@@ -86,6 +86,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             saved_extra_bytes=cost.saved_extra_bytes,
             requires_grad=cost.requires_grad,
             random=cost.random,
+            ordered=node.name in ordered,
             expensive=cost.expensive,
             param_grad_bytes=cost.param_grad_bytes,
             backward_extra_bytes=cost.backward_extra_bytes,

@@ -165,20 +165,25 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
 
 
 def mutation_constraints(graph_module: fx.GraphModule,
-                         parents: Mapping[fx.Node, fx.Node]) -> tuple[set[str], set[str]]:
-    """``(not_recomputable, not_cuttable)`` node names implied by the in-place writes left."""
+                         parents: Mapping[fx.Node, fx.Node]) -> tuple[set[str], set[str], set[str]]:
+    """``(not_recomputable, not_cuttable, ordered)`` node names implied by the in-place
+    writes left: ``ordered`` are each write and the earlier readers of its storage, which
+    must not run after it."""
     nodes = list(graph_module.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     not_recomputable: set[str] = set()
     not_cuttable: set[str] = set()
+    ordered: set[str] = set()
     roots = _storage_roots(nodes, parents)
     for node in nodes:
         for target in mutated_arguments(graph_module, node):
             group = [n for n in nodes if roots[n] is roots[target] and position[n] < position[node]]
+            ordered.add(node.name)
+            ordered.update(r.name for n in group for r in n.users if position[r] < position[node] and r.op != "output")
             if any(n.op in ("placeholder", "get_attr") for n in group):
                 not_recomputable.add(node.name)
                 not_recomputable.update(r.name for n in group for r in n.users
                                         if position[r] <= position[node])
             else:
                 not_cuttable.update(n.name for n in group)
-    return not_recomputable, not_cuttable
+    return not_recomputable, not_cuttable, ordered

@@ -37,6 +37,10 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``random``: ``bool``
     Whether computing the value draws from the random number generator (dropout). Such
     nodes keep their relative execution order in every plan, so random streams match eager.
+``ordered``: ``bool``
+    The node keeps its execution order relative to every other ordered or random node: an
+    in-place write that stays in the graph and the earlier readers of the storage it writes
+    (reordering them would let a reader see the written data).
 ``expensive``: ``bool``
     The value comes out of a matmul or convolution: costly to recompute, so a selective
     plan keeps it from forward even inside a recomputed segment.
@@ -82,6 +86,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "saved_extra_bytes": int,
     "requires_grad": bool,
     "random": bool,
+    "ordered": bool,
     "expensive": bool,
     "param_grad_bytes": int,
     "backward_extra_bytes": int,
@@ -96,6 +101,7 @@ DEFAULTS: Mapping[str, Any] = {
     "saved_extra_bytes": 0,
     "requires_grad": True,
     "random": False,
+    "ordered": False,
     "expensive": False,
     "param_grad_bytes": 0,
     "backward_extra_bytes": 0,
@@ -140,6 +146,13 @@ def in_order(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> list[str]
 def op_nodes(graph: nx.DiGraph) -> list[str]:
     """The computed values (kind ``op``) in execution order: what segments partition."""
     return [n for n in in_order(graph) if graph.nodes[n]["kind"] == "op"]
+
+
+def keeps_order(graph: nx.DiGraph, name: str) -> bool:
+    """Whether ``name`` must keep its eager order relative to the other such nodes
+    (random draws, and in-place writes with the readers before them)."""
+    attributes = graph.nodes[name]
+    return attributes["random"] or attributes["ordered"]
 
 
 def is_activation(graph: nx.DiGraph, name: str) -> bool:

@@ -19,7 +19,7 @@ from itertools import pairwise
 
 import networkx as nx
 
-from passes.costgraph import keep_cost, op_nodes, storage_root
+from passes.costgraph import keep_cost, keeps_order, op_nodes, storage_root
 
 INF = float("inf")
 
@@ -172,9 +172,9 @@ def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, i
     for name in frontier:
         add_value(name)
         flow.add_edge(source, (name, "in"))
-    random = [name for name in window if graph.nodes[name]["random"]]
-    for earlier, later in pairwise(random):
-        flow.add_edge((later, "in"), (earlier, "in"))  # random draws keep their order
+    ordered = [name for name in window if keeps_order(graph, name)]
+    for earlier, later in pairwise(ordered):
+        flow.add_edge((later, "in"), (earlier, "in"))  # random draws and in-place writes keep their order
     for name in window:
         add_value(name)
         for reader in graph.successors(name):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from passes.costgraph import boundary_bytes, in_order, is_activation, op_nodes
+from passes.costgraph import boundary_bytes, in_order, is_activation, keeps_order, op_nodes
 
 
 class PlanError(ValueError):
@@ -178,13 +178,13 @@ def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
     Every op node sits in exactly one segment; a segment only reads values computed by an
     earlier segment (or inputs and parameters); recomputed segments hold only recomputable
     nodes and keep only cuttable values at their edges, so each recomputed value can be
-    computed again from kept ones; random ops run in their eager order.
+    computed again from kept ones; random ops and in-place writes run in their eager order.
     """
     done = {n for n, kind in graph.nodes(data="kind") if kind in ("input", "param")}
     expected = set(op_nodes(graph))
-    random_order = [n for s in segments for n in s.nodes if graph.nodes[n]["random"]]
-    if random_order != in_order(graph, random_order):
-        raise PlanError(f"random ops run out of their eager order: {random_order}")
+    ordered = [n for s in segments for n in s.nodes if keeps_order(graph, n)]
+    if ordered != in_order(graph, ordered):
+        raise PlanError(f"random ops or in-place writes run out of their eager order: {ordered}")
     for index, segment in enumerate(segments):
         for name in segment.nodes:
             if name not in expected:

@@ -19,6 +19,7 @@ from passes.costgraph import (
     boundary_bytes,
     check_cost_graph,
     keep_cost,
+    keeps_order,
     op_nodes,
     storage_root,
 )
@@ -106,6 +107,7 @@ def cost_graphs(draw, max_ops: int = 30, inputs: tuple[int, int] = (1, 2), max_r
             saved=saved,
             saved_extra_bytes=draw(st.one_of(st.just(0), st.integers(1, 50))),
             requires_grad=_mostly_true(draw, 6),
+            ordered=not _mostly_true(draw, 6),
         )
         readable.append(name)
         order += 1
@@ -182,8 +184,10 @@ def _cut_cost(graph: nx.DiGraph, ops: list[str], low: int, window_before: set[st
 
 
 def _down_closed_subsets(graph: nx.DiGraph, window: list[str]):
-    """Every subset of ``window`` holding the window predecessors of each of its ops."""
+    """Every subset of ``window`` holding the window predecessors of each of its ops, and
+    the earlier ordered ops of each ordered op (they keep their eager order)."""
     inside = set(window)
+    ordered = [n for n in window if keeps_order(graph, n)]
 
     def extend(index: int, chosen: set[str]):
         if index == len(window):
@@ -191,7 +195,8 @@ def _down_closed_subsets(graph: nx.DiGraph, window: list[str]):
             return
         yield from extend(index + 1, chosen)
         name = window[index]
-        if all(p in chosen for p in graph.predecessors(name) if p in inside):
+        earlier = ordered[: ordered.index(name)] if name in ordered else []
+        if all(p in chosen for p in graph.predecessors(name) if p in inside) and all(e in chosen for e in earlier):
             chosen.add(name)
             yield from extend(index + 1, chosen)
             chosen.discard(name)
@@ -228,6 +233,8 @@ def _check_min_cut(graph: nx.DiGraph, low: int, high: int, mark: int | None, bru
         missing = [p for p in graph.predecessors(name) if p in op_set and p not in computed]
         assert not missing, f"{name} is before the cut but reads {missing} after it"
     assert not any(position[n] >= high for n in before)
+    ordered = [n for n in window if keeps_order(graph, n)]
+    assert all(set(ordered[: ordered.index(n)]) <= before for n in before if n in ordered), "order broken"
     cost = _cut_cost(graph, ops, low, before)
     assert nbytes == cost, f"reported {nbytes} bytes, the boundary it implies keeps {cost}"
     assert cost < INF

@@ -247,12 +247,21 @@ DROPOUT_THEN_INPLACE = ModelSpec(
             ("add", 4, 1)),
     outputs=(5,), output_form="tuple", input_requires_grad=False, seed=0)
 
+# In eval mode Dropout returns its input, so add_ writes into x; relu(x) runs before the
+# write in eager and must stay before it (min-cut once moved it after).
+READ_BEFORE_EVAL_WRITE = ModelSpec(
+    modules=(("drop0", "drop"), ("ln1", "ln"), ("linear2", "linear"), ("linear3", "linear")),
+    recipe=(("call", "drop0", 0), ("call", "ln1", 0), ("act", "relu", 0), ("act", "relu", 0), ("act", "relu", 0),
+            ("add_", 1, 0), ("call", "linear2", 0), ("call", "linear3", 5)),
+    outputs=(8,), output_form="tuple", input_requires_grad=False, seed=0)
+
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=model_specs(), segments=st.lists(st.sampled_from([None, 2, 3, 5]), min_size=5, max_size=5))
 @example(spec=INPLACE_CHAIN, segments=[None, None, None, None, None])
 @example(spec=DROPOUT_ORDER, segments=[2, 2, 2, 2, None])
 @example(spec=DROPOUT_THEN_INPLACE, segments=[None, None, None, None, None])
+@example(spec=READ_BEFORE_EVAL_WRITE, segments=[None, None, None, None, None])
 def test_rewrite_trains_like_eager(spec: ModelSpec, segments: list[int | None]) -> None:
     for strategy, count in zip(STRATEGY_NAMES, segments, strict=True):
         _check_same_step(spec, strategy, count)
