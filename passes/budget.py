@@ -78,19 +78,20 @@ def partially_recomputed(graph: nx.DiGraph, plan: Plan) -> list[Plan]:
     return variants
 
 
-THOROUGH_UP_TO = 400  # ops; larger graphs try only each heuristic's default segment count
+THOROUGH_UP_TO = 400  # ops; larger graphs try fewer flat plans (the dynamic program covers them)
 
 
 def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
-    """Flat plans of every heuristic strategy over a range of segment counts (their default
-    √n count included), their partially recomputed variants, and selective variants of all
-    of these that keep matmul/convolution outputs (each simulated and validated). Graphs
-    over ``THOROUGH_UP_TO`` ops get only the default count of each strategy."""
-    heuristics = (sqrt_plan, articulation_plan, mincut_plan)
-    thorough = len(op_nodes(graph)) <= THOROUGH_UP_TO
-    counts = [*segment_counts(graph), None] if thorough else [1, None]
-    plans = [strategy(graph, count) for count in counts for strategy in heuristics]
-    if thorough:
+    """Eager, and flat plans of every heuristic strategy over a range of segment counts (their
+    default √n count included), their partially recomputed variants, and selective variants
+    of all of these that keep matmul/convolution outputs (each simulated and validated).
+    Graphs over ``THOROUGH_UP_TO`` ops get only the default count of the two fast strategies."""
+    eager = build_plan(graph, "eager", [(op_nodes(graph), False)])
+    if len(op_nodes(graph)) > THOROUGH_UP_TO:
+        plans = [eager, sqrt_plan(graph), articulation_plan(graph)]
+    else:
+        heuristics = (sqrt_plan, articulation_plan, mincut_plan)
+        plans = [eager, *(strategy(graph, count) for count in [*segment_counts(graph)[1:], None] for strategy in heuristics)]
         plans += [v for p in plans if len(p.segments) <= 9 for v in partially_recomputed(graph, p)]
     if any(graph.nodes[n]["expensive"] for n in graph):
         plans += [keep_expensive(graph, p) for p in plans if p.recomputed_segments]

@@ -44,6 +44,32 @@ class Simulation:
     recompute_bytes: int = 0  # bytes written by recomputation: the cost of pointwise work FLOPs miss
 
 
+@dataclass(frozen=True)
+class _Index:
+    """A cost graph's attributes and edges as plain dicts: the replay reads them millions
+    of times on large graphs, and networkx views are slow to index."""
+
+    attributes: dict[str, dict]
+    roots: dict[str, str]
+    readers: dict[str, tuple[str, ...]]
+    reads: dict[str, tuple[str, ...]]
+
+
+_INDEXES: WeakKeyDictionary[nx.DiGraph, _Index] = WeakKeyDictionary()
+
+
+def _index(graph: nx.DiGraph) -> _Index:
+    """The :class:`_Index` of ``graph``, built once (cost graphs do not change once built)."""
+    if graph not in _INDEXES:
+        _INDEXES[graph] = _Index(
+            attributes=dict(graph.nodes(data=True)),
+            roots={name: storage_root(graph, name) for name in graph},
+            readers={name: tuple(graph.successors(name)) for name in graph},
+            reads={name: tuple(graph.predecessors(name)) for name in graph},
+        )
+    return _INDEXES[graph]
+
+
 class _Memory:
     """Live storages with the number of reasons each is alive, and the running peak.
 
@@ -54,6 +80,7 @@ class _Memory:
 
     def __init__(self, graph: nx.DiGraph) -> None:
         self.graph = graph
+        self.index = _index(graph)
         self.holds: Counter = Counter()
         self.live: dict = {}
         self.fresh: list[set[str]] = []
@@ -61,7 +88,7 @@ class _Memory:
         self.peak = 0
 
     def key(self, name: str) -> tuple:
-        root = storage_root(self.graph, name)
+        root = self.index.roots[name]
         for level in range(len(self.fresh) - 1, -1, -1):
             if root in self.fresh[level]:
                 return ("recomputed", level, root)
@@ -103,18 +130,19 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
     ``within`` limits the readers that keep a value alive to that set (a recompute only
     feeds its own segment); ``keep`` values get one more hold (kept from forward).
     """
+    index = memory.index
     for name in nodes:
-        attributes = graph.nodes[name]
+        attributes = index.attributes[name]
         if attributes["alias_of"] is None:
             memory.allocate(memory.key(name), attributes["bytes"])
-        readers = [r for r in graph.successors(name) if within is None or r in within]
+        readers = [r for r in index.readers[name] if within is None or r in within]
         memory.hold(name, len(readers) + (name in keep))
         if save:
             for value in attributes["saved"]:
                 memory.hold(value)
             memory.allocate(("extra", name), attributes["saved_extra_bytes"])
-        for value in graph.predecessors(name):
-            if graph.nodes[value]["kind"] != "param" and (within is None or value in within):
+        for value in index.reads[name]:
+            if index.attributes[value]["kind"] != "param" and (within is None or value in within):
                 memory.release(value)
         memory.release(name, 0)
 
@@ -125,13 +153,15 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
     A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
     (those added into existing buffers too), for a moment after its gradients are made.
     """
+    index = memory.index
     for name in reversed(nodes):
+        attributes = index.attributes[name]
         if name in grads:
             partial = 0
-            for value in graph.predecessors(name):
-                if not needs_grad(graph, value):
-                    continue
-                size = gradient_bytes(graph, value)
+            for value in index.reads[name]:
+                if not (index.attributes[value]["requires_grad"] and index.attributes[value]["kind"] in ("op", "input")):
+                    continue  # needs_grad
+                size = index.attributes[index.roots[value]]["bytes"]  # gradient_bytes
                 if value in grads:
                     memory.allocate(("grad-partial", value), size)
                     memory.free(("grad-partial", value))
@@ -139,16 +169,16 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
                 else:
                     memory.allocate(("grad", value), size)
                     grads.add(value)
-            memory.allocate(("param-grad", name), graph.nodes[name]["param_grad_bytes"])
+            memory.allocate(("param-grad", name), attributes["param_grad_bytes"])
             # Kernel scratch lives while every gradient the node returns exists: the new
             # buffers and parameter gradients above and those still to be added into a buffer.
-            extra = graph.nodes[name]["backward_extra_bytes"]
+            extra = attributes["backward_extra_bytes"]
             memory.allocate(("backward-extra", name), extra and extra + partial)
             memory.free(("backward-extra", name))
             memory.free(("param-grad", name))
             memory.free(("grad", name))
             grads.discard(name)
-        for value in graph.nodes[name]["saved"]:
+        for value in attributes["saved"]:
             memory.release(value)
         memory.free(("extra", name))
 
