@@ -2,23 +2,20 @@
 
     python scripts/zoo_table.py [--repeats 5] > table.md
 
-Eager and each rewrite are measured in the same process: peak memory with
-graphckpt.measure (CPU: profiler memory timeline, after a warm-up step); step time as the
-median of --repeats rounds, each round timing one step of every variant in turn
-(interleaved, so load on the machine hits all variants alike).
+Eager and each rewrite are measured in the same process by graphckpt.bench.measure_variants:
+peak memory with graphckpt.measure (CPU: profiler memory timeline, after a warm-up step);
+step time as the median of --repeats rounds, each round timing one step of every variant in
+turn (interleaved, so load on the machine hits all variants alike).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-import graphckpt
 from graphckpt import zoo
-from graphckpt.measure import measure_step, training_step
+from graphckpt.bench import eager_variant, measure_variants, strategy_variant
 
 SIZES = {
     "mlp": {"depth": 32, "width": 256, "batch": 512},
@@ -30,30 +27,14 @@ SIZES = {
 STRATEGIES = ("sqrt", "articulation", "mincut", "auto", "optimal")
 
 
-def interleaved_step_times(modules: list, inputs: tuple, repeats: int) -> list[float]:
-    """Median seconds per training step of each module, timed round-robin."""
-    steps = [training_step(m, inputs, zoo.scalar_loss) for m in modules]
-    for step in steps:
-        step()
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for index, step in enumerate(steps):
-            start = time.perf_counter()
-            step()
-            times[index].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
-
-
 def rows(repeats: int):
     for name, size in SIZES.items():
         model, inputs = zoo.make(name, **size)
-        rewritten = [graphckpt.rewrite(model, inputs, strategy=s) for s in STRATEGIES]
-        peaks = [measure_step(m, inputs, zoo.scalar_loss, repeats=1).peak_bytes for m in [model, *rewritten]]
-        seconds = interleaved_step_times([model, *rewritten], inputs, repeats)
-        for index, strategy in enumerate(STRATEGIES, start=1):
-            plan = rewritten[index - 1].meta["graphckpt_plan"]
-            yield (name, strategy, plan.strategy, peaks[0], peaks[index] / peaks[0],
-                   plan.peak_bytes / max(peaks[index], 1), seconds[index] / seconds[0])
+        variants = [eager_variant(model), *(strategy_variant(model, inputs, s) for s in STRATEGIES)]
+        eager, *results = measure_variants(variants, inputs, zoo.scalar_loss, steps=repeats)
+        for strategy, variant, result in zip(STRATEGIES, variants[1:], results, strict=True):
+            yield (name, strategy, variant.plan.strategy, eager.peak_bytes, result.peak_ratio,
+                   variant.plan.peak_bytes / max(result.peak_bytes, 1), result.time_ratio)
 
 
 def main() -> None:

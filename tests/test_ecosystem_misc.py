@@ -85,31 +85,33 @@ def test_cuda_autocast_grads_equal_eager(dtype: torch.dtype) -> None:
 
 # ------------------------------------------------------------------ training-loop idioms
 
-def test_autograd_grad_through_a_rewritten_module() -> None:
-    reference, model = fresh_pair(zoo.make("mlp", depth=10, width=16, batch=8)[0])
-    rewritten = graphckpt.rewrite(model, (torch.randn(8, 16),), strategy="sqrt")
-    x = torch.randn(8, 16)
-    found = []
-    for module, owner in ((reference, reference), (rewritten, model)):
-        inputs = x.clone().requires_grad_()
-        loss = module(inputs).pow(2).mean()
-        found.append(torch.autograd.grad(loss, [inputs, *owner.parameters()]))
+def _same_grads(grads, depth: int, width: int, batch: int) -> nn.Module:
+    """Compare ``grads(module, owner, inputs)`` of eager and of the rewrite (``owner`` holds
+    the parameters); returns the model the rewrite shares."""
+    reference, model = fresh_pair(zoo.make("mlp", depth=depth, width=width, batch=batch)[0])
+    rewritten = graphckpt.rewrite(model, (torch.randn(batch, width),), strategy="sqrt")
+    x = torch.randn(batch, width)
+    pairs = ((reference, reference), (rewritten, model))
+    found = [grads(module, owner, x.clone().requires_grad_()) for module, owner in pairs]
     for actual, expected in zip(found[1], found[0], strict=True):
         torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+    return model
+
+
+def test_autograd_grad_through_a_rewritten_module() -> None:
+    def grads(module, owner, inputs):
+        return torch.autograd.grad(module(inputs).pow(2).mean(), [inputs, *owner.parameters()])
+
+    model = _same_grads(grads, depth=10, width=16, batch=8)
     assert all(p.grad is None for p in model.parameters()), "autograd.grad must not touch .grad"
 
 
 def test_double_backward_through_a_rewritten_module() -> None:
-    reference, model = fresh_pair(zoo.make("mlp", depth=6, width=8, batch=4)[0])
-    rewritten = graphckpt.rewrite(model, (torch.randn(4, 8),), strategy="sqrt")
-    x = torch.randn(4, 8)
-    penalties = []
-    for module, owner in ((reference, reference), (rewritten, model)):
-        inputs = x.clone().requires_grad_()
+    def penalty_grads(module, owner, inputs):
         (grad,) = torch.autograd.grad(module(inputs).pow(2).mean(), inputs, create_graph=True)
-        penalties.append(torch.autograd.grad(grad.pow(2).sum(), list(owner.parameters())))
-    for actual, expected in zip(penalties[1], penalties[0], strict=True):
-        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+        return torch.autograd.grad(grad.pow(2).sum(), list(owner.parameters()))
+
+    _same_grads(penalty_grads, depth=6, width=8, batch=4)
 
 
 def test_gradient_accumulation_over_micro_batches() -> None:
