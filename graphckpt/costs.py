@@ -90,6 +90,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             expensive=cost.expensive,
             param_grad_bytes=cost.param_grad_bytes,
             backward_extra_bytes=cost.backward_extra_bytes,
+            grad_views=cost.grad_views,
             shape=cost.shape,
             dtype=cost.dtype,
         )

@@ -43,6 +43,7 @@ class NodeCost:
     shape: str
     dtype: str
     backward_extra_bytes: int = 0
+    grad_views: bool = False
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -62,6 +63,9 @@ EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_con
                            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"})
 
 
+GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
+
+
 class _OpKinds(TorchDispatchMode):
     """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
     ops that are neither views nor pointwise (``opaque``).
@@ -76,8 +80,11 @@ class _OpKinds(TorchDispatchMode):
         self.random = False
         self.expensive = False
         self.opaque = False
+        self.last = ""  # the last op: ``cat`` or ``stack`` hands its inputs views of its gradient
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten":  # not prim::device and other metadata queries
+            self.last = func.overloadpacket.__name__
         self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
         self.expensive = self.expensive or func.overloadpacket.__name__ in EXPENSIVE_OPS
         self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)
@@ -202,6 +209,7 @@ class _CostInterpreter(fx.Interpreter):
             requires_grad=any(t.requires_grad for t in tensors),
             random=kinds.random,
             expensive=kinds.expensive,
+            grad_views=kinds.last in GRADIENT_VIEW_OPS,
             param_grad_bytes=self._param_grad_bytes(node),
             shape=shape,
             dtype=dtype,

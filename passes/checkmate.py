@@ -16,7 +16,9 @@ roots of ``k``'s ``saved`` values. A gradient added into an existing buffer, and
 ``param_grad_bytes`` with, if any, the ``backward_extra_bytes`` plus the gradients ``k`` adds
 into existing buffers, are held for a moment (*transient* bytes). Inputs and params are free;
 input gradients, graph outputs and their storage roots stay in memory to the end (*kept*).
-``random`` ops need nothing more: each first runs in its own stage, in eager order.
+``random`` and ``ordered`` ops need nothing more: each first runs in its own stage, in eager
+order. ``grad_views`` is not modelled (each input gradient is a buffer of its own, as the
+simulator did before it learnt views), so parity with the simulator holds on graphs without it.
 
 **Variables** (stage ``t`` of ``T``; ``m_i`` is node ``i``'s size; ``home(i)`` is ``i``, or
 an extra's op): ``R[t,i]`` binary, ``i`` computed in stage ``t``; ``S[t,i]`` binary, ``i`` in

@@ -55,6 +55,10 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     ``native_batch_norm_backward`` holds an input-sized buffer). It lives while all of the
     node's gradients exist, those added into existing buffers included, and is freed before
     the next node's backward. ``0`` for nodes whose backward only allocates its gradients.
+``grad_views``: ``bool``
+    The gradients the node's backward hands its inputs are views of its own output's
+    gradient (``cat``, ``stack``): no new buffers, but the whole output gradient stays alive
+    until the last of them is used.
 ``requires_grad``: ``bool``
     Whether the value takes part in backward (its gradient is computed).
 ``label``: ``str``
@@ -87,6 +91,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "requires_grad": bool,
     "random": bool,
     "ordered": bool,
+    "grad_views": bool,
     "expensive": bool,
     "param_grad_bytes": int,
     "backward_extra_bytes": int,
@@ -102,6 +107,7 @@ DEFAULTS: Mapping[str, Any] = {
     "requires_grad": True,
     "random": False,
     "ordered": False,
+    "grad_views": False,
     "expensive": False,
     "param_grad_bytes": 0,
     "backward_extra_bytes": 0,

@@ -84,6 +84,8 @@ class _Memory:
         self.holds: Counter = Counter()
         self.live: dict = {}
         self.fresh: list[set[str]] = []
+        self.grad_buffer: dict[str, tuple] = {}  # a value's gradient -> the buffer it is a view of
+        self.views_of: Counter = Counter()  # gradient buffer -> gradients viewing it
         self.current = 0
         self.peak = 0
 
@@ -111,6 +113,21 @@ class _Memory:
 
     def free(self, key: tuple) -> None:
         self.current -= self.live.pop(key, 0)
+
+    def share_gradient(self, value: str, owner: str) -> None:
+        """``value``'s gradient is a view of ``owner``'s (a ``grad_views`` node's input)."""
+        buffer = self.grad_buffer.get(owner, ("grad", owner))
+        self.grad_buffer[value] = buffer
+        self.views_of[buffer] += 1
+
+    def free_gradient(self, value: str) -> None:
+        """Drop ``value``'s gradient; a shared buffer goes when its last view does."""
+        buffer = self.grad_buffer.pop(value, ("grad", value))
+        if buffer != ("grad", value) or self.views_of[buffer] == 0:
+            self.views_of[buffer] -= buffer != ("grad", value)
+            if self.views_of[buffer] <= 0:
+                self.views_of.pop(buffer, None)
+                self.free(buffer)
 
 
 def needs_grad(graph: nx.DiGraph, name: str) -> bool:
@@ -166,6 +183,9 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
                     memory.allocate(("grad-partial", value), size)
                     memory.free(("grad-partial", value))
                     partial += size
+                elif attributes["grad_views"]:
+                    memory.share_gradient(value, name)
+                    grads.add(value)
                 else:
                     memory.allocate(("grad", value), size)
                     grads.add(value)
@@ -176,7 +196,7 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
             memory.allocate(("backward-extra", name), extra and extra + partial)
             memory.free(("backward-extra", name))
             memory.free(("param-grad", name))
-            memory.free(("grad", name))
+            memory.free_gradient(name)
             grads.discard(name)
         for value in attributes["saved"]:
             memory.release(value)
