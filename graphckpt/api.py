@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from graphckpt.capture import Captured, CaptureError, capture
 from graphckpt.codegen import RewrittenModule, generate
-from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
 from graphckpt.progress import planning_progress
 from passes.budget import Budget, fit_budget, optimal_plan, parse_budget
@@ -65,37 +65,41 @@ def _choose(cost_graph: nx.DiGraph, strategy: str, segments: int | None, budget:
 
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
-            example_kwargs: Mapping[str, Any] | None = None) -> Analysis:
+            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Analysis:
     """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    if budget is not None and example_inputs is None:
+    if cost not in COSTS:
+        raise ValueError(f"unknown cost {cost!r}; choose one of {list(COSTS)}")
+    if budget is not None and example_inputs is None and not example_kwargs:
         raise ValueError("a memory budget needs example_inputs: sizes come from running them")
+    if cost == "time" and example_inputs is None and not example_kwargs:
+        raise ValueError("cost='time' needs example_inputs: op times come from running them")
     args = _as_tuple(example_inputs)
     if args is None and example_kwargs:
         args = ()  # keyword inputs alone are example inputs too
     captured = capture(model, args, example_kwargs)
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
-    profile = prepare(captured.graph_module, args, example_kwargs)
+    profile = prepare(captured.graph_module, args, example_kwargs, cost)
     cost_graph = build_cost_graph(captured.graph_module, profile)
     return Analysis(captured, cost_graph, _choose(cost_graph, strategy, segments, budget))
 
 
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
          segments: int | None = None, budget: Budget | None = None,
-         example_kwargs: Mapping[str, Any] | None = None) -> Plan:
+         example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Plan:
     """The checkpointing plan for ``model`` without rewriting it (``print(plan)`` shows it).
 
     Without ``example_inputs`` every op costs one unit (node counting).
     """
     return analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
-                   example_kwargs=example_kwargs).plan
+                   example_kwargs=example_kwargs, cost=cost).plan
 
 
 def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
-            example_kwargs: Mapping[str, Any] | None = None) -> RewrittenModule:
+            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> RewrittenModule:
     """A module computing what ``model`` computes, recomputing planned segments in backward.
 
     It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
@@ -105,11 +109,12 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     segment count of the heuristics. ``budget`` (a fraction of eager's simulated peak,
     bytes, or a string like ``"2GiB"``) runs the optimal pass: the plan of least recompute
     whose simulated peak fits, or :class:`passes.budget.BudgetError` saying the smallest
-    peak reachable.
+    peak reachable. ``cost="time"`` measures each op's forward time on the example inputs
+    and minimises recomputed time instead of FLOPs (pointwise ops are not free).
     ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
-                       example_kwargs=example_kwargs)
+                       example_kwargs=example_kwargs, cost=cost)
     with torch.no_grad():
         return generate(analysis.captured.graph_module, model, analysis.cost_graph,
                         analysis.plan, analysis.captured.method)

@@ -97,10 +97,11 @@ def strategy_variant(model: nn.Module, inputs: tuple, strategy: str) -> Variant:
     return Variant(f"graphckpt {strategy}", rewritten, "graphckpt", setting, plan)
 
 
-def budget_variant(model: nn.Module, inputs: tuple, budget: float) -> Variant | Skipped:
-    """``graphckpt.rewrite`` fitting ``budget`` (fraction of eager's simulated peak)."""
+def budget_variant(model: nn.Module, inputs: tuple, budget: float, cost: str = "flops") -> Variant | Skipped:
+    """``graphckpt.rewrite`` fitting ``budget`` (fraction of eager's simulated peak), recompute
+    counted in ``cost`` ("flops" or measured "time")."""
     try:
-        rewritten = graphckpt.rewrite(model, inputs, budget=budget)
+        rewritten = graphckpt.rewrite(model, inputs, budget=budget, cost=cost)
     except BudgetError as error:
         return Skipped(f"graphckpt budget {budget:g}", "infeasible: " + str(error).split(", kept values")[0])
     plan = rewritten.meta["graphckpt_plan"]

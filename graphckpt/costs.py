@@ -8,7 +8,7 @@ without them every op costs one unit, so node-counting strategies still work.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import networkx as nx
@@ -17,6 +17,7 @@ from torch import fx
 
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
 from graphckpt.profile import NodeCost, node_costs
+from graphckpt.timing import node_nanoseconds
 from passes.costgraph import add_value, check_cost_graph
 
 _KIND = {"placeholder": "input", "get_attr": "param", "output": "output"}
@@ -48,27 +49,35 @@ class Profile:
     costs: Mapping[str, NodeCost]
     parents: Mapping[fx.Node, fx.Node]
     measured: bool = True  # False: unit costs, nothing was run
+    cost_unit: str = "FLOPs"  # what NodeCost.flops counts: "FLOPs", or "ns" of measured time
+
+
+COSTS = ("flops", "time")
 
 
 def prepare(graph_module: fx.GraphModule, args: tuple | None,
-            kwargs: Mapping[str, Any] | None = None) -> Profile:
+            kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Profile:
     """Make in-place ops safe (:func:`graphckpt.inplace.isolate_inplace`) and profile the
-    final graph; unit costs when there are no example inputs."""
+    final graph; unit costs when there are no example inputs. With ``cost="time"`` the
+    recompute cost of each node is its measured forward time instead of its FLOPs."""
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, []), measured=False)
     runs = [node_costs(graph_module, args, kwargs, training=mode) for mode in (True, False)]
     parents = view_parents(graph_module, runs)
-    if isolate_inplace(graph_module, parents):
-        return Profile(node_costs(graph_module, args, kwargs), parents)
-    return Profile(runs[0], parents)
+    costs = node_costs(graph_module, args, kwargs) if isolate_inplace(graph_module, parents) else runs[0]
+    if cost == "time":
+        nanoseconds = node_nanoseconds(graph_module, args, kwargs)
+        costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
+        return Profile(costs, parents, cost_unit="ns")
+    return Profile(costs, parents)
 
 
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
     not_recomputable, not_cuttable, ordered = mutation_constraints(graph_module, profile.parents)
-    graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured)
+    graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         add_value(

@@ -221,7 +221,7 @@ def _trainable_bytes(tensors: Any) -> int:
                if isinstance(t, torch.nn.Parameter) and t.requires_grad)
 
 
-def _positional_inputs(graph_module: fx.GraphModule, args: tuple,
+def positional_inputs(graph_module: fx.GraphModule, args: tuple,
                        kwargs: Mapping[str, Any]) -> list[Any]:
     """Example inputs in placeholder order: positional first, then by name, then defaults."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
@@ -251,7 +251,7 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_module = deepcopy_to_fake_tensor(graph_module, mode).train(training)
-    real_inputs = _positional_inputs(graph_module, args, kwargs or {})
+    real_inputs = positional_inputs(graph_module, args, kwargs or {})
     inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in real_inputs]
     for fake, real in zip(inputs, real_inputs, strict=True):
         if isinstance(real, torch.Tensor) and real.requires_grad:

@@ -3,8 +3,10 @@
 A cost graph is a :class:`networkx.DiGraph` over the values of one forward pass. Nodes are
 value names (the fx node names, e.g. ``"linear_3"``); an edge ``u -> v`` means "computing
 ``v`` reads ``u``". Graph attributes, both optional: ``graph.graph["name"]`` (for display)
-and ``graph.graph["measured"]``: ``True`` when the node attributes come from running example
-inputs; otherwise every op costs one unit and ``random`` is unknown (assume any op may draw).
+``graph.graph["measured"]``: ``True`` when the node attributes come from running example
+inputs; otherwise every op costs one unit and ``random`` is unknown (assume any op may draw);
+and ``graph.graph["cost_unit"]``: what ``flops`` counts, ``"FLOPs"`` (default) or ``"ns"``
+when the graph was costed with measured op times.
 
 Node attributes (every node has all of them; :func:`check_cost_graph` verifies this):
 
@@ -21,7 +23,8 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     The value that owns the storage this value shares (its root, never itself an alias),
     or ``None`` when the value owns its storage.
 ``flops``: ``int``
-    Floating point operations to compute the value (0 when free or unknown).
+    What computing the value again costs: floating point operations (0 when free or
+    unknown), or nanoseconds when ``graph.graph["cost_unit"] == "ns"``.
 ``recomputable``: ``bool``
     ``False`` when running the node again would change results or state we do not replay
     exactly (e.g. an in-place write to a buffer). Such nodes never sit in a recomputed

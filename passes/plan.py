@@ -66,6 +66,7 @@ class Plan:
     forward_flops: int
     notes: tuple[str, ...] = field(default=())
     recompute_bytes: int = 0
+    cost_unit: str = "FLOPs"  # what recompute_flops and forward_flops count ("ns": measured time)
 
     @property
     def recomputed_segments(self) -> tuple[Segment, ...]:
@@ -78,7 +79,7 @@ class Plan:
             f"({_mib(self.checkpoint_bytes)})",
             f"  simulated peak {_mib(self.peak_bytes)} vs eager {_mib(self.eager_peak_bytes)}"
             f" ({self.peak_bytes / max(self.eager_peak_bytes, 1):.2f}x); recompute "
-            f"{self.recompute_flops / max(self.forward_flops, 1):.0%} of forward FLOPs",
+            f"{self.recompute_flops / max(self.forward_flops, 1):.0%} of forward {self.cost_unit}",
         ]
         for index, segment in enumerate(self.segments):
             lines.extend(_describe(segment, f"segment {index}", "  "))

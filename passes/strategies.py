@@ -75,6 +75,7 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
         forward_flops=result.forward_flops,
         notes=tuple(notes),
         recompute_bytes=result.recompute_bytes,
+        cost_unit=graph.graph.get("cost_unit", "FLOPs"),
     )
 
 

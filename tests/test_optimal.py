@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -183,3 +184,20 @@ def test_slow_planning_shows_a_progress_bar_on_a_terminal() -> None:
     with planning_progress("fast", show_after=60.0, console=Console(file=quiet, force_terminal=True)) as progress:
         DynamicProgram(chain_graph(8, [100]), progress=progress)
     assert quiet.getvalue() == ""
+
+
+def test_measured_op_times_as_the_recompute_cost() -> None:
+    """cost="time": every op costs its measured forward time (pointwise ops too), the plan
+    says so, the model's buffers are not touched by the timing runs, and it trains like eager."""
+    reference, model = fresh_pair(zoo.make("resnet")[0])
+    inputs = zoo.make("resnet")[1]
+    analysis = analyze(model, inputs, budget=0.9, cost="time")
+    graph, plan = analysis.cost_graph, analysis.plan
+    assert graph.graph["cost_unit"] == "ns" and plan.cost_unit == "ns" and "of forward ns" in str(plan)
+    assert all(graph.nodes[n]["flops"] > 0 for n in op_nodes(graph) if graph.nodes[n]["label"].startswith("relu"))
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, dict(reference.named_buffers())[name]), f"timing changed {name}"
+    rewritten = generate(analysis.captured.graph_module, model, graph, plan)
+    assert_trains_like(reference, model, rewritten, inputs)
+    with pytest.raises(ValueError, match="unknown cost"):
+        analyze(model, inputs, cost="joules")
