@@ -18,9 +18,10 @@ The range runs as a sequence of children. Its first child ``[i, k)`` is one of
   its recompute is only the cheap pointwise work;
 
 or the range is one kept child (everything stored). The whole forward is the range
-``[0, stages)`` with the memory left after the budget's fixed costs; which amount of memory
-that is comes from simulating the resulting plans (:func:`plan_for_budget`), so the budget
-is judged by the simulator, not by the program's own estimate.
+``[0, stages)`` (``least[(0, stages, "top")]``), whose last child also holds the loss
+between forward and backward. How much free memory to give it comes from simulating the
+resulting plans (:func:`plan_for_budget`): the budget is judged by the simulator, not by
+the program's own estimate.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ Progress = Callable[[int, int], None]  # (done, total): planning is long enough 
 
 @dataclass(frozen=True)
 class Table:
-    """The program's answers: ``least[(i, j)][m]`` and how it got each (``-1``: one kept
-    child; else ``3 * k + kind`` for a first child ``[i, k)`` of that kind)."""
+    """The program's answers: ``least[(i, j)][m]`` (and ``least[(i, stages, "top")][m]`` for
+    ranges that end the forward) and how it got each (``-1``: one kept child; else
+    ``3 * k + kind`` for a first child ``[i, k)`` of that kind)."""
 
     chain: Chain
     unit: float
-    least: dict[tuple[int, int], np.ndarray]
-    choice: dict[tuple[int, int], np.ndarray]
+    least: dict[tuple, np.ndarray]
+    choice: dict[tuple, np.ndarray]
 
 
 def slots(nbytes: float, unit: float) -> int:
