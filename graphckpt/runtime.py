@@ -70,6 +70,10 @@ class Segment(nn.Module):
         self.kept_bytes = kept_bytes
         self.recomputations = 0
         self.replays_rng = replays_rng  # keep the RNG state for recompute (5 KiB a segment on CPU)
+        # Found once, not on every call: the body's modules do not change after codegen.
+        called = list(self.called_modules())
+        self.called_parameters = tuple(p for m in called for p in m.parameters(recurse=False))
+        self.norm_layers = [m for m in called if isinstance(m, _NormBase) and m.track_running_stats]
 
     def called_modules(self) -> Iterator[nn.Module]:
         """The modules the body calls, those of nested segments included."""
@@ -81,10 +85,10 @@ class Segment(nn.Module):
 
     def norms(self) -> list[_NormBase]:
         """Normalization layers the body (or a nested segment) calls that keep running statistics."""
-        return [m for m in self.called_modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        return self.norm_layers
 
     def _trains_parameters(self) -> bool:
-        return any(p.requires_grad for m in self.called_modules() for p in m.parameters(recurse=False))
+        return any(p.requires_grad for p in self.called_parameters)
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         # Nested in a segment's first forward, nothing is kept: matmul outputs are kept from
