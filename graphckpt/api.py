@@ -51,10 +51,23 @@ def _require_costs_for_inplace(source: fx.GraphModule) -> None:
             )
 
 
-def _choose(cost_graph: nx.DiGraph, strategy: str, segments: int | None, budget: Budget | None) -> Plan:
+def check_options(strategy: str, segments: int | None = None, budget: Budget | None = None) -> None:
+    """Refuse an unknown strategy, a budget given with a strategy or segment count, and an
+    unreadable budget, before any work is done."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     if budget is not None and (strategy not in ("auto", "optimal") or segments is not None):
         raise ValueError("budget= picks the segments itself with the optimal pass; leave strategy='auto' "
                          "(or 'optimal') and segments=None, or drop the budget")
+    if budget is not None:
+        parse_budget(budget, 1)
+
+
+def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None,
+                    budget: Budget | None = None) -> Plan:
+    """The plan for a cost graph: ``strategy``, or the optimal pass within ``budget`` (a
+    fraction of this graph's eager peak, bytes, or a size string); a progress bar when slow."""
+    check_options(strategy, segments, budget)
     with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress:
         if budget is not None:
             return fit_budget(cost_graph, parse_budget(budget, eager_peak(cost_graph)), progress)
@@ -67,8 +80,7 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
             segments: int | None = None, budget: Budget | None = None,
             example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Analysis:
     """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    check_options(strategy, segments, budget)
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {list(COSTS)}")
     if budget is not None and example_inputs is None and not example_kwargs:
@@ -83,7 +95,7 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
         _require_costs_for_inplace(captured.graph_module)
     profile = prepare(captured.graph_module, args, example_kwargs, cost)
     cost_graph = build_cost_graph(captured.graph_module, profile)
-    return Analysis(captured, cost_graph, _choose(cost_graph, strategy, segments, budget))
+    return Analysis(captured, cost_graph, plan_cost_graph(cost_graph, strategy, segments, budget))
 
 
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",

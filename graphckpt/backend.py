@@ -24,13 +24,12 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from graphckpt.api import check_options, plan_cost_graph
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
-from graphckpt.progress import planning_progress
-from passes.budget import Budget, BudgetError, fit_budget, optimal_plan, parse_budget
+from passes.budget import Budget, BudgetError
 from passes.plan import Plan
-from passes.simulate import eager_peak
-from passes.strategies import STRATEGIES, choose_plan
+from passes.strategies import choose_plan
 
 __all__ = ["GraphckptBackend", "backend"]
 
@@ -91,17 +90,12 @@ def choose(cost_graph: nx.DiGraph, strategy: str, budget: Budget | None) -> Plan
     A budget no plan of this graph reaches (a graph break can leave a graph too small to
     split) gets ``auto``'s plan, the lowest peak of the heuristics, and a warning.
     """
-    with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress:
-        if budget is not None:
-            try:
-                return fit_budget(cost_graph, parse_budget(budget, eager_peak(cost_graph)), progress)
-            except BudgetError as error:
-                warnings.warn(f"graphckpt.backend: {error} Graph breaks split the budget per graph; using the "
-                              "'auto' plan (lowest peak of the heuristics) for this graph instead.", stacklevel=2)
-                return choose_plan(cost_graph, "auto")
-        if strategy == "optimal":
-            return optimal_plan(cost_graph, None, progress)
-        return choose_plan(cost_graph, strategy)
+    try:
+        return plan_cost_graph(cost_graph, strategy, budget=budget)
+    except BudgetError as error:
+        warnings.warn(f"graphckpt.backend: {error} Graph breaks split the budget per graph; using the "
+                      "'auto' plan (lowest peak of the heuristics) for this graph instead.", stacklevel=2)
+        return choose_plan(cost_graph, "auto")
 
 
 @dataclass
@@ -119,14 +113,7 @@ class GraphckptBackend:
     skipped: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"graphckpt.backend: unknown strategy {self.strategy!r}; "
-                             f"choose one of {sorted(STRATEGIES)}")
-        if self.budget is not None and self.strategy not in ("auto", "optimal"):
-            raise ValueError("graphckpt.backend: budget= picks the segments itself with the optimal pass; "
-                             "leave strategy='auto' (or 'optimal'), or drop the budget")
-        if self.budget is not None:
-            parse_budget(self.budget, 1)  # a malformed budget fails here, not inside dynamo
+        check_options(self.strategy, budget=self.budget)  # bad options fail here, not inside dynamo
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Rewrite one dynamo graph; return what dynamo should call instead."""
