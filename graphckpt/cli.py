@@ -341,8 +341,10 @@ def demo(
     target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
 ) -> None:
     """Rewrite a zoo transformer, show its cut, train a few steps with and without the rewrite."""
-    import graphckpt
+    import torch
+
     from graphckpt import zoo
+    from graphckpt.codegen import generate
     from graphckpt.measure import measure_step
     from graphckpt.report import inspect_view, plan_document
 
@@ -352,8 +354,9 @@ def demo(
     analysis, _ = _analyze(loaded, "auto")
     console.print(inspect_view(plan_document(analysis.cost_graph, analysis.plan, target=target,
                                              capture=analysis.captured.method, strategy="auto")))
-    with quiet_profiler():
-        rewritten = graphckpt.rewrite(loaded.model, loaded.inputs)
+    with quiet_profiler(), torch.no_grad():  # the plan shown above, not a second capture
+        rewritten = generate(analysis.captured.graph_module, loaded.model, analysis.cost_graph, analysis.plan,
+                             analysis.captured.method)
     with quiet_profiler():
         eager = measure_step(loaded.model, loaded.inputs, zoo.scalar_loss, repeats=steps)
         ours = measure_step(rewritten, loaded.inputs, zoo.scalar_loss, repeats=steps)

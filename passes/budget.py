@@ -15,6 +15,7 @@ import networkx as nx
 from passes.costgraph import op_nodes
 from passes.optimal import DynamicProgram, Progress, plan_for_budget
 from passes.plan import Plan
+from passes.simulate import eager_peak
 from passes.strategies import articulation_plan, auto_plan, build_plan, keep_expensive, mincut_plan, sqrt_plan
 
 Budget = float | int | str
@@ -113,8 +114,11 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     Raises :class:`BudgetError` naming the smallest peak any plan reaches and the values
     its plan still keeps when none fits.
     """
+    if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
+        note = f"optimal: eager fits {budget_bytes / 2**20:.2f} MiB; nothing is recomputed"
+        return build_plan(graph, "optimal", [(op_nodes(graph), False)], [note])
     program = DynamicProgram(graph, progress=progress)
-    plans = candidate_plans(graph)  # count 1 is eager itself: no recompute
+    plans = candidate_plans(graph)
     found = plan_for_budget(program, budget_bytes)
     fitting = [p for p in [*plans, found] if p is not None and p.peak_bytes <= budget_bytes]
     if not fitting:
