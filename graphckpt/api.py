@@ -76,15 +76,12 @@ def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: in
         return choose_plan(cost_graph, strategy, segments)
 
 
-def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
-            segments: int | None = None, budget: Budget | None = None,
-            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Analysis:
-    """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
-    check_options(strategy, segments, budget)
+def cost_model(model: nn.Module, example_inputs: Any = None, *,
+               example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> tuple[Captured, nx.DiGraph]:
+    """Capture ``model`` and build its cost graph: everything a plan is chosen from, so several
+    plans (strategies, budgets) can share one capture."""
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {list(COSTS)}")
-    if budget is not None and example_inputs is None and not example_kwargs:
-        raise ValueError("a memory budget needs example_inputs: sizes come from running them")
     if cost == "time" and example_inputs is None and not example_kwargs:
         raise ValueError("cost='time' needs example_inputs: op times come from running them")
     args = _as_tuple(example_inputs)
@@ -94,8 +91,25 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
     profile = prepare(captured.graph_module, args, example_kwargs, cost)
-    cost_graph = build_cost_graph(captured.graph_module, profile)
+    return captured, build_cost_graph(captured.graph_module, profile)
+
+
+def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
+            segments: int | None = None, budget: Budget | None = None,
+            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Analysis:
+    """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
+    check_options(strategy, segments, budget)
+    if budget is not None and example_inputs is None and not example_kwargs:
+        raise ValueError("a memory budget needs example_inputs: sizes come from running them")
+    captured, cost_graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost)
     return Analysis(captured, cost_graph, plan_cost_graph(cost_graph, strategy, segments, budget))
+
+
+def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
+    """The rewritten module for an analysis of ``model`` (codegen only)."""
+    with torch.no_grad():
+        return generate(analysis.captured.graph_module, model, analysis.cost_graph,
+                        analysis.plan, analysis.captured.method)
 
 
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
@@ -127,6 +141,4 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
                        example_kwargs=example_kwargs, cost=cost)
-    with torch.no_grad():
-        return generate(analysis.captured.graph_module, model, analysis.cost_graph,
-                        analysis.plan, analysis.captured.method)
+    return generate_rewrite(model, analysis)

@@ -1,24 +1,20 @@
-"""Measured peak memory and step time of eager, graphckpt's plans and two anchors.
+"""Measured peak memory and step time of eager, graphckpt's plans and the anchors.
 
-The anchors are what a user would otherwise reach for:
+The anchors (:mod:`graphckpt.anchors`) are what a user would otherwise reach for:
+``checkpoint_sequential``, per-block checkpointing as Hugging Face does it, and
+``torch.compile`` with ``activation_memory_budget``.
 
-* ``torch.utils.checkpoint.checkpoint_sequential`` with √n segments, where the model is an
-  ``nn.Sequential`` chain or a thin wrapper around one (the zoo MLP);
-* ``torch.compile`` (backend ``aot_eager``) with ``torch._functorch.config.activation_memory_budget``:
-  AOT autograd's min-cut partitioner recomputing to fit a fraction of its own estimate.
-
-Every variant shares the model's parameters. Each is warmed up (compiled, ``.grad``
+Every variant but the per-block anchor (a copy) shares the model's parameters. Each is warmed up (compiled, ``.grad``
 allocated), its peak is measured once under the profiler (:func:`graphckpt.measure.peak_memory`),
 and step times come from rounds that time one step of every variant in turn, so load on a
 shared machine hits all of them alike; the median of the rounds is reported.
 
-``graphckpt bench`` and ``graphckpt pareto`` print and plot what this module returns;
-``scripts/bench.py`` is meant to grow on top of it.
+``graphckpt bench``, ``graphckpt pareto`` and ``scripts/bench.py`` print and plot what this
+module returns.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -26,38 +22,20 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import networkx as nx
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
-import graphckpt
+from graphckpt.anchors import Skipped, Variant, block_anchor, compile_anchor, find_sequential, sequential_anchor
+from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_graph
+from graphckpt.capture import Captured
 from graphckpt.console import quiet_profiler
 from graphckpt.measure import peak_memory, training_step
 from passes.budget import BudgetError
-from passes.plan import Plan
+from passes.simulate import eager_peak
 
 DEFAULT_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15)
 Progress = Callable[[str], None]
-
-
-@dataclass
-class Variant:
-    """One way of running a training step: a callable module and what produced it."""
-
-    name: str
-    module: Callable[..., Any]
-    kind: str  # "eager" | "graphckpt" | "checkpoint_sequential" | "torch.compile"
-    setting: str = ""
-    plan: Plan | None = None
-    budget: float | None = None
-
-
-@dataclass
-class Skipped:
-    """A variant that could not be built, and why (shown as a note, never an error)."""
-
-    name: str
-    reason: str
 
 
 @dataclass
@@ -74,6 +52,7 @@ class Result:
     simulated_peak_bytes: int | None = None
     recompute_fraction: float | None = None
     budget: float | None = None
+    plan_seconds: float | None = None
     times: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,7 +60,44 @@ class Result:
         return {k: v for k, v in vars(self).items() if k != "times"}
 
 
-# ---------------------------------------------------------------- variants
+# ---------------------------------------------------------------- graphckpt's variants
+
+
+@dataclass(frozen=True)
+class Modelled:
+    """A model's capture and cost graph, made once and planned many times; ``seconds`` is
+    what capture and costing took."""
+
+    model: nn.Module
+    captured: Captured
+    cost_graph: nx.DiGraph
+    seconds: float
+
+
+def model_costs(model: nn.Module, inputs: tuple, cost: str = "flops") -> Modelled:
+    """Capture and cost ``model`` once (timed), for :func:`planned_variant` to plan from."""
+    start = time.perf_counter()
+    captured, cost_graph = cost_model(model, inputs, cost=cost)
+    return Modelled(model, captured, cost_graph, time.perf_counter() - start)
+
+
+def planned_variant(modelled: Modelled, strategy: str = "auto", budget: float | int | None = None,
+                    name: str | None = None) -> Variant | Skipped:
+    """graphckpt's rewrite with ``strategy``, or fitting ``budget`` (a fraction of eager's
+    simulated peak, or bytes); :class:`Skipped` when the budget cannot be met. Its
+    ``plan_seconds`` are capture, costs, plan and codegen, as ``graphckpt.rewrite`` would take."""
+    name = name or (f"graphckpt {budget:g}" if budget is not None else f"graphckpt {strategy}")
+    start = time.perf_counter()
+    try:
+        plan = plan_cost_graph(modelled.cost_graph, strategy, budget=budget)
+    except BudgetError as error:
+        return Skipped(name.replace("graphckpt ", "graphckpt budget ", 1) if budget is not None else name,
+                       "infeasible: " + str(error).split(", kept values")[0])
+    module = generate_rewrite(modelled.model, Analysis(modelled.captured, modelled.cost_graph, plan))
+    seconds = modelled.seconds + time.perf_counter() - start
+    setting = plan.strategy if budget is not None or plan.strategy == strategy else f"-> {plan.strategy}"
+    fraction = budget / plan.eager_peak_bytes if isinstance(budget, int) else budget
+    return Variant(name, module, "graphckpt", setting, plan, fraction, seconds)
 
 
 def eager_variant(model: nn.Module) -> Variant:
@@ -91,101 +107,15 @@ def eager_variant(model: nn.Module) -> Variant:
 
 def strategy_variant(model: nn.Module, inputs: tuple, strategy: str) -> Variant:
     """``graphckpt.rewrite`` with one strategy."""
-    rewritten = graphckpt.rewrite(model, inputs, strategy=strategy)
-    plan = rewritten.meta["graphckpt_plan"]
-    setting = plan.strategy if plan.strategy == strategy else f"-> {plan.strategy}"
-    return Variant(f"graphckpt {strategy}", rewritten, "graphckpt", setting, plan)
+    variant = planned_variant(model_costs(model, inputs), strategy)
+    assert isinstance(variant, Variant)  # only a budget can be infeasible
+    return variant
 
 
 def budget_variant(model: nn.Module, inputs: tuple, budget: float, cost: str = "flops") -> Variant | Skipped:
     """``graphckpt.rewrite`` fitting ``budget`` (fraction of eager's simulated peak), recompute
     counted in ``cost`` ("flops" or measured "time")."""
-    try:
-        rewritten = graphckpt.rewrite(model, inputs, budget=budget, cost=cost)
-    except BudgetError as error:
-        return Skipped(f"graphckpt budget {budget:g}", "infeasible: " + str(error).split(", kept values")[0])
-    plan = rewritten.meta["graphckpt_plan"]
-    return Variant(f"graphckpt {budget:g}", rewritten, "graphckpt", plan.strategy, plan, budget)
-
-
-def find_sequential(model: nn.Module) -> nn.Sequential | None:
-    """The ``nn.Sequential`` the model is, or its only child when that is one; else None."""
-    if isinstance(model, nn.Sequential):
-        return model
-    kids = list(model.children())
-    if len(kids) == 1 and isinstance(kids[0], nn.Sequential):
-        return kids[0]
-    return None
-
-
-def _same_forward(model: nn.Module, chain: nn.Sequential, inputs: tuple) -> bool:
-    """Whether ``model(*inputs)`` is ``chain(*inputs)`` (same RNG seed, no grad)."""
-    if chain is model:
-        return True
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(0)
-        expected = model(*inputs)
-        torch.manual_seed(0)
-        actual = chain(*inputs)
-    return (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)
-            and expected.shape == actual.shape and torch.allclose(expected, actual))
-
-
-class SequentialCheckpoint(nn.Module):
-    """``checkpoint_sequential(chain, segments, x)`` as a module (non-reentrant)."""
-
-    def __init__(self, chain: nn.Sequential, segments: int) -> None:
-        super().__init__()
-        self.chain = chain
-        self.segments = segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.chain, self.segments, x, use_reentrant=False)
-
-
-def sequential_anchor(model: nn.Module, inputs: tuple, segments: int | None = None) -> Variant | Skipped:
-    """torch's ``checkpoint_sequential`` with ``segments`` (default √n) segments, where the
-    model is a plain chain; :class:`Skipped` saying why not otherwise."""
-    name = "checkpoint_sequential"
-    chain = find_sequential(model)
-    if chain is None:
-        return Skipped(name, "the model is not an nn.Sequential chain (nor a wrapper of one)")
-    if len(inputs) != 1:
-        return Skipped(name, "checkpoint_sequential takes a single input")
-    if not _same_forward(model, chain, inputs):
-        return Skipped(name, "the model's forward does more than run its Sequential")
-    count = segments or max(1, round(math.sqrt(len(chain))))
-    return Variant(f"{name} {count}", SequentialCheckpoint(chain, count), name, f"{count} segments")
-
-
-_fresh_ids = itertools.count()
-
-
-def _fresh_forward(model: nn.Module) -> Callable[..., Any]:
-    """``model(*args)`` in a function with a code object of its own, so dynamo caches each
-    compiled anchor separately (its compile-time budget is not part of dynamo's guards)."""
-    def forward(*args: Any) -> Any:
-        return model(*args)
-
-    forward.__code__ = forward.__code__.replace(co_name=f"graphckpt_anchor_{next(_fresh_ids)}")
-    return forward
-
-
-def compile_anchor(model: nn.Module, inputs: tuple, budget: float,
-                   loss_fn: Callable[[Any], torch.Tensor]) -> Variant | Skipped:
-    """``torch.compile(backend="aot_eager")`` under ``activation_memory_budget=budget``,
-    compiled (forward and backward) right here, while the budget is in force."""
-    name = f"torch.compile {budget:g}"
-    try:
-        from torch._functorch import config as functorch_config
-
-        compiled = torch.compile(_fresh_forward(model), backend="aot_eager")
-        with functorch_config.patch(activation_memory_budget=budget):
-            training_step(compiled, inputs, loss_fn)()
-    except Exception as error:  # any compile failure: note it and measure the rest
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return Skipped(name, f"torch.compile failed: {type(error).__name__}: {first[:160]}")
-    return Variant(name, compiled, "torch.compile", f"budget {budget:g}", budget=budget)
+    return planned_variant(model_costs(model, inputs, cost), budget=budget)
 
 
 # ---------------------------------------------------------------- measuring
@@ -240,42 +170,75 @@ def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[
             time_ratio=median / base_time if base_time else 0.0,
             simulated_peak_bytes=plan.peak_bytes if plan else None,
             recompute_fraction=plan.recompute_flops / max(plan.forward_flops, 1) if plan else None,
-            budget=variant.budget, times=seconds))
+            budget=variant.budget, plan_seconds=variant.plan_seconds, times=seconds))
     return results
 
 
 # ---------------------------------------------------------------- what bench and pareto run
 
+BENCH_BUDGETS = (0.5, 0.25, 0.1)
+COMPILE_BUDGETS = (0.5, 0.1)
+
+
+def measured_peak(module: Callable[..., Any], inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> int:
+    """The measured peak of one training step of ``module``, after a warm-up step."""
+    step = training_step(module, inputs, loss_fn)
+    step()
+    with quiet_profiler():
+        return peak_memory(step)
+
+
+def _sort(found: Iterable[Variant | Skipped], variants: list[Variant], skipped: list[Skipped]) -> None:
+    for item in found:
+        (variants if isinstance(item, Variant) else skipped).append(item)  # type: ignore[arg-type]
+
+
+def anchor_variants(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor], *,
+                    compile_budgets: Sequence[float] = COMPILE_BUDGETS,
+                    compile_backends: Sequence[str] = ("aot_eager",)) -> list[Variant | Skipped]:
+    """What people use today: checkpoint_sequential (√n), per-block checkpointing, and
+    torch.compile at each budget with each backend (a backend that fails once is not retried)."""
+    found = [sequential_anchor(model, inputs), block_anchor(model, inputs)]
+    for backend in compile_backends:
+        found += _compile_sweep(model, inputs, compile_budgets, loss_fn, backend)
+    return found
+
 
 def bench_variants(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor], *,
-                   strategies: Iterable[str], compile_budget: float | None = 0.5,
-                   ) -> tuple[list[Variant], list[Skipped]]:
-    """Eager, one rewrite per strategy, checkpoint_sequential (√n) and torch.compile at
-    ``compile_budget`` (None leaves it out)."""
+                   strategies: Iterable[str], budgets: Sequence[float] = BENCH_BUDGETS,
+                   compile_budgets: Sequence[float] = COMPILE_BUDGETS,
+                   compile_backends: Sequence[str] = ("aot_eager",), cost: str = "flops",
+                   at_block_peak: bool = True) -> tuple[list[Variant], list[Skipped]]:
+    """Eager, the anchors (:func:`anchor_variants`), graphckpt with each strategy and at each
+    budget, and graphckpt at the per-block anchor's measured peak: equal memory, compare time.
+
+    One capture serves every graphckpt plan; each plan's time includes it.
+    """
     variants = [eager_variant(model)]
     skipped: list[Skipped] = []
-    for strategy in strategies:
-        try:
-            variants.append(strategy_variant(model, inputs, strategy))
-        except Exception as error:  # e.g. a strategy that needs something this model lacks
-            skipped.append(Skipped(f"graphckpt {strategy}", f"{type(error).__name__}: {error}"))
-    anchors = [sequential_anchor(model, inputs)]
-    if compile_budget is not None:
-        anchors.append(compile_anchor(model, inputs, compile_budget, loss_fn))
-    for anchor in anchors:
-        (variants if isinstance(anchor, Variant) else skipped).append(anchor)  # type: ignore[arg-type]
+    anchors = anchor_variants(model, inputs, loss_fn, compile_budgets=compile_budgets,
+                              compile_backends=compile_backends)
+    modelled = model_costs(model, inputs, cost)
+    ours = [planned_variant(modelled, strategy) for strategy in strategies]
+    ours += [planned_variant(modelled, budget=budget) for budget in budgets]
+    block = next((a for a in anchors if isinstance(a, Variant) and a.kind == "per-block"), None)
+    if block is not None and at_block_peak:
+        fraction = measured_peak(block.module, inputs, loss_fn) / measured_peak(model, inputs, loss_fn)
+        bytes_ = int(fraction * eager_peak(modelled.cost_graph))
+        ours.append(planned_variant(modelled, budget=bytes_, name="graphckpt at per-block's peak"))
+    _sort([*anchors, *ours], variants, skipped)
     return variants, skipped
 
 
 def _compile_sweep(model: nn.Module, inputs: tuple, budgets: Sequence[float],
-                   loss_fn: Callable[[Any], torch.Tensor]) -> list[Variant | Skipped]:
+                   loss_fn: Callable[[Any], torch.Tensor], backend: str = "aot_eager") -> list[Variant | Skipped]:
     """torch.compile anchors at each budget; after one fails to compile the rest are not tried."""
     found: list[Variant | Skipped] = []
     for budget in budgets:
         if found and isinstance(found[-1], Skipped):
-            found.append(Skipped(f"torch.compile {budget:g}", "not tried: torch.compile failed above"))
+            found.append(Skipped(f"torch.compile {backend} {budget:g}", "not tried: torch.compile failed above"))
         else:
-            found.append(compile_anchor(model, inputs, budget, loss_fn))
+            found.append(compile_anchor(model, inputs, budget, loss_fn, backend))
     return found
 
 
@@ -286,12 +249,12 @@ def pareto_variants(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], to
     at a few segment counts: the points of a memory / time trade-off plot."""
     variants = [eager_variant(model)]
     skipped: list[Skipped] = []
-    found: list[Variant | Skipped] = [budget_variant(model, inputs, b) for b in budgets]
+    modelled = model_costs(model, inputs)
+    found: list[Variant | Skipped] = [planned_variant(modelled, budget=b) for b in budgets]
     if with_compile:
         found += _compile_sweep(model, inputs, budgets, loss_fn)
     chain = find_sequential(model)
     counts = sorted({2, round(math.sqrt(len(chain))), len(chain) // 4} - {0, 1}) if chain is not None else [None]
     found += [sequential_anchor(model, inputs, count) for count in counts]
-    for item in found:
-        (variants if isinstance(item, Variant) else skipped).append(item)  # type: ignore[arg-type]
+    _sort(found, variants, skipped)
     return variants, skipped

@@ -237,12 +237,14 @@ def _build(what: str, make: Callable[[], Any]) -> Any:
 
 def _results_table(results: Sequence[Any], title: str) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold")
-    for header in ("variant", "setting", "measured peak", "vs eager", "simulated", "step time", "vs eager"):
+    for header in ("variant", "setting", "measured peak", "vs eager", "simulated", "step time", "vs eager",
+                   "build"):
         table.add_column(header, justify="left" if header in ("variant", "setting") else "right")
     for r in results:
         simulated = human_bytes(r.simulated_peak_bytes) if r.simulated_peak_bytes is not None else ""
+        built = f"{r.plan_seconds:.1f} s" if r.plan_seconds is not None else ""
         table.add_row(r.name, r.setting, human_bytes(r.peak_bytes), f"{r.peak_ratio:.2f}x", simulated,
-                      f"{r.step_seconds * 1e3:.1f} ms", f"{r.time_ratio:.2f}x")
+                      f"{r.step_seconds * 1e3:.1f} ms", f"{r.time_ratio:.2f}x", built)
     return table
 
 
@@ -264,20 +266,26 @@ def bench(
     png: Annotated[Path | None, typer.Option(help="bar chart of peak and step time")] = None,
     batch: BatchOpt = None,
     strategy: Annotated[list[str] | None, typer.Option(help="strategies to measure (repeat; default all)")] = None,
-    compile_budget: Annotated[float, typer.Option(help="activation_memory_budget of the torch.compile anchor")] = 0.5,
+    budgets: Annotated[str, typer.Option(help="graphckpt budgets, fractions of eager's peak")] = "0.5,0.25,0.1",
+    compile_budgets: Annotated[str, typer.Option(help="activation_memory_budget values of the torch.compile "
+                                                      "anchor")] = "0.5,0.1",
     with_compile: Annotated[bool, typer.Option("--compile/--no-compile", help="measure the torch.compile anchor")] = True,
+    inductor: Annotated[bool, typer.Option("--inductor", help="also compile with inductor (slow to build)")] = False,
+    cost: Annotated[str, typer.Option(help="what graphckpt's plans minimise: flops or (measured op) time")] = "time",
     json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
 ) -> None:
-    """Measured peak and median step time: eager, each strategy, checkpoint_sequential, torch.compile."""
+    """Measured peak and median step time: eager, the anchors (checkpoint_sequential, per-block,
+    torch.compile) and graphckpt with each strategy and budget; the same set scripts/bench.py runs."""
     from graphckpt import zoo
     from graphckpt.bench import bench_variants
     from passes.strategies import STRATEGIES
 
     names = [check_strategy(s) for s in strategy] if strategy else list(STRATEGIES)
     loaded = _load(target, batch)
+    backends = ("aot_eager", "inductor") if inductor else ("aot_eager",)
     variants, skipped = _build("rewriting and compiling", lambda: bench_variants(
-        loaded.model, loaded.inputs, zoo.scalar_loss, strategies=names,
-        compile_budget=compile_budget if with_compile else None))
+        loaded.model, loaded.inputs, zoo.scalar_loss, strategies=names, budgets=_budgets(budgets),
+        compile_budgets=_budgets(compile_budgets) if with_compile else (), compile_backends=backends, cost=cost))
     results = _measure(variants, loaded.inputs, steps)
     title = f"{loaded.description}: median of {steps} interleaved rounds, {_threads()}"
     _report_measured(results, skipped, title, json_)
@@ -341,10 +349,9 @@ def demo(
     target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
 ) -> None:
     """Rewrite a zoo transformer, show its cut, train a few steps with and without the rewrite."""
-    import torch
 
     from graphckpt import zoo
-    from graphckpt.codegen import generate
+    from graphckpt.api import generate_rewrite
     from graphckpt.measure import measure_step
     from graphckpt.report import inspect_view, plan_document
 
@@ -354,9 +361,8 @@ def demo(
     analysis, _ = _analyze(loaded, "auto")
     console.print(inspect_view(plan_document(analysis.cost_graph, analysis.plan, target=target,
                                              capture=analysis.captured.method, strategy="auto")))
-    with quiet_profiler(), torch.no_grad():  # the plan shown above, not a second capture
-        rewritten = generate(analysis.captured.graph_module, loaded.model, analysis.cost_graph, analysis.plan,
-                             analysis.captured.method)
+    with quiet_profiler():  # the plan shown above, not a second capture
+        rewritten = generate_rewrite(loaded.model, analysis)
     with quiet_profiler():
         eager = measure_step(loaded.model, loaded.inputs, zoo.scalar_loss, repeats=steps)
         ours = measure_step(rewritten, loaded.inputs, zoo.scalar_loss, repeats=steps)

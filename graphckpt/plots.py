@@ -19,7 +19,9 @@ KIND_STYLE: dict[str, dict[str, Any]] = {
     "eager": {"color": "#444444", "marker": "*", "label": "eager"},
     "graphckpt": {"color": "#c0162c", "marker": "o", "label": "graphckpt (measured)"},
     "torch.compile": {"color": "#1f77b4", "marker": "s", "label": "torch.compile aot_eager, activation_memory_budget"},
+    "torch.compile inductor": {"color": "#17becf", "marker": "s", "label": "torch.compile inductor, activation_memory_budget"},
     "checkpoint_sequential": {"color": "#2ca02c", "marker": "^", "label": "torch checkpoint_sequential"},
+    "per-block": {"color": "#9467bd", "marker": "D", "label": "per-block checkpointing (HF style)"},
 }
 
 
@@ -73,9 +75,26 @@ def _sweep_order(point: Result) -> float:
     return float(digits or 0)
 
 
+def _plot_strategies(ax: Any, points: list[Result], x: str) -> None:
+    """graphckpt's strategies (no budget): unjoined markers labelled with the strategy."""
+    style = KIND_STYLE["graphckpt"]
+    placed = [(p, _x_value(p, x)) for p in points if _x_value(p, x) is not None]
+    if not placed:
+        return
+    ax.plot([v for _, v in placed], [p.peak_bytes / MiB for p, _ in placed], marker="P", ls="",
+            color=style["color"], ms=7, alpha=0.6, label="graphckpt strategies", zorder=3)
+    for p, x_value in placed:
+        ax.annotate(p.name.removeprefix("graphckpt "), (x_value, p.peak_bytes / MiB), textcoords="offset points",
+                    xytext=(6, -9), fontsize=7, color=style["color"], alpha=0.8)
+
+
 def _plot_kind(ax: Any, points: list[Result], kind: str, x: str) -> None:
-    """One series: markers joined in sweep order (budget or segment count), labelled."""
+    """One series: markers joined in sweep order (budget or segment count), labelled;
+    graphckpt's strategies (no budget) apart, as single points."""
     style = KIND_STYLE[kind]
+    if kind == "graphckpt":
+        _plot_strategies(ax, [p for p in points if p.budget is None], x)
+        points = [p for p in points if p.budget is not None]
     points = sorted((p for p in points if _x_value(p, x) is not None), key=_sweep_order)
     if not points:
         return
@@ -89,10 +108,17 @@ def _plot_kind(ax: Any, points: list[Result], kind: str, x: str) -> None:
             label=style["label"], ms=13 if kind == "eager" else 6.5, lw=1.3, alpha=0.9,
             ls="" if kind == "eager" else "-", zorder=3)
     for p, x_value in zip(points, xs, strict=True):
-        tag = f"{p.budget:g}" if p.budget is not None else p.setting.replace(" segments", " seg")
+        tag = f"{p.budget:.2g}" if p.budget is not None else p.setting.replace(" segments", " seg")
         if tag:
             ax.annotate(tag, (x_value, p.peak_bytes / MiB), textcoords="offset points", xytext=(6, 5),
                         fontsize=7.5, color=style["color"])
+
+
+def _series(result: Result) -> str:
+    """The plotted series of a result: its kind, with torch.compile split by backend."""
+    if result.kind == "torch.compile" and result.setting.startswith("inductor"):
+        return "torch.compile inductor"
+    return result.kind
 
 
 def _ratio_axis(ax: Any, results: Sequence[Result]) -> None:
@@ -111,7 +137,7 @@ def plot_pareto(results: Sequence[Result], path: str | Path, title: str, x: str 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
     for kind in KIND_STYLE:
-        _plot_kind(ax, [r for r in results if r.kind == kind], kind, x)
+        _plot_kind(ax, [r for r in results if _series(r) == kind], kind, x)
     ax.set_xlabel("median step time (ms)" if x == "time" else "recompute (% of forward FLOPs)")
     ax.set_ylabel("peak activation memory (MiB)")
     ax.margins(x=0.07)

@@ -1,0 +1,102 @@
+"""Benchmark results as markdown: one table per model, the machine they ran on, target checks.
+
+Pure formatting of :class:`graphckpt.bench.Result` lists; what is measured is decided in
+:mod:`graphckpt.bench` and ``scripts/bench.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphckpt.anchors import Skipped
+from graphckpt.bench import Result
+from graphckpt.report import human_bytes
+
+COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager", "build")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    """Where the numbers come from: CPU, cores, threads, OS, Python and torch versions."""
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def _bytes(value: int | None) -> str:
+    return "" if value is None else human_bytes(value)
+
+
+def result_row(result: Result) -> str:
+    """One markdown table row: measured peak and its ratio, simulated peak, step time and
+    ratio, and the time to build the variant (capture + plan + codegen, or compile)."""
+    build = "" if result.plan_seconds is None else f"{result.plan_seconds:.1f} s"
+    cells = (result.name, result.setting, _bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
+             _bytes(result.simulated_peak_bytes), f"{result.step_seconds * 1e3:.0f} ms",
+             f"{result.time_ratio:.2f}", build)
+    return "| " + " | ".join(cells) + " |"
+
+
+def results_table(results: Sequence[Result], skipped: Sequence[Skipped] = ()) -> str:
+    """The markdown table of a model's variants, followed by a line per skipped variant."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
+    lines += [result_row(result) for result in results]
+    if skipped:
+        lines.append("")
+        lines += [f"- *{s.name}* not measured: {s.reason}" for s in skipped]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A target from the issue, checked on one run's ratios: met or not, and the evidence."""
+
+    target: str
+    met: bool
+    evidence: str
+
+    def markdown(self) -> str:
+        """One bullet: **met** / **missed**, the target, what was measured."""
+        return f"- **{'met' if self.met else 'missed'}**: {self.target}. {self.evidence}"
+
+
+def best_within(results: Sequence[Result], peak_ratio: float) -> Result | None:
+    """The fastest graphckpt variant whose measured peak is at most ``peak_ratio`` × eager."""
+    fitting = [r for r in results if r.kind == "graphckpt" and r.peak_ratio <= peak_ratio + 1e-9]
+    return min(fitting, key=lambda r: r.time_ratio, default=None)
+
+
+def peak_and_time_target(results: Sequence[Result], target: str, peak_ratio: float, time_ratio: float,
+                         reference: str = "") -> Verdict:
+    """Whether some graphckpt variant reaches ``peak_ratio`` × eager's peak (or less) within
+    ``time_ratio`` × eager's step time."""
+    best = best_within(results, peak_ratio)
+    ceiling = f"{peak_ratio:.2f}× eager{reference}"
+    if best is None:
+        return Verdict(target, False, f"No graphckpt variant measured at or below {ceiling}.")
+    return Verdict(target, best.time_ratio <= time_ratio,
+                   f"Fastest graphckpt variant at or below {ceiling}: *{best.name}*, peak "
+                   f"{best.peak_ratio:.2f}×, step {best.time_ratio:.2f}× eager.")
+
+
+def never_above_eager(results_by_model: dict[str, Sequence[Result]]) -> Verdict:
+    """Whether every graphckpt variant of every model measured at most eager's peak."""
+    over = [f"{model}: {r.name} {r.peak_ratio:.2f}×" for model, results in results_by_model.items()
+            for r in results if r.kind == "graphckpt" and r.peak_ratio > 1.0]
+    evidence = "Over eager: " + "; ".join(over) + "." if over else "Every graphckpt row is at or below 1.00×."
+    return Verdict("no graphckpt plan or budget above eager's measured peak", not over, evidence)

@@ -1,0 +1,190 @@
+"""Benchmarks against the anchors: measured peak memory and step time, side by side.
+
+    python scripts/bench.py --out docs/benchmarks.md          # the published run (~30 min, 2 cores)
+    python scripts/bench.py --models mlp,gpt2 --steps 5       # a subset, printed
+    python scripts/bench.py --tiny --out /tmp/b.md            # seconds: the smoke test's run
+
+For each model, in one process: eager; ``checkpoint_sequential`` with √n segments (chains);
+per-block checkpointing as Hugging Face's ``gradient_checkpointing_enable()`` does it;
+torch.compile with ``activation_memory_budget`` 0.5 and 0.1 (aot_eager; ``--inductor`` adds
+inductor); graphckpt with every strategy, at budgets 0.5, 0.25 and 0.1, and at the per-block
+anchor's measured peak. Each variant is warmed up, its peak measured once (profiler memory
+timeline on CPU), and its step time is the median of ``--steps`` interleaved rounds
+(:func:`graphckpt.bench.measure_variants`). ``graphckpt bench TARGET`` runs the same set on
+one model. The markdown goes to ``--out`` with a Pareto PNG per model beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphckpt import zoo
+from graphckpt.bench import Result, bench_variants, measure_variants
+from graphckpt.bench_report import Verdict, machine_line, never_above_eager, peak_and_time_target, results_table
+from graphckpt.console import quiet_profiler
+from graphckpt.plots import plot_pareto
+from passes.strategies import STRATEGIES
+
+Loss = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A benchmark model: how to build it (model, inputs, loss) and a line describing it."""
+
+    name: str
+    description: str
+    build: Callable[[], tuple[nn.Module, tuple, Loss]]
+
+
+class CausalLMLoss(nn.Module):
+    """A Hugging Face causal LM's loss on its own input ids: what one training step computes."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def _the_loss(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
+def hf_gpt2(layers: int, d: int, seq: int, batch: int, vocab: int = 50257) -> tuple[nn.Module, tuple, Loss]:
+    """GPT-2 LM (random weights, no download) under its own causal-LM loss, dropout 0."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=layers, n_embd=d, n_head=max(1, d // 64), n_positions=seq,
+                                     vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = CausalLMLoss(transformers.GPT2LMHeadModel(config).train())
+    return model, (torch.randint(0, vocab, (batch, seq)),), _the_loss
+
+
+def _zoo(name: str, **kwargs: Any) -> Callable[[], tuple[nn.Module, tuple, Loss]]:
+    def build() -> tuple[nn.Module, tuple, Loss]:
+        model, inputs = zoo.make(name, **kwargs)
+        return model, inputs, zoo.scalar_loss
+
+    return build
+
+
+def _hf(**kwargs: Any) -> Callable[[], tuple[nn.Module, tuple, Loss]]:
+    return lambda: hf_gpt2(**kwargs)
+
+
+FULL = [
+    Case("mlp", "zoo MLP chain: 32 × (Linear 256 + GELU), batch 2048",
+         _zoo("mlp", depth=32, width=256, batch=2048)),
+    Case("resnet", "zoo ResNet: widths 32/64/128, 2 blocks per stage, batch 32, 32×32 images",
+         _zoo("resnet", widths=(32, 64, 128), blocks_per_stage=2, batch=32)),
+    Case("unet", "zoo U-Net: base 16, 3 levels, batch 16, 32×32 images", _zoo("unet", base=16, levels=3, batch=16)),
+    Case("transformer", "zoo GPT: 6 layers, d=256, 4 heads, seq 128, batch 8, dropout 0.1",
+         _zoo("gpt", layers=6, d=256, heads=4, seq=128, batch=8, dropout=0.1)),
+    Case("gpt2", "Hugging Face GPT-2 (transformers, via torch.export): 12 layers, d=256, seq 256, batch 8, "
+         "dropout 0, vocab 8192 (GPT-2's 50257 would make the LM head and its loss most of a CPU step)",
+         _hf(layers=12, d=256, seq=256, batch=8, vocab=8192)),
+]
+TINY = [
+    Case("mlp", "zoo MLP chain: 6 × (Linear 32 + GELU), batch 16", _zoo("mlp", depth=6, width=32, batch=16)),
+    Case("transformer", "zoo GPT: 2 layers, d=32, seq 16, batch 2", _zoo("gpt", layers=2, d=32, seq=16, batch=2)),
+]
+
+
+def run_case(case: Case, options: argparse.Namespace) -> tuple[list[Result], list[Any]]:
+    """Build every variant of one model and measure them in one process."""
+    model, inputs, loss = case.build()
+    backends = ("aot_eager", "inductor") if options.inductor else ("aot_eager",)
+    with quiet_profiler():
+        variants, skipped = bench_variants(model, inputs, loss, strategies=STRATEGIES, compile_backends=backends,
+                                           cost=options.cost)
+        return measure_variants(variants, inputs, loss, steps=options.steps), skipped
+
+
+def targets(results: dict[str, list[Result]]) -> list[Verdict]:
+    """The issue's targets, checked on this run's ratios (only for the models that ran)."""
+    verdicts = []
+    if "gpt2" in results:
+        block = next((r for r in results["gpt2"] if r.kind == "per-block"), None)
+        if block is not None:
+            verdicts.append(peak_and_time_target(
+                results["gpt2"], "HF GPT-2: peak ≤ per-block checkpointing's at ≤ 1.15× eager step time",
+                block.peak_ratio, 1.15, f" (per-block's peak; per-block's step is {block.time_ratio:.2f}×)"))
+    if "mlp" in results:
+        verdicts.append(peak_and_time_target(results["mlp"], "MLP chain: peak ≤ 0.25× eager at ≤ 1.25× step time",
+                                             0.25, 1.25))
+    verdicts.append(never_above_eager(results))
+    return verdicts
+
+
+def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[str, list[Any]],
+             options: argparse.Namespace, out: Path | None) -> str:
+    """The whole markdown page: how it was made, the targets, then a section per model."""
+    command = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    lines = ["# Benchmarks: graphckpt against what people use today", "",
+             f"Measured {datetime.date.today()} on {machine_line()}, by `{command.strip()}`. "
+             f"graphckpt's plans minimise recomputed {'measured op time' if options.cost == 'time' else 'FLOPs'} "
+             f"(`cost={options.cost!r}`). Peak is the profiler's memory timeline of one training step after a "
+             f"warm-up (activations and temporaries, not parameters); step time is the median of {options.steps} "
+             "interleaved rounds. Ratios are to eager in the same run; absolute times on a shared 2-core VM "
+             "move ±10% between runs, ratios about ±5%. *simulated* is graphckpt's own prediction of the peak; "
+             "*build* is capture + costs + plan + codegen (or compile time).", "", "## Targets", ""]
+    lines += [verdict.markdown() for verdict in targets(results)]
+    for case in cases:
+        if case.name not in results:
+            continue
+        lines += ["", f"## {case.name}", "", case.description, "", results_table(results[case.name], skipped[case.name])]
+        if out is not None:
+            png = out.with_name(f"{out.stem}_{case.name}.png")
+            plot_pareto(results[case.name], png, f"{case.name}: measured peak vs step time")
+            lines += ["", f"![{case.name}: peak memory against step time]({png.name})"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="", help="comma-separated subset of the models (default: all)")
+    parser.add_argument("--steps", type=int, default=5, help="interleaved timing rounds (median reported)")
+    parser.add_argument("--tiny", action="store_true", help="tiny models, for a smoke test")
+    parser.add_argument("--inductor", action="store_true", help="also measure torch.compile with inductor")
+    parser.add_argument("--cost", choices=("flops", "time"), default="time", help="what graphckpt minimises")
+    parser.add_argument("--out", type=Path, help="write the markdown here and a Pareto PNG per model beside it")
+    options = parser.parse_args(argv)
+    cases = TINY if options.tiny else FULL
+    wanted = [m for m in options.models.split(",") if m]
+    unknown = set(wanted) - {c.name for c in cases}
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {[c.name for c in cases]}")
+    cases = [c for c in cases if not wanted or c.name in wanted]
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[Result]] = {}
+    skipped: dict[str, list[Any]] = {}
+    for case in cases:
+        start = time.perf_counter()
+        results[case.name], skipped[case.name] = run_case(case, options)
+        print(f"{case.name}: measured {len(results[case.name])} variants in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr)
+    text = document(cases, results, skipped, options, options.out)
+    if options.out is None:
+        print(text)
+    else:
+        options.out.write_text(text)
+        print(f"wrote {options.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
