@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
-from graphckpt.profile import NodeCost, node_costs
+from graphckpt.profile import NodeCost, fake_copy, node_costs
 from graphckpt.timing import node_nanoseconds
 from passes.costgraph import add_value, check_cost_graph
 
@@ -63,7 +63,8 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, []), measured=False)
-    runs = [node_costs(graph_module, args, kwargs, training=mode) for mode in (True, False)]
+    fake = fake_copy(graph_module)
+    runs = [node_costs(graph_module, args, kwargs, training=mode, fake=fake) for mode in (True, False)]
     parents = view_parents(graph_module, runs)
     costs = node_costs(graph_module, args, kwargs) if isolate_inplace(graph_module, parents) else runs[0]
     if cost == "time":

@@ -19,7 +19,8 @@ KIND_STYLE: dict[str, dict[str, Any]] = {
     "eager": {"color": "#444444", "marker": "*", "label": "eager"},
     "graphckpt": {"color": "#c0162c", "marker": "o", "label": "graphckpt (measured)"},
     "torch.compile": {"color": "#1f77b4", "marker": "s", "label": "torch.compile aot_eager, activation_memory_budget"},
-    "torch.compile inductor": {"color": "#17becf", "marker": "s", "label": "torch.compile inductor, activation_memory_budget"},
+    "torch.compile inductor": {"color": "#17becf", "marker": "s",
+                               "label": "torch.compile inductor, activation_memory_budget"},
     "checkpoint_sequential": {"color": "#2ca02c", "marker": "^", "label": "torch checkpoint_sequential"},
     "per-block": {"color": "#9467bd", "marker": "D", "label": "per-block checkpointing (HF style)"},
 }
@@ -109,6 +110,7 @@ def _plot_kind(ax: Any, points: list[Result], kind: str, x: str) -> None:
             ls="" if kind == "eager" else "-", zorder=3)
     for p, x_value in zip(points, xs, strict=True):
         tag = f"{p.budget:.2g}" if p.budget is not None else p.setting.replace(" segments", " seg")
+        tag = "" if kind == "per-block" else tag  # its setting says how, the legend says what
         if tag:
             ax.annotate(tag, (x_value, p.peak_bytes / MiB), textcoords="offset points", xytext=(6, 5),
                         fontsize=7.5, color=style["color"])

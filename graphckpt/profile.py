@@ -236,28 +236,38 @@ def positional_inputs(graph_module: fx.GraphModule, args: tuple,
     return values
 
 
+def fake_copy(graph_module: fx.GraphModule) -> tuple[FakeTensorMode, fx.GraphModule]:
+    """A copy of ``graph_module`` on fake tensors, and its mode: what :func:`node_costs`
+    runs, made once for several runs of the same graph (copying parameters is slow)."""
+    from torch._dynamo.utils import deepcopy_to_fake_tensor  # slow import, only needed here
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, deepcopy_to_fake_tensor(graph_module, mode)
+
+
 def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,
-               *, training: bool = True) -> dict[str, NodeCost]:
+               *, training: bool = True, fake: tuple[FakeTensorMode, fx.GraphModule] | None = None,
+               ) -> dict[str, NodeCost]:
     """A :class:`NodeCost` for every node, from one fake-tensor run at these inputs, with
     the module in training (default) or eval mode.
 
     The real module is not run and its buffers are not touched (it is copied to fake
-    tensors first). In training mode a fake backward follows, and the ATen calls of each
-    node's backward are replayed once on real stand-in tensors to measure their scratch
-    memory (:meth:`_CostInterpreter.backward_extra_bytes`; cached per process, so repeated
-    plans of one model replay nothing).
+    tensors first, or ``fake`` from :func:`fake_copy` is used). In training mode a fake
+    backward follows, and the ATen calls of each node's backward are replayed once on real
+    stand-in tensors to measure their scratch memory (:meth:`_CostInterpreter.backward_extra_bytes`;
+    cached per process, so repeated plans of one model replay nothing). Eval mode runs
+    without autograd: it is for aliasing only, and an autograd graph of tens of thousands
+    of nodes that is never run backward overflows the C stack when freed.
     """
-    from torch._dynamo.utils import deepcopy_to_fake_tensor  # slow import, only needed here
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_module = deepcopy_to_fake_tensor(graph_module, mode).train(training)
+    mode, fake_module = fake or fake_copy(graph_module)
+    fake_module.train(training)
     real_inputs = positional_inputs(graph_module, args, kwargs or {})
     inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in real_inputs]
-    for fake, real in zip(inputs, real_inputs, strict=True):
-        if isinstance(real, torch.Tensor) and real.requires_grad:
-            fake.requires_grad_(True)
+    for fake_input, real in zip(inputs, real_inputs, strict=True):
+        if isinstance(real, torch.Tensor) and real.requires_grad and training:
+            fake_input.requires_grad_(True)
     interpreter = _CostInterpreter(fake_module, mode, backward=training)
-    with torch.enable_grad():
+    with torch.enable_grad() if training else torch.no_grad():
         outputs = interpreter.run(*inputs)
         if training:
             interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])

@@ -111,7 +111,12 @@ def run_case(case: Case, options: argparse.Namespace) -> tuple[list[Result], lis
     with quiet_profiler():
         variants, skipped = bench_variants(model, inputs, loss, strategies=STRATEGIES, compile_backends=backends,
                                            cost=options.cost)
-        return measure_variants(variants, inputs, loss, steps=options.steps), skipped
+        _say(f"{case.name}: built {len(variants)} variants ({len(skipped)} skipped); measuring")
+        return measure_variants(variants, inputs, loss, steps=options.steps, progress=_say), skipped
+
+
+def _say(message: str) -> None:
+    print(f"  {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def targets(results: dict[str, list[Result]]) -> list[Verdict]:
