@@ -114,6 +114,7 @@ class CheckmateResult:
     stages: tuple[str, ...] = ()
     R: Matrix = ()
     S: Matrix = ()
+    recompute_lower_bound: float = 0.0  # proven: no schedule under the budget recomputes less
 
 
 def training_graph(graph: nx.DiGraph) -> TrainingGraph:
@@ -362,8 +363,11 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     T = training.size
     R, S = _matrix(model, solution.x, "R", T), _matrix(model, solution.x, "S", T)
     total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
+    forward = sum(training.flops[: training.n_forward])
+    bound = getattr(solution, "mip_dual_bound", None)  # HiGHS's proven bound, in cost units
+    proven = total if solution.status == 0 else bound * divisor if bound is not None and math.isfinite(bound) else 0
     return CheckmateResult(
-        recompute_flops=total - sum(training.flops[: training.n_forward]),
+        recompute_flops=total - forward, recompute_lower_bound=min(max(proven - forward, 0.0), total - forward),
         peak_bytes=float(max(stage_peaks(training, R, S), default=0)),
         status="optimal" if solution.status == 0 else "time_limit",
         solve_seconds=seconds, stages=training.names, R=R, S=S,

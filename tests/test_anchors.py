@@ -1,0 +1,48 @@
+"""The anchors graphckpt is measured against compute what the model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphckpt import zoo
+from graphckpt.anchors import CheckpointedBlock, Skipped, Variant, block_anchor, find_blocks, sequential_anchor
+
+
+def _loss_and_grads(module: torch.nn.Module, inputs: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    module.zero_grad()
+    loss = zoo.scalar_loss(module(*inputs))
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "blocks"), [
+    ("gpt", {"layers": 2, "d": 32, "seq": 16, "batch": 2, "dropout": 0.0}, "2 blocks"),
+    ("unet", {"base": 4, "levels": 2, "batch": 2}, "4 blocks"),  # each level's double conv, down and up
+    ("mlp", {"depth": 4, "width": 8, "batch": 4}, "4 layers"),  # single layers: checkpoint_sequential per layer
+])
+def test_per_block_anchor_checkpoints_each_block_and_trains_like_eager(name: str, kwargs: dict, blocks: str) -> None:
+    model, inputs = zoo.make(name, **kwargs)
+    anchor = block_anchor(model, inputs)
+    assert isinstance(anchor, Variant) and anchor.setting == blocks
+    assert anchor.module is not model  # a copy: torch.utils.checkpoint would update BN statistics twice
+    expected_loss, expected = _loss_and_grads(model, inputs)
+    loss, grads = _loss_and_grads(anchor.module, inputs)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_find_blocks_takes_outermost_callable_blocks_only() -> None:
+    model, _ = zoo.make("gpt", layers=3, d=16, seq=8)
+    found = [container._modules[name] for container, name in find_blocks(model)]
+    assert [type(b).__name__ for b in found] == ["Block"] * 3  # not the MLP Sequential inside each block
+    assert not any(isinstance(b, CheckpointedBlock) for b in found)
+
+
+def test_sequential_anchor_says_why_it_does_not_apply() -> None:
+    model, inputs = zoo.make("resnet", batch=2)
+    skipped = sequential_anchor(model, inputs)
+    assert isinstance(skipped, Skipped) and "not an nn.Sequential chain" in skipped.reason
+    chain, x = zoo.make("mlp", depth=9, width=8, batch=2)
+    anchor = sequential_anchor(chain, x)
+    assert isinstance(anchor, Variant) and anchor.setting == "4 segments"  # round(sqrt(18))

@@ -1,0 +1,57 @@
+"""Smoke test of scripts/planner_gap.py: a ``--quick`` run writes both tables, well formed."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "planner_gap.py"
+CELL = re.compile(r"^(\d+\.\d+)(?:–(\d+\.\d+))?x\*?$")
+
+
+def load_script() -> ModuleType:
+    """Import the script as a module (scripts/ is no package; dataclasses need it in sys.modules)."""
+    spec = importlib.util.spec_from_file_location("planner_gap_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """The markdown tables in ``text``: each a list of rows, each a list of cells."""
+    found: list[list[list[str]]] = []
+    previous = ""
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if not previous.startswith("|"):
+                found.append([])
+            found[-1].append([cell.strip() for cell in line.strip("|").split("|")])
+        previous = line
+    return found
+
+
+def test_quick_run_writes_both_tables(tmp_path: Path) -> None:
+    script = load_script()
+    out = tmp_path / "gap.md"
+    script.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    assert not text.startswith("#") and "python scripts/planner_gap.py --quick" in text
+    random_table, zoo_table = tables(text)
+    assert random_table[0] == ["strategy", "median", "worst"]
+    assert zoo_table[0][0] == "strategy" and zoo_table[0][1].startswith("mlp (")
+    for table in (random_table, zoo_table):
+        assert set(table[1][1:]) == {"---:"}
+        assert [row[0] for row in table[2:]] == list(script.ROWS)
+        for row in table[2:]:
+            assert len(row) == len(table[0])
+            for cell in row[1:]:
+                match = CELL.match(cell)
+                assert match or cell == "—", cell
+                if match:
+                    assert float(match[1]) >= 0.99, row  # no plan beats the exact optimum
+                    assert match[2] is None or float(match[2]) >= float(match[1])

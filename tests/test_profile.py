@@ -1,0 +1,48 @@
+"""The fake-tensor profile (graphckpt.profile): what its runs may and may not do."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from graphckpt.costs import prepare
+from graphckpt.profile import fake_copy, node_costs
+
+GRAD_MODES: list[bool] = []
+
+
+@fx.wrap
+def record_grad_mode(x: torch.Tensor) -> torch.Tensor:
+    """Notes whether autograd records where this runs (an fx leaf: called at run time)."""
+    GRAD_MODES.append(torch.is_grad_enabled())
+    return x
+
+
+class Recorded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(record_grad_mode(self.linear(x)))
+
+
+def test_eval_run_builds_no_autograd_graph_and_training_run_does() -> None:
+    """The eval run exists for aliasing only; an autograd graph it never runs backward
+    overflowed the C stack when freed at 50k nodes (segfault), so it must not build one."""
+    gm = fx.symbolic_trace(Recorded())
+    x = torch.randn(2, 4, requires_grad=True)
+    GRAD_MODES.clear()
+    fake = fake_copy(gm)
+    train = node_costs(gm, (x,), training=True, fake=fake)
+    evaluated = node_costs(gm, (x,), training=False, fake=fake)
+    assert GRAD_MODES == [True, False]
+    assert train["drop"].alias_of is None and evaluated["drop"].alias_of == "linear"  # its storage root
+
+
+def test_prepare_sees_eval_mode_views_with_one_fake_copy() -> None:
+    gm = fx.symbolic_trace(Recorded())
+    profile = prepare(gm, (torch.randn(2, 4),))
+    drop = next(n for n in gm.graph.nodes if n.name == "drop")
+    assert profile.parents[drop].name == "record_grad_mode"  # dropout is a view in eval
