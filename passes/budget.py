@@ -79,7 +79,7 @@ def partially_recomputed(graph: nx.DiGraph, plan: Plan) -> list[Plan]:
     return variants
 
 
-THOROUGH_UP_TO = 1000  # ops; larger graphs try fewer flat plans (the dynamic program covers them)
+THOROUGH_UP_TO = 400  # ops; larger graphs try fewer flat plans (the dynamic program covers them)
 
 
 def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
