@@ -104,13 +104,6 @@ def eager_variant(model: nn.Module) -> Variant:
     return Variant("eager", model, "eager")
 
 
-def strategy_variant(model: nn.Module, inputs: tuple, strategy: str) -> Variant:
-    """``graphckpt.rewrite`` with one strategy."""
-    variant = planned_variant(model_costs(model, inputs), strategy)
-    assert isinstance(variant, Variant)  # only a budget can be infeasible
-    return variant
-
-
 def budget_variant(model: nn.Module, inputs: tuple, budget: float, cost: str = "flops") -> Variant | Skipped:
     """``graphckpt.rewrite`` fitting ``budget`` (fraction of eager's simulated peak), recompute
     counted in ``cost`` ("flops" or measured "time")."""

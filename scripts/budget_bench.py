@@ -13,13 +13,12 @@ after a warm-up step, step time as the median of interleaved rounds. Ratios are 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from graphckpt import zoo
-from graphckpt.bench import Variant, budget_variant, eager_variant, measure_variants, sequential_anchor
-from graphckpt.measure import peak_memory, training_step
+from graphckpt.anchors import Variant, sequential_anchor
+from graphckpt.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant
 
 
 def main() -> None:
@@ -33,15 +32,15 @@ def main() -> None:
     options = parser.parse_args()
     torch.manual_seed(0)
     model, inputs = zoo.make("mlp", depth=32, width=256, batch=options.batch)
-    start = time.perf_counter()
-    ours = budget_variant(model, inputs, options.budget, options.cost)
-    planned = time.perf_counter() - start
+    modelled = model_costs(model, inputs, options.cost)  # one capture for both plans
+    ours = planned_variant(modelled, budget=options.budget)
+    planned = ours.plan_seconds if isinstance(ours, Variant) else 0.0
     anchor = sequential_anchor(model, inputs, options.segments)
     variants = [eager_variant(model), ours, anchor]
     if isinstance(anchor, Variant):  # and ours at the anchor's own measured peak: equal memory
-        same = peak_memory(training_step(anchor.module, inputs, zoo.scalar_loss))
-        eager = peak_memory(training_step(model, inputs, zoo.scalar_loss))
-        variants.append(budget_variant(model, inputs, same / eager, options.cost))
+        same = measured_peak(anchor.module, inputs, zoo.scalar_loss)  # after a warm-up step
+        eager = measured_peak(model, inputs, zoo.scalar_loss)
+        variants.append(planned_variant(modelled, budget=min(1.0, same / eager)))
     for skipped in [v for v in variants if not isinstance(v, Variant)]:
         raise SystemExit(f"{skipped.name}: {skipped.reason}")
     results = measure_variants(variants, inputs, zoo.scalar_loss, steps=options.steps)
