@@ -349,7 +349,6 @@ def demo(
     target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
 ) -> None:
     """Rewrite a zoo transformer, show its cut, train a few steps with and without the rewrite."""
-
     from graphckpt import zoo
     from graphckpt.api import generate_rewrite
     from graphckpt.measure import measure_step
@@ -361,9 +360,8 @@ def demo(
     analysis, _ = _analyze(loaded, "auto")
     console.print(inspect_view(plan_document(analysis.cost_graph, analysis.plan, target=target,
                                              capture=analysis.captured.method, strategy="auto")))
-    with quiet_profiler():  # the plan shown above, not a second capture
-        rewritten = generate_rewrite(loaded.model, analysis)
     with quiet_profiler():
+        rewritten = generate_rewrite(loaded.model, analysis)  # the plan shown above, not a second capture
         eager = measure_step(loaded.model, loaded.inputs, zoo.scalar_loss, repeats=steps)
         ours = measure_step(rewritten, loaded.inputs, zoo.scalar_loss, repeats=steps)
     table = Table(title=f"training step, median of {steps}", title_justify="left", title_style="bold")
