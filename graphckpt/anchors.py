@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -217,8 +218,6 @@ def compile_anchor(model: nn.Module, inputs: tuple, budget: float, loss_fn: Call
     (forward and backward) right here, while the budget is in force."""
     name = f"torch.compile {backend} {budget:g}"
     try:
-        import time
-
         from torch._functorch import config as functorch_config
 
         start = time.perf_counter()

@@ -137,6 +137,15 @@ def targets(results: dict[str, list[Result]]) -> list[Verdict]:
     return verdicts
 
 
+ELSEWHERE = (
+    "- Planner quality, each strategy's recompute over the exact MILP optimum on random and zoo cost graphs: "
+    "[planner_quality.md](planner_quality.md) (`python scripts/planner_gap.py --out docs/planner_quality.md`).",
+    "- Rewrite cost, capture + costs + plan + codegen for 1k, 10k and 50k fx nodes: "
+    "[rewrite_cost.md](rewrite_cost.md) (`python scripts/rewrite_cost.py --out-md docs/rewrite_cost.md "
+    "--png docs/rewrite_cost.png`).",
+)
+
+
 def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[str, list[Any]],
              options: argparse.Namespace, out: Path | None) -> str:
     """The whole markdown page: how it was made, the targets, then a section per model."""
@@ -160,15 +169,6 @@ def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[
             lines += ["", f"![{case.name}: peak memory against step time]({png.name})"]
     lines += ["", "## Also measured", "", *ELSEWHERE]
     return "\n".join(lines) + "\n"
-
-
-ELSEWHERE = (
-    "- Planner quality, each strategy's recompute over the exact MILP optimum on random and zoo cost graphs: "
-    "[planner_quality.md](planner_quality.md) (`python scripts/planner_gap.py --out docs/planner_quality.md`).",
-    "- Rewrite cost, capture + costs + plan + codegen for 1k, 10k and 50k fx nodes: "
-    "[rewrite_cost.md](rewrite_cost.md) (`python scripts/rewrite_cost.py --out-md docs/rewrite_cost.md "
-    "--png docs/rewrite_cost.png`).",
-)
 
 
 def main(argv: list[str] | None = None) -> None:
