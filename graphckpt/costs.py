@@ -93,6 +93,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             recomputable=node.name not in not_recomputable,
             cuttable=node.name not in not_cuttable,
             saved=cost.saved,
+            saves_from=cost.saves_from,
             saved_extra_bytes=cost.saved_extra_bytes,
             requires_grad=cost.requires_grad,
             random=cost.random,

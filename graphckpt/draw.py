@@ -18,7 +18,7 @@ from typing import Any
 
 import networkx as nx
 
-from graphckpt.report import children, human_bytes, human_flops, values_bytes
+from graphckpt.report import children, human_bytes, human_flops, recomputed_flops, values_bytes
 from passes.costgraph import in_order, is_activation
 from passes.plan import Plan
 
@@ -87,7 +87,7 @@ def _segment_label(graph: nx.DiGraph, plan: Plan, index: int) -> str:
     count = len(segment.nodes)
     span = (_short(segment.nodes[0], 16) if count == 1
             else f"{_short(segment.nodes[0], 16)} … {_short(segment.nodes[-1], 16)}")
-    flops = sum(graph.nodes[n]["flops"] for n in segment.nodes)
+    flops = recomputed_flops(graph, segment)
     what = "recomputed" if segment.recompute else "kept"
     nested = len(children(segment))
     if nested:

@@ -44,6 +44,14 @@ class NodeCost:
     dtype: str
     backward_extra_bytes: int = 0
     grad_views: bool = False
+    saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
+
+
+def _saves_from(made_here: list[bool]) -> str:
+    """The cost graph's ``saves_from`` of a node, from which of its saved tensors it made."""
+    if any(made_here):
+        return "outputs"
+    return "inputs" if made_here else "nothing"
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -108,16 +116,19 @@ class _CostInterpreter(fx.Interpreter):
 
     def run_node(self, node: fx.Node) -> Any:
         saved: list[torch.Tensor] = []
+        made_here: list[bool] = []  # per saved tensor: its storage is new, made by this node
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             saved.append(tensor)
+            made_here.append(_storage_key(tensor) not in self.owner)
             return tensor
 
         with self.mode, saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops, \
                 _OpKinds() as kinds:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
-        self.costs[node.name] = self._cost(node, result, saved, flops.get_total_flops(), kinds)
+        cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
+        self.costs[node.name] = replace(cost, saves_from=_saves_from(made_here))
         if self.backward and node.op.startswith("call_"):
             self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from passes.costgraph import is_activation, keep_cost, op_nodes, storage_root
-from passes.plan import Plan, Segment
+from passes.plan import Plan, Segment, recomputed_nodes
 from passes.strategies import STRATEGIES
 
 JSON_VERSION = 1
@@ -68,13 +68,9 @@ def values_bytes(graph: nx.DiGraph, values: Iterable[str]) -> int:
 
 
 def recomputed_flops(graph: nx.DiGraph, segment: Segment) -> int:
-    """FLOPs backward spends running ``segment`` again: its nodes (less ``saved_inside``)
-    once, plus its recomputed children once more."""
-    if not segment.recompute:
-        return 0
-    kept = set(segment.saved_inside)
-    own = sum(graph.nodes[n]["flops"] for n in segment.nodes if n not in kept)
-    return own + sum(recomputed_flops(graph, child) for child in children(segment))
+    """FLOPs backward spends running ``segment`` again (:func:`passes.plan.recomputed_nodes`:
+    as far as the recompute needs, less ``saved_inside``, recomputed children once more)."""
+    return sum(graph.nodes[n]["flops"] for n in recomputed_nodes(graph, [segment]))
 
 
 def segment_dict(graph: nx.DiGraph, segment: Segment, index: str) -> dict[str, Any]:

@@ -2,20 +2,33 @@
 
 A :class:`Segment` runs its body through non-reentrant ``torch.utils.checkpoint``: forward
 keeps only the segment's inputs, backward runs the body again (same RNG state, same
-autocast state) to get what it needs. While recomputing, normalization layers use batch
-statistics without updating their running statistics again.
+autocast state) until it has what it needs. While recomputing, normalization layers use
+batch statistics without updating their running statistics again.
+
+Selective segments keep their matmul/convolution outputs (torch's selective checkpointing
+contexts). A nested one keeps them from its enclosing segment's recompute, not from the
+first forward: each call records the nested calls it makes, and when backward recomputes
+it, the nested calls made again, in the same order, fill the storage of the ones they
+stand for (:class:`_Call`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
 from graphckpt.profile import EXPENSIVE_OPS
 
@@ -62,7 +75,6 @@ class Segment(nn.Module):
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
-        self.recomputing = 0
         self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
@@ -90,23 +102,24 @@ class Segment(nn.Module):
     def _trains_parameters(self) -> bool:
         return any(p.requires_grad for p in self.called_parameters)
 
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        # Nested in a segment's first forward, nothing is kept: matmul outputs are kept from
-        # the enclosing segment's recompute, not held through the whole step.
-        enclosing_recomputes = self.enclosing is None or self.enclosing.recomputing
-        if not self.saved_inside or not enclosing_recomputes:
-            return contextlib.nullcontext(), self._recomputing()
-        forward, recompute = create_selective_checkpoint_contexts(_keep_expensive)
-        return forward, self._recomputing(recompute)
-
-    def _recomputing(self, selective: contextlib.AbstractContextManager | None = None) -> _Recomputing:
-        return _Recomputing(self, selective)
-
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled() or not (_wants_grad(args) or self._trains_parameters()):
             return self.body(*args)
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
-                          context_fn=self._contexts)
+        running = _innermost_running()
+        if running is not None and running.recomputing:
+            # Run again inside the enclosing segment's recompute: this call's own graph is
+            # never backpropagated; it stands for the call made in the original forward.
+            contexts = functools.partial(_refill_contexts, running.next_nested())
+        else:
+            call = _Call(self.saved_inside)
+            if running is not None:
+                running.call.nested.append(call)
+            contexts = functools.partial(_call_contexts, self, call)
+        # Early stop (the default) is what the plan's simulation assumes: a recompute ends
+        # once backward has every tensor it saved.
+        with set_checkpoint_early_stop(True):
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
+                              context_fn=contexts)
 
     def extra_repr(self) -> str:
         kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
@@ -114,25 +127,108 @@ class Segment(nn.Module):
                 f"in backward; keeps {', '.join(self.inputs)}{kept}")
 
 
-class _Recomputing:
-    """What surrounds every recompute of a segment: counted, running statistics frozen, the
-    selective policy on. Re-enterable, since a double backward recomputes twice."""
+class _Call:
+    """One call of a segment in a forward whose graph backward will use.
 
-    def __init__(self, segment: Segment, selective: contextlib.AbstractContextManager | None) -> None:
-        self.segment = segment
-        self.selective = selective
+    A selective segment's call keeps its matmul/conv outputs through ``caching`` and reuses
+    them through ``cached`` (torch's selective checkpointing contexts, sharing one storage).
+    A top-level call caches in forward; a nested one only when its enclosing segment is
+    recomputed: the nested calls made then, in the same order, cache for the calls in
+    ``nested`` they stand for (``filled`` once one has).
+    """
+
+    def __init__(self, saved_inside: Sequence[str]) -> None:
+        self.nested: list[_Call] = []
+        self.filled = False
+        self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
+        self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if saved_inside:
+            self.caching, self.cached = create_selective_checkpoint_contexts(_keep_expensive)
+
+
+_RUNNING = threading.local()  # a stack of _Running, per thread (CUDA backward has its own)
+
+
+def _running_stack() -> list[_Running]:
+    if not hasattr(_RUNNING, "stack"):
+        _RUNNING.stack = []
+    return _RUNNING.stack
+
+
+def _innermost_running() -> _Running | None:
+    stack = _running_stack()
+    return stack[-1] if stack else None
+
+
+class _Running:
+    """A segment's body running: in forward (``cache``: keep matmul outputs now; ``refill``:
+    keep them for the call this one stands for) or in a recompute (``recomputing``)."""
+
+    def __init__(self, call: _Call, *, cache: bool = False, refill: _Call | None = None,
+                 recomputing: bool = False) -> None:
+        self.call = call
+        self.recomputing = recomputing
+        self.nested_seen = 0
         self.stack = contextlib.ExitStack()
+        self.caching = call.caching if cache else refill.caching if refill is not None else None
+        self.refill = refill
+
+    def next_nested(self) -> _Call:
+        """The call, in the forward being recomputed, of the nested segment called now."""
+        if self.nested_seen >= len(self.call.nested):
+            raise RuntimeError("graphckpt: a recompute called more nested segments than the forward it "
+                               "repeats; the model's control flow changed between forward and backward")
+        self.nested_seen += 1
+        return self.call.nested[self.nested_seen - 1]
+
+    def __enter__(self) -> None:
+        _running_stack().append(self)
+        if self.caching is not None:
+            self.stack.enter_context(self.caching)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stack.close()
+        _running_stack().pop()
+        if self.refill is not None and exc_info[0] is None:
+            self.refill.filled = True
+
+
+def _call_contexts(segment: Segment, call: _Call) -> tuple[_Running, _Recomputing]:
+    """Forward and recompute contexts of a call backward will use."""
+    return _Running(call, cache=segment.enclosing is None), _Recomputing(segment, call)
+
+
+def _refill_contexts(stands_for: _Call) -> tuple[_Running, contextlib.AbstractContextManager]:
+    """Contexts of a call made again by an enclosing recompute: it keeps matmul outputs for
+    the call it stands for, and is itself never recomputed."""
+    return _Running(_Call(()), refill=stands_for), contextlib.nullcontext()
+
+
+class _Recomputing(_Running):
+    """What surrounds every recompute of a segment: counted, running statistics frozen, kept
+    matmul outputs reused. Re-enterable, since a double backward recomputes twice.
+
+    A nested segment whose enclosing recompute stopped before reaching it (checkpoint's early
+    stop) has nothing kept and recomputes everything."""
+
+    def __init__(self, segment: Segment, call: _Call) -> None:
+        super().__init__(call, recomputing=True)
+        self.segment = segment
 
     def __enter__(self) -> None:
         self.segment.recomputations += 1
-        self.segment.recomputing += 1
+        self.nested_seen = 0
+        _running_stack().append(self)
         self.stack.enter_context(frozen_running_stats(self.segment.norms()))
-        if self.selective is not None:
-            self.stack.enter_context(self.selective)
+        if self.segment.saved_inside and (self.segment.enclosing is None or self.call.filled):
+            self.stack.enter_context(self.call.cached)
 
     def __exit__(self, *exc_info: object) -> None:
-        self.segment.recomputing -= 1
         self.stack.close()
+        _running_stack().pop()
+        # Outputs kept for ops the recompute never reached (checkpoint stops once it has
+        # what backward needs) would otherwise live until the segment's backward ends.
+        getattr(self.call.cached, "storage", {}).clear()
 
 
 def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

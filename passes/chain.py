@@ -5,11 +5,14 @@ that are allowed and cheap: articulation points and the cheapest cut of each win
 ops between two boundaries form a *stage*. A range of stages then has a few numbers that
 are enough to plan it, all prefix sums or range maxima so the program reads them in O(1):
 
-* ``flops`` / ``written``: what recomputing the range costs (FLOPs, and bytes written,
-  the cost of pointwise work that the FLOP counter calls free);
+* ``rerun_flops`` / ``rerun_written``: what recomputing the range costs (FLOPs, and bytes
+  written, the cost of pointwise work that the FLOP counter calls free), counting only the
+  ops a recompute runs: it stops after the last op that saves anything for backward, or
+  before it when it saves only its inputs (:func:`passes.plan.recompute_steps`);
 * ``stored``: bytes the range keeps alive when run saving for backward;
-* ``expensive_bytes`` / ``expensive_flops``: the part of those that matmul/convolution
-  outputs make up (kept by a selective segment instead of recomputed);
+* ``expensive_bytes``: the part of ``stored`` that matmul/convolution outputs make up (kept
+  by a selective segment instead of recomputed), and ``rerun_expensive_flops`` /
+  ``rerun_expensive_bytes`` the part of the rerun they make up;
 * ``boundary``: bytes kept at each boundary;
 * ``working``: the transient bytes of the range's backward (gradients in flight);
 * ``finish``: what the loss adds between forward and backward (its working set and the
@@ -39,12 +42,11 @@ class Chain:
     ops: tuple[str, ...]
     ends: tuple[int, ...]
     boundaries: tuple[float, ...]  # bytes kept at the end of each stage
-    prefix_flops: tuple[float, ...]
-    prefix_written: tuple[float, ...]
     prefix_stored: tuple[float, ...]
     prefix_expensive_bytes: tuple[float, ...]
-    prefix_expensive_flops: tuple[float, ...]
     prefix_unrecomputable: tuple[int, ...]
+    rerun_stops: tuple[int, ...]  # per stage: op position a recompute ending there stops at
+    op_prefix: dict[str, tuple[float, ...]]  # per op position: "flops", "written", "exp_flops", "exp_bytes"
     stage_working: tuple[float, ...]
     finish: float
 
@@ -57,20 +59,32 @@ class Chain:
         start = self.ends[i - 1] + 1 if i else 0
         return self.ops[start: self.ends[j - 1] + 1]
 
-    def flops(self, i: int, j: int) -> float:
-        return self.prefix_flops[j] - self.prefix_flops[i]
+    def rerun(self, i: int, j: int) -> tuple[int, int]:
+        """Op positions ``[start, stop)`` a recompute of stages ``i .. j-1`` runs."""
+        start = self.ends[i - 1] + 1 if i else 0
+        return start, max(start, self.rerun_stops[j - 1])
 
-    def written(self, i: int, j: int) -> float:
-        return self.prefix_written[j] - self.prefix_written[i]
+    def _rerun_sum(self, key: str, i: int, j: int) -> float:
+        start, stop = self.rerun(i, j)
+        return self.op_prefix[key][stop] - self.op_prefix[key][start]
+
+    def rerun_flops(self, i: int, j: int) -> float:
+        return self._rerun_sum("flops", i, j)
+
+    def rerun_written(self, i: int, j: int) -> float:
+        return self._rerun_sum("written", i, j)
+
+    def rerun_expensive_flops(self, i: int, j: int) -> float:
+        return self._rerun_sum("exp_flops", i, j)
+
+    def rerun_expensive_bytes(self, i: int, j: int) -> float:
+        return self._rerun_sum("exp_bytes", i, j)
 
     def stored(self, i: int, j: int) -> float:
         return self.prefix_stored[j] - self.prefix_stored[i]
 
     def expensive_bytes(self, i: int, j: int) -> float:
         return self.prefix_expensive_bytes[j] - self.prefix_expensive_bytes[i]
-
-    def expensive_flops(self, i: int, j: int) -> float:
-        return self.prefix_expensive_flops[j] - self.prefix_expensive_flops[i]
 
     def recomputable(self, i: int, j: int) -> bool:
         return self.prefix_unrecomputable[j] == self.prefix_unrecomputable[i]
@@ -113,32 +127,47 @@ def build_chain(graph: nx.DiGraph, max_stages: int = 64) -> Chain:
     ends = candidate_ends(graph, max_stages)
     saved_by_someone = {v for n in ops for v in graph.nodes[n]["saved"]}
     stage_of = _stage_of_positions(ends)
-    sums = {key: [0.0] * len(ends) for key in ("flops", "written", "stored", "exp_bytes", "exp_flops", "fixed")}
+    sums = {key: [0.0] * len(ends) for key in ("stored", "exp_bytes", "fixed")}
+    per_op = {key: [0.0] * len(ops) for key in ("flops", "written", "exp_flops", "exp_bytes")}
     working = [0.0] * len(ends)
     for position, name in enumerate(ops):
         attributes, stage = graph.nodes[name], stage_of[position]
-        sums["flops"][stage] += attributes["flops"]
-        sums["written"][stage] += attributes["bytes"]
         sums["stored"][stage] += retained_bytes(graph, name, saved_by_someone)
+        per_op["flops"][position] = attributes["flops"]
+        per_op["written"][position] = attributes["bytes"]
         if attributes["expensive"]:
             sums["exp_bytes"][stage] += attributes["bytes"]
-            sums["exp_flops"][stage] += attributes["flops"]
+            per_op["exp_flops"][position] = attributes["flops"]
+            per_op["exp_bytes"][position] = attributes["bytes"]
         sums["fixed"][stage] += not attributes["recomputable"]
         backward = 2 * attributes["bytes"] + attributes["param_grad_bytes"] + attributes["backward_extra_bytes"]
         working[stage] = max(working[stage], backward)
+    stops = rerun_stops(graph, ops)
     return Chain(
         ops=tuple(ops),
         ends=tuple(ends),
         boundaries=tuple(costs[e] for e in ends),
-        prefix_flops=_prefix(sums["flops"]),
-        prefix_written=_prefix(sums["written"]),
         prefix_stored=_prefix(sums["stored"]),
         prefix_expensive_bytes=_prefix(sums["exp_bytes"]),
-        prefix_expensive_flops=_prefix(sums["exp_flops"]),
         prefix_unrecomputable=tuple(int(x) for x in _prefix(sums["fixed"])),
+        rerun_stops=tuple(stops[e] for e in ends),
+        op_prefix={key: _prefix(values) for key, values in per_op.items()},
         stage_working=tuple(working),
         finish=loss_bytes(graph),
     )
+
+
+def rerun_stops(graph: nx.DiGraph, ops: Sequence[str]) -> list[int]:
+    """For each op position ``e``: where a recompute of ops ending at ``e`` stops, the
+    position after the last op that saves anything (at it, when it saves only inputs).
+    A range starting after that position reruns nothing."""
+    stops, stop = [], 0
+    for position, name in enumerate(ops):
+        saves = graph.nodes[name]["saves_from"]
+        if saves != "nothing":
+            stop = position + (saves == "outputs")
+        stops.append(stop)
+    return stops
 
 
 def loss_bytes(graph: nx.DiGraph) -> float:

@@ -4,7 +4,8 @@ A cost graph is a :class:`networkx.DiGraph` over the values of one forward pass.
 value names (the fx node names, e.g. ``"linear_3"``); an edge ``u -> v`` means "computing
 ``v`` reads ``u``". Graph attributes, both optional: ``graph.graph["name"]`` (for display)
 ``graph.graph["measured"]``: ``True`` when the node attributes come from running example
-inputs; otherwise every op costs one unit and ``random`` is unknown (assume any op may draw);
+inputs; otherwise every op costs one unit, ``random`` is unknown (assume any op may draw) and
+every op is taken to save its outputs (a recompute runs its whole segment);
 and ``graph.graph["cost_unit"]``: what ``flops`` counts, ``"FLOPs"`` (default) or ``"ns"``
 when the graph was costed with measured op times.
 
@@ -34,6 +35,13 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     in place later in the forward, so a recompute starting from it would read the wrong data.
 ``saved``: ``tuple[str, ...]``
     Values whose storage the node's backward needs (its own name if it saves its output).
+``saves_from``: ``"nothing" | "inputs" | "outputs"``
+    When the node's backward has everything it saves: it saves ``"nothing"``; only
+    ``"inputs"`` that exist before it runs (values it reads, parameters); or also
+    ``"outputs"`` it computes (its own value, a mask, statistics). A recompute stops once it
+    has what backward saved, so ops after the last one that saves anything never run again,
+    nor that one when it saves only its inputs (:func:`passes.plan.recompute_runs`).
+    :func:`add_value` derives it from ``saved`` and ``saved_extra_bytes`` when not given.
 ``saved_extra_bytes``: ``int``
     Bytes the node saves for backward that belong to no value of the graph (dropout masks,
     BatchNorm statistics, ...).
@@ -81,6 +89,7 @@ from typing import Any
 import networkx as nx
 
 KINDS = ("input", "param", "op", "output")
+SAVES_FROM = ("nothing", "inputs", "outputs")
 REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "kind": str,
     "order": int,
@@ -90,6 +99,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "recomputable": bool,
     "cuttable": bool,
     "saved": tuple,
+    "saves_from": str,
     "saved_extra_bytes": int,
     "requires_grad": bool,
     "random": bool,
@@ -124,9 +134,20 @@ class CostGraphError(ValueError):
 def add_value(graph: nx.DiGraph, name: str, *, kind: str, order: int, bytes: int,
               reads: Iterable[str] = (), label: str | None = None, **attributes: Any) -> None:
     """Add one value with the contract's attributes (defaults filled in) and its input edges."""
-    graph.add_node(name, kind=kind, order=order, bytes=bytes, label=label or name,
-                   **{**DEFAULTS, **attributes})
+    attributes = {**DEFAULTS, **attributes}
+    attributes.setdefault("saves_from", saves_from(name, attributes["saved"], attributes["saved_extra_bytes"]))
+    graph.add_node(name, kind=kind, order=order, bytes=bytes, label=label or name, **attributes)
     graph.add_edges_from((source, name) for source in reads)
+
+
+def saves_from(name: str, saved: Iterable[str], saved_extra_bytes: int) -> str:
+    """``saves_from`` of a node that saves the values ``saved`` plus ``saved_extra_bytes``
+    of its own (parameters it saves are not known here: an op saving only parameters reads
+    ``"nothing"``; profiled graphs say ``"inputs"``)."""
+    saved = tuple(saved)
+    if name in saved or saved_extra_bytes:
+        return "outputs"
+    return "inputs" if saved else "nothing"
 
 
 def check_cost_graph(graph: nx.DiGraph) -> None:
@@ -136,6 +157,8 @@ def check_cost_graph(graph: nx.DiGraph) -> None:
         for key, expected in REQUIRED_ATTRIBUTES.items():
             if not isinstance(attributes.get(key), expected):
                 raise CostGraphError(f"node {name!r}: attribute {key!r} missing or not {expected}")
+        if attributes["saves_from"] not in SAVES_FROM:
+            raise CostGraphError(f"node {name!r}: saves_from {attributes['saves_from']!r} not in {SAVES_FROM}")
         if attributes["kind"] not in KINDS:
             raise CostGraphError(f"node {name!r}: kind {attributes['kind']!r} not in {KINDS}")
         if attributes["order"] in orders:

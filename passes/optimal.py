@@ -73,7 +73,13 @@ BYTE_WEIGHT = 1e-3  # FLOPs a recomputed byte costs: a tie-break among plans of 
 def recompute_cost(chain: Chain, i: int, j: int) -> float:
     """What recomputing stages ``i..j-1`` costs: FLOPs, plus a little per byte written so
     pointwise work (which the FLOP counter calls free) is not free."""
-    return chain.flops(i, j) + BYTE_WEIGHT * chain.written(i, j)
+    return chain.rerun_flops(i, j) + BYTE_WEIGHT * chain.rerun_written(i, j)
+
+
+def selective_cost(chain: Chain, i: int, j: int) -> float:
+    """What recomputing stages ``i..j-1`` costs when their matmul/convolution outputs are
+    kept from forward: the pointwise work alone."""
+    return recompute_cost(chain, i, j) - chain.rerun_expensive_flops(i, j) - BYTE_WEIGHT * chain.rerun_expensive_bytes(i, j)
 
 
 def _shifted(values: np.ndarray, by: int) -> np.ndarray:
@@ -129,8 +135,8 @@ def _first_child_options(chain: Chain, unit: float, memory: np.ndarray, least: d
     yield RECOMPUTED, recompute_cost(chain, i, k) + _shifted(least[(i, k)], boundary) + _shifted(rest, boundary)
     expensive = chain.expensive_bytes(i, k)
     if selective and expensive:
-        cheap = recompute_cost(chain, i, k) - chain.expensive_flops(i, k) - BYTE_WEIGHT * expensive
-        yield SELECTIVE, np.where(memory >= own_backward, cheap + _shifted(rest, boundary + slots(expensive, unit)), np.inf)
+        after = _shifted(rest, boundary + slots(expensive, unit))
+        yield SELECTIVE, np.where(memory >= own_backward, selective_cost(chain, i, k) + after, np.inf)
 
 
 def children(table: Table, i: int, j: int, m: int, top: bool = False) -> list[tuple[int, int, int, list]]:

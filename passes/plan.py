@@ -99,15 +99,52 @@ def _describe(segment: Segment, name: str, indent: str) -> list[str]:
     return lines
 
 
-def recomputed_nodes(segments: Iterable[Segment]) -> list[str]:
+Step = str | Segment  # one step of a recompute: an op, or a recomputed child run as a whole
+
+
+def recompute_steps(graph: nx.DiGraph, segment: Segment) -> tuple[list[Step], Step | None]:
+    """What backward's recompute of ``segment`` runs, in order, and the step it stops at.
+
+    torch's checkpoint stops recomputing as soon as it has every tensor backward saved in
+    forward: ops after the last one that saves anything never run again, nor that one when
+    all it saves are its inputs (its saves are taken, it is not run: the returned stop). A
+    recomputed child saves its inputs before its body runs, so a child that is the last to
+    save is not run either. For example, a recomputed ``Linear -> GELU -> Linear`` segment
+    reruns only its first Linear and the GELU: the last Linear saves only its input.
+    """
+    steps: list[tuple[Step, str]] = []
+    for child in segment.children or (segment,):
+        if child is not segment and child.recompute:
+            steps.append((child, "inputs"))
+        else:
+            steps.extend((n, graph.nodes[n]["saves_from"]) for n in child.nodes)
+    last = max((i for i, (_, saves) in enumerate(steps) if saves != "nothing"), default=-1)
+    if last < 0:
+        return [], None
+    if steps[last][1] == "outputs":
+        return [step for step, _ in steps[: last + 1]], None
+    return [step for step, _ in steps[:last]], steps[last][0]
+
+
+def step_nodes(steps: Iterable[Step]) -> list[str]:
+    """The op nodes computed by ``steps`` (a recomputed child's forward computes all of it)."""
+    return [n for step in steps for n in (step.nodes if isinstance(step, Segment) else (step,))]
+
+
+def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True) -> list[str]:
     """Every node backward computes again, once per time it is recomputed (a node in a
-    recomputed child of a recomputed segment appears twice); ``saved_inside`` excluded."""
+    recomputed child of a recomputed segment appears twice), as :func:`recompute_steps` runs
+    them; ``saved_inside`` excluded when ``cached`` (a nested child's are only cached when
+    its enclosing segment's recompute ran it)."""
     again: list[str] = []
     for segment in segments:
-        if segment.recompute:
-            kept = set(segment.saved_inside)
-            again.extend(n for n in segment.nodes if n not in kept)
-            again.extend(recomputed_nodes(segment.children))
+        if not segment.recompute:
+            continue
+        ran, _ = recompute_steps(graph, segment)
+        kept = set(segment.saved_inside) if cached else set()
+        again.extend(n for n in step_nodes(ran) if n not in kept)
+        for child in segment.children:
+            again.extend(recomputed_nodes(graph, [child], cached=child in ran))
     return again
 
 

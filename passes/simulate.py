@@ -6,7 +6,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
-  saving; values kept from forward, ``saved_inside``, are reused), then each op turns its
+  saving; values kept from forward, ``saved_inside``, are reused) as far as backward needs
+  (:func:`passes.plan.recompute_steps`: torch's checkpoint stops once it has every saved
+  tensor), then each op turns its
   output's gradient into its inputs' gradients (and parameter gradients, freed once added
   into ``.grad``) and releases what it saved.
   Gradients are as large as their values.
@@ -28,7 +30,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.costgraph import op_nodes, storage_root
-from passes.plan import Segment, make_segments, recomputed_nodes
+from passes.plan import Segment, Step, make_segments, recompute_steps, recomputed_nodes, step_nodes
 
 LOSS_WORKING_SET = 3
 
@@ -203,37 +205,52 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
         memory.free(("extra", name))
 
 
-def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment],
-                      within: set[str] | None = None) -> None:
-    """Run segments forward: kept ones save for backward, recomputed ones hold their inputs."""
+def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
+    """Run the step's forward: kept segments save for backward, recomputed ones hold their
+    inputs (and their matmul outputs, when selective)."""
     for segment in segments:
         if segment.recompute:
             for value in segment.inputs:
                 memory.hold(value)
-        _run_forward(memory, graph, segment.nodes, save=not segment.recompute, within=within,
-                     keep=segment.saved_inside)
+        _run_forward(memory, graph, segment.nodes, save=not segment.recompute, keep=segment.saved_inside)
 
 
-def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str]) -> None:
-    """Backward of segments in reverse; each recomputed one is first run again."""
+def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str],
+                       ran: Sequence[Step] | None = None) -> None:
+    """Backward of segments in reverse; each recomputed one is first run again, with its
+    kept matmul outputs when they were cached (always at the top level; nested, only when
+    the enclosing recompute ran it: ``ran``)."""
     for segment in reversed(segments):
         if not segment.recompute:
             _run_backward(memory, graph, segment.nodes, grads)
             continue
-        _backward_recomputed(memory, graph, segment, grads)
+        _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
         for value in segment.inputs:
             memory.release(value)
 
 
-def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, grads: set[str]) -> None:
-    """Recompute a segment (its children as a plan of their own), then run its backward."""
-    memory.fresh.append(set(segment.nodes) - set(segment.saved_inside))
-    within = set(segment.nodes)
-    children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
-    _forward_sequence(memory, graph, children, within)
-    for value in segment.saved_inside:
+def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, grads: set[str],
+                         cached: bool) -> None:
+    """Recompute a segment as far as :func:`recompute_steps` runs it (its children as a plan
+    of their own), then run its backward."""
+    ran, stop = recompute_steps(graph, segment)
+    kept = set(segment.saved_inside) if cached else set()
+    computed = step_nodes(ran)
+    memory.fresh.append(set(computed) - kept)
+    within = set(computed)
+    for value in stop.inputs if isinstance(stop, Segment) else graph.nodes[stop]["saved"] if stop else ():
+        memory.hold(value)  # saved by the step the recompute stops at, which does not run
+    for step in ran:
+        if isinstance(step, Segment):
+            for value in step.inputs:
+                memory.hold(value)
+            _run_forward(memory, graph, step.nodes, save=False, within=within, keep=step.saved_inside)
+        else:
+            _run_forward(memory, graph, (step,), save=True, within=within)
+    for value in kept:
         memory.release(value)
-    _backward_sequence(memory, graph, children, grads)
+    children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
+    _backward_sequence(memory, graph, children, grads, ran)
     memory.fresh.pop()
 
 
@@ -279,7 +296,7 @@ def eager_peak(graph: nx.DiGraph) -> int:
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
-    again = recomputed_nodes(segments)
+    again = recomputed_nodes(graph, segments)
     recompute = sum(graph.nodes[n]["flops"] for n in again)
     forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
     return Simulation(

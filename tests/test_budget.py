@@ -66,7 +66,7 @@ BUDGETS = (0.5, 0.25, 0.15)
 
 def test_budget_honoured_on_measured_peak_of_the_mlp_chain() -> None:
     """32 x (Linear 256 + GELU), batch 512: 0.25 and 0.15 of eager are below the best flat
-    plan (0.28x); they need nested segments."""
+    plan (0.28x); they need selective or nested segments (0.15 nests three deep)."""
     model, inputs = zoo.make("mlp", depth=32, width=256, batch=512)
     eager = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
     for fraction in BUDGETS:
@@ -74,7 +74,8 @@ def test_budget_honoured_on_measured_peak_of_the_mlp_chain() -> None:
         measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
         assert measured <= 1.05 * fraction * eager, f"budget {fraction}: measured {measured / eager:.3f}x eager"
         if fraction < 0.28:
-            assert max(s.depth for s in rewritten.meta["graphckpt_plan"].segments) >= 2
+            segments = rewritten.meta["graphckpt_plan"].segments
+            assert any(s.depth >= 2 or s.saved_inside for s in segments)
 
 
 @pytest.mark.parametrize("fraction", BUDGETS)

@@ -23,7 +23,6 @@ from passes.budget import BudgetError, fit_budget
 from passes.chain import Chain, build_chain
 from passes.costgraph import op_nodes
 from passes.optimal import (
-    BYTE_WEIGHT,
     KEPT,
     RECOMPUTED,
     SELECTIVE,
@@ -31,6 +30,7 @@ from passes.optimal import (
     children,
     memory_unit,
     recompute_cost,
+    selective_cost,
     slots,
     solve,
 )
@@ -87,7 +87,7 @@ def price(chain: Chain, unit: float, children: list, finish: float = 0.0) -> tup
             cost += recompute_cost(chain, i, k) + inner_cost
         else:
             need, held = max(need, held + own), held + boundary + slots(chain.expensive_bytes(i, k), unit)
-            cost += recompute_cost(chain, i, k) - chain.expensive_flops(i, k) - BYTE_WEIGHT * chain.expensive_bytes(i, k)
+            cost += selective_cost(chain, i, k)
     return need, cost
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+from graphckpt.api import cost_model
 from graphckpt.costs import prepare
 from graphckpt.profile import fake_copy, node_costs
+from passes.costgraph import op_nodes
 
 GRAD_MODES: list[bool] = []
 
@@ -46,3 +48,22 @@ def test_prepare_sees_eval_mode_views_with_one_fake_copy() -> None:
     profile = prepare(gm, (torch.randn(2, 4),))
     drop = next(n for n in gm.graph.nodes if n.name == "drop")
     assert profile.parents[drop].name == "record_grad_mode"  # dropout is a view in eval
+
+
+def test_saves_from_tells_when_backward_has_what_it_saves() -> None:
+    """Linear and GELU save their inputs, ReLU its output, an add nothing; dropout its mask."""
+
+    class Ops(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.gelu = torch.nn.GELU()
+            self.relu = torch.nn.ReLU()
+            self.dropout = torch.nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dropout(self.relu(self.gelu(self.linear(x))) + x)
+
+    _, graph = cost_model(Ops(), (torch.randn(4, 8, requires_grad=True),))
+    saves = {graph.nodes[n]["label"]: graph.nodes[n]["saves_from"] for n in op_nodes(graph)}
+    assert saves == {"linear": "inputs", "gelu": "inputs", "relu": "outputs", "add": "nothing", "dropout": "outputs"}
