@@ -71,12 +71,14 @@ class Segment(nn.Module):
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
-                 replays_rng: bool = True) -> None:
+                 replays_rng: bool = True, reruns: Sequence[str] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
         self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
+        # what its recompute runs (it stops once backward has what it saved)
+        self.reruns = tuple(n for n in nodes if n not in saved_inside) if reruns is None else tuple(reruns)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.kept_bytes = kept_bytes
@@ -123,7 +125,8 @@ class Segment(nn.Module):
 
     def extra_repr(self) -> str:
         kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
-        return (f"recomputes {len(self.nodes) - len(self.saved_inside)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) "
+        span = f"{self.reruns[0]} .. {self.reruns[-1]}" if self.reruns else "nothing"
+        return (f"recomputes {len(self.reruns)} of {len(self.nodes)} nodes ({span}) "
                 f"in backward; keeps {', '.join(self.inputs)}{kept}")
 
 

@@ -100,9 +100,9 @@ def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
 
 
 def _cheapest(plans: list[Plan]) -> Plan:
-    """Least recompute: fewest FLOPs, then fewest bytes recomputed (pointwise work, which
-    the FLOP counter calls free), then the lower peak."""
-    return min(plans, key=lambda p: (p.recompute_flops, p.recompute_bytes, p.peak_bytes))
+    """Least recompute (:attr:`Plan.cost_key`: FLOPs, then bytes recomputed, pointwise work
+    the FLOP counter calls free, then checkpoint calls), then the lower peak."""
+    return min(plans, key=lambda p: (*p.cost_key, p.peak_bytes))
 
 
 def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:

@@ -68,12 +68,13 @@ def memory_unit(chain: Chain, eager_peak_bytes: float, slot_count: int) -> float
 
 
 BYTE_WEIGHT = 1e-3  # FLOPs a recomputed byte costs: a tie-break among plans of equal FLOPs
+SEGMENT_COST = 1.0  # a recomputed segment's own cost: a tie-break, so none is made that saves nothing
 
 
 def recompute_cost(chain: Chain, i: int, j: int) -> float:
     """What recomputing stages ``i..j-1`` costs: FLOPs, plus a little per byte written so
     pointwise work (which the FLOP counter calls free) is not free."""
-    return chain.rerun_flops(i, j) + BYTE_WEIGHT * chain.rerun_written(i, j)
+    return chain.rerun_flops(i, j) + BYTE_WEIGHT * chain.rerun_written(i, j) + SEGMENT_COST
 
 
 def selective_cost(chain: Chain, i: int, j: int) -> float:
@@ -231,4 +232,4 @@ def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8
 
 
 def _less_recompute(plan: Plan, other: Plan) -> bool:
-    return (plan.recompute_flops, plan.recompute_bytes) < (other.recompute_flops, other.recompute_bytes)
+    return plan.cost_key < other.cost_key

@@ -72,6 +72,12 @@ class Plan:
     def recomputed_segments(self) -> tuple[Segment, ...]:
         return tuple(s for s in self.segments if s.recompute)
 
+    @property
+    def cost_key(self) -> tuple[int, int, int]:
+        """What "least recompute" compares: recomputed FLOPs, then bytes written by the
+        recompute, then checkpoint calls (recomputed segments, nested ones included)."""
+        return self.recompute_flops, self.recompute_bytes, _recomputed_count(self.segments)
+
     def __str__(self) -> str:
         lines = [
             f"Plan({self.strategy}): {len(self.recomputed_segments)} recomputed segment(s) "
@@ -146,6 +152,10 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
         for child in segment.children:
             again.extend(recomputed_nodes(graph, [child], cached=child in ran))
     return again
+
+
+def _recomputed_count(segments: Iterable[Segment]) -> int:
+    return sum(s.recompute + _recomputed_count(s.children) for s in segments)
 
 
 def _mib(nbytes: float) -> str:
