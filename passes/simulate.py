@@ -8,9 +8,8 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
   saving; values kept from forward, ``saved_inside``, are reused) as far as backward needs
   (:func:`passes.plan.recompute_steps`: torch's checkpoint stops once it has every saved
-  tensor), then each op turns its
-  output's gradient into its inputs' gradients (and parameter gradients, freed once added
-  into ``.grad``) and releases what it saved.
+  tensor), then each op turns its output's gradient into its inputs' gradients (and
+  parameter gradients, freed once added into ``.grad``) and releases what it saved.
   Gradients are as large as their values.
 
 * the loss: between forward and backward an elementwise loss and its reduction hold
