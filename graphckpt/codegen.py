@@ -25,7 +25,7 @@ from torch import fx, nn
 
 from graphckpt.runtime import Segment
 from passes.costgraph import boundary_bytes
-from passes.plan import Plan, recompute_steps, step_nodes
+from passes.plan import Plan, rerun_nodes
 from passes.plan import Segment as PlannedSegment
 
 
@@ -120,7 +120,7 @@ def _segment_module(source: fx.GraphModule, graph: nx.DiGraph, planned: PlannedS
                       outputs=planned.outputs, saved_inside=planned.saved_inside,
                       kept_bytes=boundary_bytes(graph, planned.inputs),
                       replays_rng=_may_draw_random(graph, planned.nodes),
-                      reruns=[n for n in step_nodes(recompute_steps(graph, planned)[0]) if n not in planned.saved_inside])
+                      reruns=rerun_nodes(graph, planned))
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment

@@ -71,14 +71,13 @@ class Segment(nn.Module):
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
-                 replays_rng: bool = True, reruns: Sequence[str] | None = None) -> None:
+                 reruns: Sequence[str], replays_rng: bool = True) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
         self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
-        # what its recompute runs (it stops once backward has what it saved)
-        self.reruns = tuple(n for n in nodes if n not in saved_inside) if reruns is None else tuple(reruns)
+        self.reruns = tuple(reruns)  # what its recompute runs (it stops once backward has what it saved)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.kept_bytes = kept_bytes
@@ -221,14 +220,13 @@ class _Recomputing(_Running):
     def __enter__(self) -> None:
         self.segment.recomputations += 1
         self.nested_seen = 0
-        _running_stack().append(self)
+        super().__enter__()
         self.stack.enter_context(frozen_running_stats(self.segment.norms()))
         if self.segment.saved_inside and (self.segment.enclosing is None or self.call.filled):
             self.stack.enter_context(self.call.cached)
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stack.close()
-        _running_stack().pop()
+        super().__exit__(*exc_info)
         # Outputs kept for ops the recompute never reached (checkpoint stops once it has
         # what backward needs) would otherwise live until the segment's backward ends.
         getattr(self.call.cached, "storage", {}).clear()

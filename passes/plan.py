@@ -137,6 +137,12 @@ def step_nodes(steps: Iterable[Step]) -> list[str]:
     return [n for step in steps for n in (step.nodes if isinstance(step, Segment) else (step,))]
 
 
+def rerun_nodes(graph: nx.DiGraph, segment: Segment, cached: bool = True) -> list[str]:
+    """The nodes one recompute of ``segment`` computes (its recomputed children's bodies
+    included, their own later recomputes not); ``saved_inside`` excluded when ``cached``."""
+    return _without_kept(step_nodes(recompute_steps(graph, segment)[0]), segment, cached)
+
+
 def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True) -> list[str]:
     """Every node backward computes again, once per time it is recomputed (a node in a
     recomputed child of a recomputed segment appears twice), as :func:`recompute_steps` runs
@@ -147,11 +153,15 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
         if not segment.recompute:
             continue
         ran, _ = recompute_steps(graph, segment)
-        kept = set(segment.saved_inside) if cached else set()
-        again.extend(n for n in step_nodes(ran) if n not in kept)
+        again.extend(_without_kept(step_nodes(ran), segment, cached))
         for child in segment.children:
             again.extend(recomputed_nodes(graph, [child], cached=child in ran))
     return again
+
+
+def _without_kept(nodes: list[str], segment: Segment, cached: bool) -> list[str]:
+    kept = set(segment.saved_inside) if cached else set()
+    return [n for n in nodes if n not in kept]
 
 
 def _recomputed_count(segments: Iterable[Segment]) -> int:
