@@ -14,9 +14,18 @@ import networkx as nx
 
 from passes.costgraph import op_nodes
 from passes.optimal import DynamicProgram, Progress, plan_for_budget
-from passes.plan import Plan
-from passes.simulate import eager_peak
-from passes.strategies import articulation_plan, auto_plan, build_plan, keep_expensive, mincut_plan, sqrt_plan
+from passes.plan import Plan, cost_key, make_segments
+from passes.simulate import eager_peak, forward_floor
+from passes.strategies import (
+    Candidate,
+    articulation_candidate,
+    auto_plan,
+    build_plan,
+    mincut_candidate,
+    selective,
+    simulated,
+    sqrt_candidate,
+)
 
 Budget = float | int | str
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -67,48 +76,79 @@ def segment_counts(graph: nx.DiGraph) -> list[int]:
     return sorted(counts)
 
 
-def partially_recomputed(graph: nx.DiGraph, plan: Plan) -> list[Plan]:
-    """Variants of ``plan`` that recompute only its first r recomputed segments: less
+def partially_recomputed(graph: nx.DiGraph, candidate: Candidate) -> list[Candidate]:
+    """Variants of ``candidate`` that recompute only its first r recomputed segments: less
     recompute for a budget that does not need them all."""
-    recomputed = [i for i, s in enumerate(plan.segments) if s.recompute]
+    recomputed = [i for i, s in enumerate(candidate.segments) if s.recompute]
     variants = []
     for r in range(1, len(recomputed)):
         keep = set(recomputed[r:])
-        groups = [(s.nodes, s.recompute and i not in keep) for i, s in enumerate(plan.segments)]
-        variants.append(build_plan(graph, plan.strategy, groups, plan.notes))
+        groups = [(s.nodes, s.recompute and i not in keep) for i, s in enumerate(candidate.segments)]
+        variants.append(replace(candidate, segments=make_segments(graph, groups)))
     return variants
 
 
 THOROUGH_UP_TO = 400  # ops; larger graphs try fewer flat plans (the dynamic program covers them)
 
 
-def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
-    """Eager, and flat plans of every heuristic strategy over a range of segment counts (their
-    default √n count included), their partially recomputed variants, and selective variants
-    of all of these that keep matmul/convolution outputs (each simulated and validated).
-    Graphs over ``THOROUGH_UP_TO`` ops get only the default count of the two fast strategies."""
-    eager = build_plan(graph, "eager", [(op_nodes(graph), False)])
+def candidates(graph: nx.DiGraph) -> list[Candidate]:
+    """Flat plans of every heuristic strategy over a range of segment counts (their default
+    √n count included), their partially recomputed variants, and selective variants of all
+    of these that keep matmul/convolution outputs; not yet simulated. Graphs over
+    ``THOROUGH_UP_TO`` ops get only the default count of the two fast strategies."""
     if len(op_nodes(graph)) > THOROUGH_UP_TO:
-        plans = [eager, sqrt_plan(graph), articulation_plan(graph)]
+        found = [sqrt_candidate(graph), articulation_candidate(graph)]
     else:
-        heuristics = (sqrt_plan, articulation_plan, mincut_plan)
-        plans = [eager, *(strategy(graph, count) for count in [*segment_counts(graph)[1:], None] for strategy in heuristics)]
-        plans += [v for p in plans if len(p.segments) <= 9 for v in partially_recomputed(graph, p)]
+        heuristics = (sqrt_candidate, articulation_candidate, mincut_candidate)
+        found = [strategy(graph, count) for count in [*segment_counts(graph)[1:], None] for strategy in heuristics]
+        found += [v for c in found if len(c.segments) <= 9 for v in partially_recomputed(graph, c)]
     if any(graph.nodes[n]["expensive"] for n in graph):
-        plans += [keep_expensive(graph, p) for p in plans if p.recomputed_segments]
-    return plans
+        found += [selective(graph, c) for c in found if any(s.recompute for s in c.segments)]
+    return found
+
+
+def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
+    """Every one of :func:`candidates`, simulated."""
+    return [simulated(graph, c) for c in candidates(graph)]
 
 
 def _cheapest(plans: list[Plan]) -> Plan:
-    """Least recompute (:attr:`Plan.cost_key`: FLOPs, then bytes recomputed, pointwise work
-    the FLOP counter calls free, then checkpoint calls), then the lower peak."""
+    """Least recompute (:attr:`Plan.cost_key`: FLOPs, then bytes recomputed, then
+    checkpoint calls), then the lower peak."""
     return min(plans, key=lambda p: (*p.cost_key, p.peak_bytes))
+
+
+def cheapest_fitting(graph: nx.DiGraph, flat: list[Candidate], budget_bytes: int,
+                     best: Plan | None) -> tuple[Plan | None, list[Plan]]:
+    """The plan of least recompute that fits, from ``best`` (already simulated, or None)
+    and the ``flat`` candidates, and the candidates it simulated.
+
+    Simulating a plan is what costs; pricing it and bounding its peak from below
+    (:func:`passes.simulate.forward_floor`) are cheap. So candidates are simulated cheapest
+    first, only while they could still win and when their bound fits. When none fits,
+    every candidate is simulated, so the error can name the smallest peak.
+    """
+    tried: list[Plan] = []
+    skipped: list[Candidate] = []
+    for candidate in sorted(flat, key=lambda c: cost_key(graph, c.segments)):
+        if best is not None and cost_key(graph, candidate.segments) > best.cost_key:
+            break
+        if forward_floor(graph, candidate.segments) > budget_bytes:
+            skipped.append(candidate)
+            continue
+        plan = simulated(graph, candidate)
+        tried.append(plan)
+        if plan.peak_bytes <= budget_bytes:
+            best = plan if best is None else _cheapest([best, plan])
+    if best is None:
+        tried += [simulated(graph, c) for c in skipped]
+    return best, tried
 
 
 def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
-    the best of the flat :func:`candidate_plans`. Its ``strategy`` is ``"optimal"``; a note
+    the best of the flat :func:`candidates`. Its ``strategy`` is ``"optimal"``; a note
     says which plan won.
 
     Raises :class:`BudgetError` naming the smallest peak any plan reaches and the values
@@ -118,16 +158,15 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         note = f"optimal: eager fits {budget_bytes / 2**20:.2f} MiB; nothing is recomputed"
         return build_plan(graph, "optimal", [(op_nodes(graph), False)], [note])
     program = DynamicProgram(graph, progress=progress)
-    plans = candidate_plans(graph)
     found = plan_for_budget(program, budget_bytes)
-    fitting = [p for p in [*plans, found] if p is not None and p.peak_bytes <= budget_bytes]
-    if not fitting:
-        raise _unreachable(graph, budget_bytes, [*plans, program.smallest()])
-    chosen = _cheapest(fitting)
+    flat = candidates(graph)
+    chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
+    if chosen is None:
+        raise _unreachable(graph, budget_bytes, [*tried, program.smallest()])
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
     note = (f"optimal: least recompute for {budget_bytes / 2**20:.2f} MiB among the dynamic program's "
-            f"plan and {len(plans)} flat plans: {origin}")
+            f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
 
 

@@ -83,8 +83,10 @@ are known, so the strategies of the papers still work on node counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import wraps
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import networkx as nx
 
@@ -175,6 +177,23 @@ def in_order(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> list[str]
     return sorted(chosen, key=lambda name: graph.nodes[name]["order"])
 
 
+def per_graph(function: Callable[[nx.DiGraph], list]) -> Callable[[nx.DiGraph], list]:
+    """Memoise a list-valued ``function(graph)`` per cost graph: planning asks for the same
+    facts many times, and a cost graph's attributes do not change once it is built. A graph
+    still being built (nodes added since) is asked again; callers get a copy."""
+    memo: WeakKeyDictionary[nx.DiGraph, tuple[int, list]] = WeakKeyDictionary()
+
+    @wraps(function)
+    def memoised(graph: nx.DiGraph) -> list:
+        size = len(graph)
+        if graph not in memo or memo[graph][0] != size:
+            memo[graph] = size, function(graph)
+        return list(memo[graph][1])
+
+    return memoised
+
+
+@per_graph
 def op_nodes(graph: nx.DiGraph) -> list[str]:
     """The computed values (kind ``op``) in execution order: what segments partition."""
     return [n for n in in_order(graph) if graph.nodes[n]["kind"] == "op"]

@@ -14,12 +14,13 @@ families of cuts, cheapest to find first:
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from itertools import pairwise
 
 import networkx as nx
 
-from passes.costgraph import keep_cost, keeps_order, op_nodes, storage_root
+from passes.costgraph import keep_cost, keeps_order, op_nodes, per_graph, storage_root
 
 INF = float("inf")
 
@@ -45,6 +46,7 @@ def last_reader(graph: nx.DiGraph, position: dict[str, int]) -> dict[str, int]:
             for name in position}
 
 
+@per_graph
 def prefix_costs(graph: nx.DiGraph) -> list[float]:
     """``costs[i]``: bytes kept when cutting after the i-th op (``inf`` if not allowed).
 
@@ -112,12 +114,19 @@ def nearest_positions(cumulative: Sequence[float], candidates: Sequence[int],
                       targets: Sequence[float]) -> list[int]:
     """For each target, the candidate position whose cumulative weight is closest; distinct
     and increasing, so each boundary comes after the previous one."""
+    ordered = sorted(candidates)
+    weights = [cumulative[c] for c in ordered]  # non-decreasing: cumulative weights grow with position
     chosen: list[int] = []
     for target in targets:
-        later = [c for c in candidates if not chosen or c > chosen[-1]]
-        if not later:
+        start = bisect_right(ordered, chosen[-1]) if chosen else 0
+        if start == len(ordered):
             break
-        chosen.append(min(later, key=lambda c: abs(cumulative[c] - target)))
+        above = bisect_left(weights, target, lo=start)  # the first candidate at or past the target
+        below = bisect_left(weights, weights[above - 1], lo=start) if above > start else None
+        if below is None or (above < len(ordered) and weights[above] - target < target - weights[below]):
+            chosen.append(ordered[above])
+        else:
+            chosen.append(ordered[below])
     return chosen
 
 

@@ -18,7 +18,7 @@ The range runs as a sequence of children. Its first child ``[i, k)`` is one of
   its recompute is only the cheap pointwise work;
 
 or the range is one kept child (everything stored). The whole forward is the range
-``[0, stages)`` (``least[(0, stages, "top")]``), whose last child also holds the loss
+``[0, stages)`` (``top[0]``), whose last child also holds the loss
 between forward and backward. How much free memory to give it comes from simulating the
 resulting plans (:func:`plan_for_budget`): the budget is judged by the simulator, not by
 the program's own estimate.
@@ -45,14 +45,17 @@ Progress = Callable[[int, int], None]  # (done, total): planning is long enough 
 
 @dataclass(frozen=True)
 class Table:
-    """The program's answers: ``least[(i, j)][m]`` (and ``least[(i, stages, "top")][m]`` for
-    ranges that end the forward) and how it got each (``-1``: one kept child; else
-    ``3 * k + kind`` for a first child ``[i, k)`` of that kind)."""
+    """The program's answers over free memory ``m``: ``least[i, j, m]`` for ranges inside the
+    forward and ``top[i, m]`` for ranges ``[i, stages)`` that end it, and how it got each
+    (``choice`` and ``top_choice``; ``-1``: one kept child, else ``3 * k + kind`` for a
+    first child ``[i, k)`` of that kind)."""
 
     chain: Chain
     unit: float
-    least: dict[tuple, np.ndarray]
-    choice: dict[tuple, np.ndarray]
+    least: np.ndarray
+    choice: np.ndarray
+    top: np.ndarray
+    top_choice: np.ndarray
 
 
 def slots(nbytes: float, unit: float) -> int:
@@ -83,68 +86,101 @@ def selective_cost(chain: Chain, i: int, j: int) -> float:
     return recompute_cost(chain, i, j) - chain.rerun_expensive_flops(i, j) - BYTE_WEIGHT * chain.rerun_expensive_bytes(i, j)
 
 
-def _shifted(values: np.ndarray, by: int) -> np.ndarray:
-    """``out[m] = values[m - by]``: a sub-problem run with ``by`` slots already taken."""
-    out = np.full_like(values, np.inf)
-    if by < len(values):
-        out[by:] = values[: len(values) - by]
-    return out
+@dataclass(frozen=True)
+class _FirstChild:
+    """What the program needs to know about a first child ``[i, k)``, for every pair at
+    once (``[i, k]``; ``boundary[k]``): slots it stores kept, slots its own backward needs,
+    slots of its matmul outputs, and its recompute and selective costs (``inf`` where that
+    kind is not allowed)."""
+
+    stored: np.ndarray
+    own_backward: np.ndarray
+    expensive: np.ndarray
+    boundary: np.ndarray
+    recompute: np.ndarray
+    selective: np.ndarray
+
+
+def _first_children(chain: Chain, unit: float, selective: bool) -> _FirstChild:
+    n = chain.stages
+    pairs = {name: np.zeros((n + 1, n + 1)) for name in ("stored", "own", "expensive")}
+    recompute, cheap = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
+    never = 2**40  # the forward's last "boundary" is not one (it may be uncuttable): no first child ends there
+    boundary = np.array([0, *(slots(b, unit) for b in chain.boundaries[:-1]), never], dtype=np.int64)
+    for i in range(n):
+        for k in range(i + 1, n + 1):
+            pairs["stored"][i, k] = slots(chain.stored(i, k), unit)
+            pairs["own"][i, k] = slots(chain.stored(i, k) + chain.working(i, k), unit) + boundary[k]
+            pairs["expensive"][i, k] = slots(chain.expensive_bytes(i, k), unit)
+            if chain.recomputable(i, k):
+                recompute[i, k] = recompute_cost(chain, i, k)
+                if selective and chain.expensive_bytes(i, k):
+                    cheap[i, k] = selective_cost(chain, i, k)
+    as_int = {name: values.astype(np.int64) for name, values in pairs.items()}
+    return _FirstChild(as_int["stored"], as_int["own"], as_int["expensive"], boundary, recompute, cheap)
+
+
+def _shifted(values: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """``out[r, m] = values[r, m - by[r]]``: each row's sub-problem run with ``by[r]``
+    slots already taken (``inf`` where that is more than ``m``)."""
+    rows, width = values.shape
+    index = np.arange(width) - np.minimum(by, width)[:, None]  # negative: masked below
+    return np.where(index >= 0, values[np.arange(rows)[:, None], index], np.inf)
 
 
 def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
           progress: Progress | None = None) -> Table:
     """Fill the table for every range, shortest first (each range reads shorter ones), then
-    the whole forward, ``least[(0, stages, "top")]``, whose last child also holds the loss."""
-    memory = np.arange(slot_count + 1)
-    least: dict = {}
-    choice: dict = {}
+    the whole forward, ``top[0]``, whose last child also holds the loss."""
     n = chain.stages
+    memory = np.arange(slot_count + 1)
+    first = _first_children(chain, unit, selective)
+    least, choice = np.full((n + 1, n + 1, slot_count + 1), np.inf), np.full((n + 1, n + 1, slot_count + 1), -1)
+    top, top_choice = np.full((n + 1, slot_count + 1), np.inf), np.full((n + 1, slot_count + 1), -1)
 
-    def fill(i: int, j: int, key: tuple, rest: Callable[[int], np.ndarray], extra: float) -> None:
-        need = slots(chain.stored(i, j) + max(chain.working(i, j), extra), unit)
-        best = np.where(memory >= need, 0.0, np.inf)
-        how = np.full(slot_count + 1, -1)
-        for k in range(i + 1, j):
-            for kind, cost in _first_child_options(chain, unit, memory, least, i, k, rest(k), selective):
-                better = cost < best
-                best = np.where(better, cost, best)
-                how = np.where(better, 3 * k + kind, how)
-        least[key], choice[key] = best, how
+    def fill(i: int, j: int, rest: np.ndarray, extra: float) -> tuple[np.ndarray, np.ndarray]:
+        """Least recompute of ``[i, j)`` and how, given the costs ``rest[k - i - 1]`` of
+        running ``[k, j)`` after a first child ``[i, k)``."""
+        one_kept = np.where(memory >= slots(chain.stored(i, j) + max(chain.working(i, j), extra), unit), 0.0, np.inf)
+        if j == i + 1:
+            return one_kept, np.full(slot_count + 1, -1)
+        options = _first_child_options(first, memory, least[i, i + 1:j], rest, i, j).reshape(-1, slot_count + 1)
+        best = options.argmin(axis=0)
+        cost = options[best, memory]
+        better = cost < one_kept
+        return np.where(better, cost, one_kept), np.where(better, 3 * (i + 1) + best, -1)
 
     for length in range(1, n + 1):
         for i in range(n - length + 1):
-            fill(i, i + length, (i, i + length), lambda k, j=i + length: least[(k, j)], 0.0)
+            j = i + length
+            least[i, j], choice[i, j] = fill(i, j, least[i + 1:j, j], 0.0)
         if progress:
             progress(length, n + 1)
     for i in range(n - 1, -1, -1):
-        fill(i, n, (i, n, "top"), lambda k: least[(k, n, "top")], chain.finish)
+        top[i], top_choice[i] = fill(i, n, top[i + 1:n], chain.finish)
     if progress:
         progress(n + 1, n + 1)
-    return Table(chain, unit, least, choice)
+    return Table(chain, unit, least, choice, top, top_choice)
 
 
-def _first_child_options(chain: Chain, unit: float, memory: np.ndarray, least: dict, i: int, k: int,
-                         rest: np.ndarray, selective: bool):
-    """(kind, cost over memory) of each way to run ``[i, k)`` first and the rest (whose
-    costs are ``rest``) after it."""
-    boundary = slots(chain.boundaries[k - 1], unit)
-    stored = slots(chain.stored(i, k), unit)
-    own_backward = slots(chain.stored(i, k) + chain.working(i, k), unit) + boundary
-    yield KEPT, np.where(memory >= own_backward, _shifted(rest, stored), np.inf)
-    if not chain.recomputable(i, k):
-        return
-    yield RECOMPUTED, recompute_cost(chain, i, k) + _shifted(least[(i, k)], boundary) + _shifted(rest, boundary)
-    expensive = chain.expensive_bytes(i, k)
-    if selective and expensive:
-        after = _shifted(rest, boundary + slots(expensive, unit))
-        yield SELECTIVE, np.where(memory >= own_backward, selective_cost(chain, i, k) + after, np.inf)
+def _first_child_options(first: _FirstChild, memory: np.ndarray, inner: np.ndarray, rest: np.ndarray,
+                         i: int, j: int) -> np.ndarray:
+    """Cost over memory of each way to run a first child ``[i, k)`` (``k`` in ``i+1 .. j-1``)
+    then the rest, shaped ``(k - i - 1, kind, m)``: kept, recomputed with its own children
+    (whose costs are ``inner``), selective."""
+    k = np.arange(i + 1, j)
+    boundary, own_fits = first.boundary[k], memory[None, :] >= first.own_backward[i, k][:, None]
+    kept = np.where(own_fits, _shifted(rest, first.stored[i, k]), np.inf)
+    recomputed = first.recompute[i, k][:, None] + _shifted(inner, boundary) + _shifted(rest, boundary)
+    cheap = np.where(own_fits, first.selective[i, k][:, None] + _shifted(rest, boundary + first.expensive[i, k]), np.inf)
+    return np.stack([kept, recomputed, cheap], axis=1)
 
 
 def children(table: Table, i: int, j: int, m: int, top: bool = False) -> list[tuple[int, int, int, list]]:
     """The children the table chose for ``[i, j)`` with ``m`` free slots, as
     ``(kind, start, end, grandchildren)``; ``top`` for the whole forward's entry."""
     chain, unit = table.chain, table.unit
-    how = int(table.choice[(i, j, "top") if top else (i, j)][m])
+    how = int(table.top_choice[i, m] if top else table.choice[i, j, m])
     if how < 0:
         return [(KEPT, i, j, [])]
     k, kind = divmod(how, 3)
@@ -188,14 +224,15 @@ class DynamicProgram:
         self._plans: dict[int, Plan] = {}
 
     def feasible(self, m: int) -> bool:
-        return bool(np.isfinite(self.table.least[(0, self.chain.stages, "top")][m]))
+        return bool(np.isfinite(self.table.top[0, m]))
 
     def plan(self, m: int) -> Plan:
         """The program's plan with ``m`` free slots for the whole forward (memoised)."""
         if m not in self._plans:
             chosen = children(self.table, 0, self.chain.stages, m, top=True)
             top = merge_kept(self.graph, segments_of(self.graph, self.chain, chosen))
-            self._plans[m] = plan_of_segments(self.graph, "optimal", top)
+            same = next((p for p in self._plans.values() if p.segments == top), None)  # more memory, same plan
+            self._plans[m] = same or plan_of_segments(self.graph, "optimal", top)
         return self._plans[m]
 
     def smallest(self) -> Plan:

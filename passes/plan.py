@@ -159,6 +159,18 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
     return again
 
 
+def recompute_totals(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[int, int]:
+    """FLOPs and bytes written by everything backward recomputes (:func:`recomputed_nodes`)."""
+    again = recomputed_nodes(graph, segments)
+    return sum(graph.nodes[n]["flops"] for n in again), sum(graph.nodes[n]["bytes"] for n in again)
+
+
+def cost_key(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[int, int, int]:
+    """:attr:`Plan.cost_key` of segments not yet simulated: what they recompute is known
+    without simulating them."""
+    return *recompute_totals(graph, segments), _recomputed_count(segments)
+
+
 def _without_kept(nodes: list[str], segment: Segment, cached: bool) -> list[str]:
     kept = set(segment.saved_inside) if cached else set()
     return [n for n in nodes if n not in kept]

@@ -24,12 +24,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from weakref import WeakKeyDictionary
 
 import networkx as nx
 
 from passes.costgraph import op_nodes, storage_root
-from passes.plan import Segment, Step, make_segments, recompute_steps, recomputed_nodes, step_nodes
+from passes.plan import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
 
@@ -54,6 +55,7 @@ class _Index:
     roots: dict[str, str]
     readers: dict[str, tuple[str, ...]]
     reads: dict[str, tuple[str, ...]]
+    activation_reads: dict[str, tuple[str, ...]]  # reads that are not parameters: what a read releases
 
 
 _INDEXES: WeakKeyDictionary[nx.DiGraph, _Index] = WeakKeyDictionary()
@@ -67,6 +69,8 @@ def _index(graph: nx.DiGraph) -> _Index:
             roots={name: storage_root(graph, name) for name in graph},
             readers={name: tuple(graph.successors(name)) for name in graph},
             reads={name: tuple(graph.predecessors(name)) for name in graph},
+            activation_reads={name: tuple(v for v in graph.predecessors(name) if graph.nodes[v]["kind"] != "param")
+                              for name in graph},
         )
     return _INDEXES[graph]
 
@@ -92,6 +96,8 @@ class _Memory:
 
     def key(self, name: str) -> tuple:
         root = self.index.roots[name]
+        if not self.fresh:
+            return ("value", root)
         for level in range(len(self.fresh) - 1, -1, -1):
             if root in self.fresh[level]:
                 return ("recomputed", level, root)
@@ -103,11 +109,13 @@ class _Memory:
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
-    def hold(self, name: str, times: int = 1) -> None:
-        self.holds[self.key(name)] += times
+    def hold(self, name: str, times: int = 1, key: tuple | None = None) -> None:
+        """One more reason (``times`` more) for ``name``'s storage (``key``, when known) to live."""
+        self.holds[key or self.key(name)] += times
 
-    def release(self, name: str, times: int = 1) -> None:
-        key = self.key(name)
+    def release(self, name: str, times: int = 1, key: tuple | None = None) -> None:
+        """One reason fewer; the storage is freed when none is left."""
+        key = key or self.key(name)
         self.holds[key] -= times
         if self.holds[key] <= 0:
             self.free(key)
@@ -150,19 +158,20 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
     """
     index = memory.index
     for name in nodes:
-        attributes = index.attributes[name]
+        attributes, key = index.attributes[name], memory.key(name)
         if attributes["alias_of"] is None:
-            memory.allocate(memory.key(name), attributes["bytes"])
-        readers = [r for r in index.readers[name] if within is None or r in within]
-        memory.hold(name, len(readers) + (name in keep))
+            memory.allocate(key, attributes["bytes"])
+        readers = index.readers[name]
+        readers_here = len(readers) if within is None else sum(r in within for r in readers)
+        memory.hold(name, readers_here + (name in keep), key)
         if save:
             for value in attributes["saved"]:
                 memory.hold(value)
             memory.allocate(("extra", name), attributes["saved_extra_bytes"])
-        for value in index.reads[name]:
-            if index.attributes[value]["kind"] != "param" and (within is None or value in within):
+        for value in index.activation_reads[name]:
+            if within is None or value in within:
                 memory.release(value)
-        memory.release(name, 0)
+        memory.release(name, 0, key)
 
 
 def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
@@ -239,13 +248,14 @@ def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, g
     within = set(computed)
     for value in stop.inputs if isinstance(stop, Segment) else graph.nodes[stop]["saved"] if stop else ():
         memory.hold(value)  # saved by the step the recompute stops at, which does not run
-    for step in ran:
-        if isinstance(step, Segment):
-            for value in step.inputs:
+    for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
+        if not is_segment:
+            _run_forward(memory, graph, tuple(steps), save=True, within=within)
+            continue
+        for child in steps:
+            for value in child.inputs:
                 memory.hold(value)
-            _run_forward(memory, graph, step.nodes, save=False, within=within, keep=step.saved_inside)
-        else:
-            _run_forward(memory, graph, (step,), save=True, within=within)
+            _run_forward(memory, graph, child.nodes, save=False, within=within, keep=child.saved_inside)
     for value in kept:
         memory.release(value)
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
@@ -292,16 +302,25 @@ def eager_peak(graph: nx.DiGraph) -> int:
     return _EAGER_PEAKS[graph]
 
 
+def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
+    """Bytes alive when forward ends that a plan cannot avoid: the inputs of its recomputed
+    segments and the values they keep from forward, each storage once. A lower bound on
+    its simulated peak, in O(kept values): a plan above the budget by this alone need not
+    be simulated."""
+    roots = {storage_root(graph, value) for segment in segments if segment.recompute
+             for value in (*segment.inputs, *segment.saved_inside)}
+    return sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
+
+
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
-    again = recomputed_nodes(graph, segments)
-    recompute = sum(graph.nodes[n]["flops"] for n in again)
+    recompute_flops, recompute_bytes = recompute_totals(graph, segments)
     forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
     return Simulation(
         peak_bytes=_step_peak(graph, segments),
         eager_peak_bytes=eager_peak(graph),
-        recompute_flops=recompute,
+        recompute_flops=recompute_flops,
         forward_flops=forward,
-        recompute_bytes=sum(graph.nodes[n]["bytes"] for n in again),
+        recompute_bytes=recompute_bytes,
     )

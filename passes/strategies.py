@@ -18,8 +18,8 @@ forward, so recomputing it would save nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from itertools import accumulate
+from dataclasses import dataclass, replace
+from itertools import accumulate, pairwise
 
 import networkx as nx
 
@@ -52,6 +52,16 @@ def groups_from_cuts(ops: Sequence[str], befores: Sequence[set[str]]) -> list[tu
     return groups
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A strategy's segments before simulation: cheap to make and to price
+    (:func:`passes.plan.cost_key`), so a search can simulate only the ones that could win."""
+
+    strategy: str
+    segments: tuple[Segment, ...]
+    notes: tuple[str, ...] = ()
+
+
 def build_plan(graph: nx.DiGraph, strategy: str, groups, notes: Sequence[str] = ()) -> Plan:
     """Validate segments, simulate them and wrap everything in a :class:`Plan`."""
     return plan_of_segments(graph, strategy, make_segments(graph, groups), notes)
@@ -79,23 +89,33 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
     )
 
 
-def plan_from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[int],
-                        notes: Sequence[str] = ()) -> Plan:
-    """A plan whose boundaries are prefix cuts after the given op positions."""
+def simulated(graph: nx.DiGraph, candidate: Candidate) -> Plan:
+    """The :class:`Plan` of a candidate: validated and simulated."""
+    return plan_of_segments(graph, candidate.strategy, candidate.segments, candidate.notes)
+
+
+def from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[int], notes: Sequence[str] = ()) -> Candidate:
+    """Segments whose boundaries are prefix cuts after the given op positions."""
     ops = op_nodes(graph)
-    befores = [set(ops[: p + 1]) for p in positions]
-    return build_plan(graph, strategy, groups_from_cuts(ops, befores), notes)
+    starts = [0, *(p + 1 for p in positions)]
+    groups = [(ops[start:end], True) for start, end in pairwise(starts)]
+    return Candidate(strategy, make_segments(graph, [*groups, (ops[starts[-1]:], False)]), tuple(notes))
+
+
+def selective(graph: nx.DiGraph, candidate: Candidate) -> Candidate:
+    """``candidate`` with every matmul/convolution output of its recomputed segments kept
+    from forward (selective checkpointing): more memory, far less recompute."""
+    segments = tuple(replace(s, saved_inside=tuple(n for n in s.nodes if graph.nodes[n]["expensive"]))
+                     if s.recompute else s for s in candidate.segments)
+    return Candidate(f"{candidate.strategy}+selective", segments, candidate.notes)
 
 
 def keep_expensive(graph: nx.DiGraph, plan: Plan) -> Plan:
-    """``plan`` with every matmul/convolution output of its recomputed segments kept from
-    forward (selective checkpointing): more memory, far less recompute."""
-    segments = [replace(s, saved_inside=tuple(n for n in s.nodes if graph.nodes[n]["expensive"]))
-                if s.recompute else s for s in plan.segments]
-    return plan_of_segments(graph, f"{plan.strategy}+selective", segments, plan.notes)
+    """``plan`` made selective (:func:`selective`), simulated."""
+    return simulated(graph, selective(graph, Candidate(plan.strategy, plan.segments, plan.notes)))
 
 
-def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+def sqrt_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
     """About √n segments balanced by bytes, each boundary at an allowed prefix cut."""
     ops = op_nodes(graph)
     count = segments or sqrt_segment_count(graph)
@@ -103,10 +123,10 @@ def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
     cumulative = list(accumulate(op_weights(graph, ops)))
     allowed = [i for i, cost in enumerate(costs[:-1]) if cost < INF]
     positions = nearest_positions(cumulative, allowed, balanced_targets(op_weights(graph, ops), count))
-    return plan_from_positions(graph, "sqrt", positions)
+    return from_positions(graph, "sqrt", positions)
 
 
-def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+def articulation_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
     """√n-style boundaries chosen among articulation points; min-cut when there are none."""
     ops, position = op_positions(graph)
     count = segments or sqrt_segment_count(graph)
@@ -114,16 +134,16 @@ def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
     candidates = [position[n] for n in articulation_points(graph)
                   if position[n] < len(ops) - 1 and costs[position[n]] < INF]
     if len(candidates) < min(count - 1, 2):
-        plan = mincut_plan(graph, segments)
+        fallback = mincut_candidate(graph, segments)
         note = (f"articulation: only {len(candidates)} articulation point(s); "
                 "used min-cut boundaries instead")
-        return replace(plan, notes=(note, *plan.notes))
+        return replace(fallback, notes=(note, *fallback.notes))
     cumulative = list(accumulate(op_weights(graph, ops)))
     targets = balanced_targets(op_weights(graph, ops), count)
-    return plan_from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
+    return from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
 
 
-def mincut_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
     """Minimum-bytes vertex cuts, one per window between balanced positions."""
     ops, position = op_positions(graph)
     last = last_reader(graph, position)
@@ -143,7 +163,22 @@ def mincut_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
             notes.append(f"mincut: no allowed boundary between {ops[low]} and {ops[high - 1]}")
             continue
         befores.append(set(ops[:low]) | found[1])
-    return build_plan(graph, "mincut", groups_from_cuts(ops, befores), notes)
+    return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
+
+
+def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """:func:`sqrt_candidate`, simulated."""
+    return simulated(graph, sqrt_candidate(graph, segments))
+
+
+def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """:func:`articulation_candidate`, simulated."""
+    return simulated(graph, articulation_candidate(graph, segments))
+
+
+def mincut_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
+    """:func:`mincut_candidate`, simulated."""
+    return simulated(graph, mincut_candidate(graph, segments))
 
 
 def auto_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:

@@ -68,17 +68,26 @@ def timed(function: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def timed_or_none(function: Callable[[], object], timeout: int) -> float | None:
-    """Seconds ``function()`` took, or None when it ran past ``timeout`` seconds (SIGALRM)."""
+    """Seconds ``function()`` took, or None when it ran past ``timeout`` seconds (SIGALRM).
+
+    The alarm's ``TimeoutError`` may surface wrapped in another error (networkx re-raises
+    what interrupts its graph conversions), so the alarm, not the error's type, says which.
+    """
+    expired = False
 
     def give_up(signum: int, frame: object) -> None:
+        nonlocal expired
+        expired = True
         raise TimeoutError
 
     previous = signal.signal(signal.SIGALRM, give_up)
     signal.alarm(timeout)
     try:
         return timed(function)[1]
-    except TimeoutError:
-        return None
+    except Exception:
+        if expired:
+            return None
+        raise
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 import graphckpt
 from graphckpt import zoo
 from graphckpt.measure import measure_step
-from passes.budget import BudgetError, candidate_plans, fit_budget, parse_budget
+from passes.budget import BudgetError, candidate_plans, candidates, cheapest_fitting, fit_budget, parse_budget
 from passes.costgraph import add_value
+from passes.simulate import eager_peak, forward_floor
+from passes.strategies import simulated
 from tests.equivalence import assert_trains_like, fresh_pair
+from tests.test_optimal import graphs_with_matmuls
 
 
 @pytest.mark.parametrize(("budget", "expected"), [
@@ -59,6 +62,30 @@ def test_fitted_plan_fits_and_recomputes_least(ops: int, sizes: list[int], fract
     if fitting:
         least = min((p.recompute_flops, p.recompute_bytes) for p in fitting)
         assert (chosen.recompute_flops, chosen.recompute_bytes) <= least
+
+
+@settings(max_examples=40, deadline=None)
+@given(graphs_with_matmuls(max_ops=12))
+def test_forward_floor_is_a_lower_bound_on_the_simulated_peak(graph) -> None:
+    """What lets the budget search skip simulating a candidate must never overestimate."""
+    for candidate in candidates(graph):
+        assert forward_floor(graph, candidate.segments) <= simulated(graph, candidate).peak_bytes, candidate.strategy
+
+
+@settings(max_examples=40, deadline=None)
+@given(graphs_with_matmuls(max_ops=12), st.floats(0.05, 1.0))
+def test_lazy_search_finds_what_simulating_every_candidate_finds(graph, fraction: float) -> None:
+    """Simulating only candidates that could win picks a plan as cheap as the exhaustive
+    search, and when nothing fits it still reports the smallest peak of them all."""
+    budget = int(fraction * eager_peak(graph))
+    every = candidate_plans(graph)
+    fitting = [p for p in every if p.peak_bytes <= budget]
+    chosen, tried = cheapest_fitting(graph, candidates(graph), budget, None)
+    if not fitting:
+        assert chosen is None and min(p.peak_bytes for p in tried) == min(p.peak_bytes for p in every)
+        return
+    assert chosen is not None and chosen.peak_bytes <= budget
+    assert chosen.cost_key == min(p.cost_key for p in fitting)
 
 
 BUDGETS = (0.5, 0.25, 0.15)

@@ -98,7 +98,7 @@ def test_program_equals_brute_force_over_its_plan_space(graph) -> None:
     unit = memory_unit(chain, eager_peak(graph), BRUTE_FORCE_SLOTS)
     table = solve(chain, unit, BRUTE_FORCE_SLOTS)
     priced = [price(chain, unit, tree, chain.finish) for tree in sequences(chain, 0, chain.stages)]
-    top = table.least[(0, chain.stages, "top")]
+    top = table.top[0]
     for m in range(BRUTE_FORCE_SLOTS + 1):
         expected = min((cost for need, cost in priced if need <= m), default=math.inf)
         assert top[m] == pytest.approx(expected, rel=1e-9, abs=1e-6), f"{m} free slots"

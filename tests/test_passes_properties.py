@@ -28,6 +28,7 @@ from passes.cuts import (
     articulation_points,
     last_reader,
     min_cut_between,
+    nearest_positions,
     op_positions,
     prefix_costs,
 )
@@ -320,3 +321,20 @@ def test_articulation_points_separate_inputs_from_output(graph: nx.DiGraph) -> N
     if any(nx.has_path(flow, i, "output") for i in inputs):
         expected = [n for n in op_nodes(graph) if _separates(flow, inputs, "output", n)]
         assert points == expected, "every separating op is an articulation point"
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=30), st.data())
+def test_nearest_positions_matches_the_plain_search(weights: list[float], data) -> None:
+    """Boundaries chosen by bisection equal the first closest later candidate, target by
+    target (zero-weight ops make ties; ties go to the earlier position)."""
+    cumulative = [sum(weights[: i + 1]) for i in range(len(weights))]
+    candidates = sorted(data.draw(st.sets(st.integers(0, len(weights) - 1))))
+    targets = sorted(data.draw(st.lists(st.sampled_from([-1.0, 0.25, *cumulative, cumulative[-1] + 1]), max_size=8)))
+    chosen: list[int] = []
+    for target in targets:
+        later = [c for c in candidates if not chosen or c > chosen[-1]]
+        if not later:
+            break
+        chosen.append(min(later, key=lambda c: abs(cumulative[c] - target)))
+    assert nearest_positions(cumulative, candidates, targets) == chosen

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from types import ModuleType
+
+import networkx as nx
+import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rewrite_cost.py"
 
@@ -20,7 +24,7 @@ def load_script() -> ModuleType:
 def test_rewrite_cost_script_writes_table_and_plot(tmp_path: Path, capsys) -> None:
     markdown, png = tmp_path / "cost.md", tmp_path / "cost.png"
     options = ["--sizes", "200", "400", "--budget-timeout", "1", "--out-md", str(markdown), "--png", str(png)]
-    rows = load_script().main(options)  # the budget plan has a ~5 s floor: give it up, which tests that path
+    rows = load_script().main(options)  # a budget plan given up after 1 s or not: a row either way
     assert [row["nodes"] for row in rows] == [202, 402]
     printed = capsys.readouterr().out
     text = markdown.read_text()
@@ -30,3 +34,18 @@ def test_rewrite_cost_script_writes_table_and_plot(tmp_path: Path, capsys) -> No
         assert [line.split(" | ")[0] for line in lines[1:]] == ["| 202", "| 402"]
     assert "Command: `python scripts/rewrite_cost.py --sizes 200 400" in text
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_plan_that_runs_too_long_is_given_up_even_when_its_error_is_wrapped() -> None:
+    script = load_script()
+
+    def wrapped() -> None:
+        try:
+            time.sleep(5)
+        except Exception as error:
+            raise nx.NetworkXError("Input is not a correct NetworkX graph.") from error
+
+    assert script.timed_or_none(wrapped, 1) is None
+    assert script.timed_or_none(lambda: None, 1) is not None
+    with pytest.raises(ZeroDivisionError):  # an error that is not the alarm's propagates
+        script.timed_or_none(lambda: 1 / 0, 1)
