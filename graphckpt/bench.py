@@ -127,7 +127,11 @@ def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callab
                      *, steps: int = 5, progress: Progress | None = None) -> list[Result]:
     """Warm up every variant, measure its peak once, then time ``steps`` interleaved rounds.
 
-    The first variant is the baseline of the ratios (put eager first).
+    The first variant is the baseline of the ratios (put eager first). Each round starts at
+    the next variant, so none always runs after the same one (a step after a large one
+    finds a different heap); a time ratio is the median over rounds of the variant's step
+    over the baseline's step *in the same round*, which cancels the slow drift of a shared
+    machine's speed.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -142,16 +146,26 @@ def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callab
         _tick(progress, f"peak {variant.name}")
     times: list[list[float]] = [[] for _ in variants]
     for round_index in range(steps):
-        for index, run in enumerate(runs):
+        for offset in range(len(runs)):
+            index = (round_index + offset) % len(runs)
             start = time.perf_counter()
-            run()
+            runs[index]()
             times[index].append(time.perf_counter() - start)
             _tick(progress, f"round {round_index + 1}/{steps}")
     return _results(variants, peaks, times)
 
 
+def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median over rounds of ``times[r] / baseline[r]``: steps compared within a round.
+
+    >>> paired_ratio([2.0, 3.0, 2.2], [1.0, 2.0, 1.0])
+    2.0
+    """
+    return statistics.median(t / b for t, b in zip(times, baseline, strict=True)) if all(baseline) else 0.0
+
+
 def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[list[float]]) -> list[Result]:
-    base_peak, base_time = peaks[0], statistics.median(times[0])
+    base_peak = peaks[0]
     results = []
     for variant, peak, seconds in zip(variants, peaks, times, strict=True):
         median = statistics.median(seconds)
@@ -159,7 +173,7 @@ def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[
         results.append(Result(
             variant.name, variant.kind, variant.setting, peak, median,
             peak_ratio=peak / base_peak if base_peak else 0.0,
-            time_ratio=median / base_time if base_time else 0.0,
+            time_ratio=paired_ratio(seconds, times[0]),
             simulated_peak_bytes=plan.peak_bytes if plan else None,
             recompute_fraction=plan.recompute_flops / max(plan.forward_flops, 1) if plan else None,
             budget=variant.budget, plan_seconds=variant.plan_seconds, times=seconds))

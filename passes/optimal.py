@@ -27,6 +27,7 @@ the program's own estimate.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -63,11 +64,25 @@ def slots(nbytes: float, unit: float) -> int:
     return math.ceil(nbytes / unit - 1e-9)
 
 
-def memory_unit(chain: Chain, eager_peak_bytes: float, slot_count: int) -> float:
-    """Bytes per slot: the slots span eager's peak, or the program's own estimate of eager
-    when that is higher, so storing everything is always one of its answers."""
+def memory_span(chain: Chain, eager_peak_bytes: float) -> float:
+    """Bytes the slots must span: eager's peak, or the program's own estimate of eager when
+    that is higher, so storing everything is always one of its answers."""
     everything = chain.stored(0, chain.stages) + max(chain.working(0, chain.stages), chain.finish)
-    return max(eager_peak_bytes, everything, 1) / slot_count
+    return max(eager_peak_bytes, everything, 1)
+
+
+def memory_unit(chain: Chain, eager_peak_bytes: float, slot_count: int, common_bytes: int = 0) -> float:
+    """Bytes per slot: about ``slot_count`` slots over :func:`memory_span`, shrunk (to at
+    most twice as many) so a value of ``common_bytes`` fills a whole number of slots.
+
+    Slots round every value up: a chain of 4 MiB activations in 1.7 MiB slots would pay
+    for 5.1 MiB each and the program would keep fewer of them than fit; in 1.33 MiB slots
+    each takes exactly three.
+    """
+    unit = memory_span(chain, eager_peak_bytes) / slot_count
+    if common_bytes > unit:
+        unit = common_bytes / math.ceil(common_bytes / unit)
+    return unit
 
 
 BYTE_WEIGHT = 1e-3  # FLOPs a recomputed byte costs: a tie-break among plans of equal FLOPs
@@ -211,6 +226,13 @@ def segments_of(graph: nx.DiGraph, chain: Chain, chosen: list) -> list[Segment]:
     return segments
 
 
+def common_value_bytes(graph: nx.DiGraph) -> int:
+    """The size of value that makes up the most activation bytes (0 for none): what the
+    memory unit should divide evenly."""
+    by_size = Counter(b for _, b in graph.nodes(data="bytes") if b)
+    return max(by_size, key=lambda size: (size * by_size[size], size), default=0)
+
+
 class DynamicProgram:
     """The solved table of one cost graph, turned into plans for any amount of memory."""
 
@@ -218,9 +240,9 @@ class DynamicProgram:
                  progress: Progress | None = None) -> None:
         self.graph = graph
         self.chain = build_chain(graph, max_stages)
-        self.slot_count = slot_count
-        unit = memory_unit(self.chain, eager_peak(graph), slot_count)
-        self.table = solve(self.chain, unit, slot_count, selective=True, progress=progress)
+        unit = memory_unit(self.chain, eager_peak(graph), slot_count, common_value_bytes(graph))
+        self.slot_count = slots(memory_span(self.chain, eager_peak(graph)), unit)
+        self.table = solve(self.chain, unit, self.slot_count, selective=True, progress=progress)
         self._plans: dict[int, Plan] = {}
 
     def feasible(self, m: int) -> bool:

@@ -92,17 +92,21 @@ BUDGETS = (0.5, 0.25, 0.15)
 
 
 def test_budget_honoured_on_measured_peak_of_the_mlp_chain() -> None:
-    """32 x (Linear 256 + GELU), batch 512: 0.25 and 0.15 of eager are below the best flat
-    plan (0.28x); they need selective or nested segments (0.15 nests three deep)."""
+    """32 x (Linear 256 + GELU), batch 512: 0.25 and 0.15 of eager are below every
+    heuristic's plan (about 0.28x); the optimal pass still meets them on measured peak
+    (0.15 nests segments three deep)."""
     model, inputs = zoo.make("mlp", depth=32, width=256, batch=512)
     eager = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    heuristic = min(graphckpt.plan(model, inputs, strategy=s).peak_bytes for s in ("sqrt", "articulation", "mincut"))
     for fraction in BUDGETS:
         rewritten = graphckpt.rewrite(model, inputs, budget=fraction)
         measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
         assert measured <= 1.05 * fraction * eager, f"budget {fraction}: measured {measured / eager:.3f}x eager"
+        plan = rewritten.meta["graphckpt_plan"]
         if fraction < 0.28:
-            segments = rewritten.meta["graphckpt_plan"].segments
-            assert any(s.depth >= 2 or s.saved_inside for s in segments)
+            assert plan.peak_bytes < heuristic
+        if fraction < 0.2:
+            assert max(s.depth for s in plan.segments) >= 2
 
 
 @pytest.mark.parametrize("fraction", BUDGETS)

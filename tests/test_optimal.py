@@ -26,6 +26,7 @@ from passes.optimal import (
     KEPT,
     RECOMPUTED,
     SELECTIVE,
+    SLOTS,
     DynamicProgram,
     children,
     memory_unit,
@@ -147,6 +148,19 @@ def test_deep_chain_nests_below_the_flat_minimum() -> None:
                key=lambda p: p.peak_bytes)
     assert max(s.depth for s in smallest.segments) >= 3
     assert smallest.peak_bytes <= 0.75 * flat.peak_bytes
+
+
+@pytest.mark.parametrize("size", [100, 4 * 2**20, 3 * 2**20 + 7])
+def test_a_chain_of_equal_values_fills_whole_slots(size: int) -> None:
+    """Slots round each value up; when most activation bytes are values of one size, the
+    unit divides that size, so the program does not pay for more than a value holds."""
+    from tests.test_budget import chain as chain_graph
+
+    program = DynamicProgram(chain_graph(32, [size]))
+    unit = program.table.unit
+    assert size / unit == pytest.approx(round(size / unit), abs=1e-6)
+    assert SLOTS <= program.slot_count <= 2 * SLOTS + 1
+    assert program.slot_count * unit >= eager_peak(program.graph) - 1e-6
 
 
 # --- nested plans in torch -------------------------------------------------------------------
