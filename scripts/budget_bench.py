@@ -8,19 +8,48 @@ The chain is 32 x (Linear 256 + GELU). Eager, ``graphckpt.rewrite(model, x, budg
 and ``torch.utils.checkpoint.checkpoint_sequential`` with 6 segments are measured in one
 process by :func:`graphckpt.bench.measure_variants`: peak from the profiler's memory timeline
 after a warm-up step, step time as the median of interleaved rounds (each starting at the
-next variant). Ratios are to eager, round by round; the last line compares ours with
-checkpoint_sequential round by round.
+next variant). Ratios are to eager, round by round. Then ours and checkpoint_sequential
+go head to head: one step each per round, back to back, and the median of our step over
+theirs with a bootstrap interval (this VM's speed drifts by tens of percent between runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
+import time
 
 import torch
 
 from graphckpt import zoo
 from graphckpt.anchors import Variant, sequential_anchor
-from graphckpt.bench import eager_variant, measure_variants, measured_peak, model_costs, paired_ratio, planned_variant
+from graphckpt.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant, training_step
+
+
+def head_to_head(ours: torch.nn.Module, anchor: torch.nn.Module, inputs: tuple, rounds: int) -> list[float]:
+    """Our step time over the anchor's, one pair of back-to-back steps per round (who goes
+    first alternates): on a shared VM whose speed drifts by tens of percent, only steps
+    taken moments apart compare."""
+    steps = [training_step(ours, inputs, zoo.scalar_loss), training_step(anchor, inputs, zoo.scalar_loss)]
+    for step in steps:
+        step()
+    ratios = []
+    for round_index in range(rounds):
+        seconds = [0.0, 0.0]
+        for index in (0, 1) if round_index % 2 else (1, 0):
+            start = time.perf_counter()
+            steps[index]()
+            seconds[index] = time.perf_counter() - start
+        ratios.append(seconds[0] / seconds[1])
+    return ratios
+
+
+def bootstrap_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``ratios``."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def main() -> None:
@@ -29,6 +58,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--segments", type=int, default=6, help="checkpoint_sequential's segment count")
     parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=60, help="head-to-head rounds against checkpoint_sequential")
     parser.add_argument("--cost", choices=("flops", "time"), default="flops",
                         help="what the optimal pass minimises: recomputed FLOPs or measured op time")
     options = parser.parse_args()
@@ -54,10 +84,11 @@ def main() -> None:
         simulated = f"{result.simulated_peak_bytes / 2**20:.1f} MiB" if result.simulated_peak_bytes else ""
         print(f"| {result.name} | {result.peak_bytes / 2**20:.1f} MiB | {result.peak_ratio:.2f}x | {simulated} | "
               f"{result.step_seconds * 1e3:.0f} ms | {result.time_ratio:.2f}x |")
-    ours_times, anchor_times = results[1].times, results[2].times
-    faster = sum(o <= a for o, a in zip(ours_times, anchor_times, strict=True))
-    print(f"\n{results[1].name} over {results[2].name}, round by round: median "
-          f"{paired_ratio(ours_times, anchor_times):.3f}x; no slower in {faster} of {len(ours_times)} rounds")
+    ratios = head_to_head(variants[1].module, anchor.module, inputs, options.rounds)
+    low, high = bootstrap_interval(ratios)
+    print(f"\nHead to head, {len(ratios)} rounds of one step each, order alternating: {variants[1].name} over "
+          f"{anchor.name}: median {statistics.median(ratios):.3f}x (95% bootstrap interval {low:.3f}-{high:.3f}); "
+          f"faster in {sum(r < 1 for r in ratios)} of {len(ratios)} rounds")
     plan = variants[1].plan
     print(f"\n{plan}")
 
