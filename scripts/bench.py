@@ -9,9 +9,10 @@ per-block checkpointing as Hugging Face's ``gradient_checkpointing_enable()`` do
 torch.compile with ``activation_memory_budget`` 0.5 and 0.1 (aot_eager; ``--inductor`` adds
 inductor); graphckpt with every strategy, at budgets 0.5, 0.25 and 0.1, and at the per-block
 anchor's measured peak. Each variant is warmed up, its peak measured once (profiler memory
-timeline on CPU), and its step time is the median of ``--steps`` interleaved rounds
-(:func:`graphckpt.bench.measure_variants`). ``graphckpt bench TARGET`` runs the same set on
-one model. The markdown goes to ``--out`` with a Pareto PNG per model beside it.
+timeline on CPU), and its step time is the median of ``--steps`` interleaved rounds, its
+ratio to eager the median of per-round ratios (:func:`graphckpt.bench.measure_variants`).
+``graphckpt bench TARGET`` runs the same set on one model. The markdown goes to ``--out``
+with a Pareto PNG per model beside it.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[
              f"graphckpt's plans minimise recomputed {'measured op time' if options.cost == 'time' else 'FLOPs'} "
              f"(`cost={options.cost!r}`). Peak is the profiler's memory timeline of one training step after a "
              f"warm-up (activations and temporaries, not parameters); step time is the median of {options.steps} "
-             "interleaved rounds. Ratios are to eager in the same run; absolute times on a shared 2-core VM "
+             "interleaved rounds, each starting at the next variant. Time ratios are the median of each round's "
+             "step over eager's step in that round; absolute times on a shared 2-core VM "
              "move ±10% between runs, ratios about ±5%. *simulated* is graphckpt's own prediction of the peak; "
              "*build* is capture + costs + plan + codegen (or compile time).", "", "## Targets", ""]
     lines += [verdict.markdown() for verdict in targets(results)]
