@@ -130,8 +130,10 @@ def cheapest_fitting(graph: nx.DiGraph, flat: list[Candidate], budget_bytes: int
     """
     tried: list[Plan] = []
     skipped: list[Candidate] = []
-    for candidate in sorted(flat, key=lambda c: cost_key(graph, c.segments)):
-        if best is not None and cost_key(graph, candidate.segments) > best.cost_key:
+    priced = sorted(((cost_key(graph, c.segments), index) for index, c in enumerate(flat)))
+    for key, index in priced:
+        candidate = flat[index]
+        if best is not None and key > best.cost_key:
             break
         if forward_floor(graph, candidate.segments) > budget_bytes:
             skipped.append(candidate)

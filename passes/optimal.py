@@ -117,6 +117,7 @@ class _FirstChild:
 
 
 def _first_children(chain: Chain, unit: float, selective: bool) -> _FirstChild:
+    """The :class:`_FirstChild` arrays of ``chain`` in slots of ``unit`` bytes."""
     n = chain.stages
     pairs = {name: np.zeros((n + 1, n + 1)) for name in ("stored", "own", "expensive")}
     recompute, cheap = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
@@ -234,7 +235,10 @@ def common_value_bytes(graph: nx.DiGraph) -> int:
 
 
 class DynamicProgram:
-    """The solved table of one cost graph, turned into plans for any amount of memory."""
+    """The solved table of one cost graph, turned into plans for any amount of memory.
+
+    ``slot_count`` is a resolution: the table has between that many and twice as many
+    slots (:func:`memory_unit`), ``self.slot_count`` of them."""
 
     def __init__(self, graph: nx.DiGraph, max_stages: int = 64, slot_count: int = SLOTS,
                  progress: Progress | None = None) -> None:
