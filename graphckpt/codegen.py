@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.runtime import Segment
-from passes.costgraph import boundary_bytes
+from passes.costgraph import boundary_bytes, draws_random
 from passes.plan import Plan, rerun_nodes
 from passes.plan import Segment as PlannedSegment
 
@@ -119,17 +119,11 @@ def _segment_module(source: fx.GraphModule, graph: nx.DiGraph, planned: PlannedS
     segment = Segment(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes, inputs=planned.inputs,
                       outputs=planned.outputs, saved_inside=planned.saved_inside,
                       kept_bytes=boundary_bytes(graph, planned.inputs),
-                      replays_rng=_may_draw_random(graph, planned.nodes),
+                      replays_rng=draws_random(graph, planned.nodes),
                       reruns=rerun_nodes(graph, planned))
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment
-
-
-def _may_draw_random(graph: nx.DiGraph, nodes: tuple[str, ...]) -> bool:
-    """Whether recomputing ``nodes`` may draw random numbers (then the RNG state is kept
-    from forward); unknown, so yes, when the graph was costed without example inputs."""
-    return not graph.graph.get("measured", False) or any(graph.nodes[n]["random"] for n in nodes)
 
 
 def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule, graph: nx.DiGraph,

@@ -50,6 +50,7 @@ class Profile:
     parents: Mapping[fx.Node, fx.Node]
     measured: bool = True  # False: unit costs, nothing was run
     cost_unit: str = "FLOPs"  # what NodeCost.flops counts: "FLOPs", or "ns" of measured time
+    rng_state_bytes: int = 0  # what a checkpoint keeps to replay random draws, in the model's memory
 
 
 COSTS = ("flops", "time")
@@ -67,18 +68,29 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     runs = [node_costs(graph_module, args, kwargs, training=mode, fake=fake) for mode in (True, False)]
     parents = view_parents(graph_module, runs)
     costs = node_costs(graph_module, args, kwargs) if isolate_inplace(graph_module, parents) else runs[0]
+    rng = rng_state_bytes(graph_module, args, kwargs)
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)
         costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
-        return Profile(costs, parents, cost_unit="ns")
-    return Profile(costs, parents)
+        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng)
+    return Profile(costs, parents, rng_state_bytes=rng)
+
+
+def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> int:
+    """Bytes of generator state ``torch.utils.checkpoint`` keeps per segment that replays
+    random draws, in the memory the model runs in: the CPU generator's state for a CPU
+    model; nothing on a GPU (``torch.cuda.get_rng_state`` is a host tensor)."""
+    tensors = [*graph_module.parameters(), *graph_module.buffers(), *args, *(kwargs or {}).values()]
+    on_cpu = all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
+    return torch.get_rng_state().nbytes if on_cpu else 0
 
 
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
     not_recomputable, not_cuttable, ordered = mutation_constraints(graph_module, profile.parents)
-    graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit)
+    graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
+                       rng_state_bytes=profile.rng_state_bytes)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         add_value(
@@ -102,6 +114,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             param_grad_bytes=cost.param_grad_bytes,
             backward_extra_bytes=cost.backward_extra_bytes,
             grad_views=cost.grad_views,
+            selective_extra_bytes=cost.selective_extra_bytes,
             shape=cost.shape,
             dtype=cost.dtype,
         )

@@ -44,6 +44,7 @@ class NodeCost:
     dtype: str
     backward_extra_bytes: int = 0
     grad_views: bool = False
+    selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
 
 
@@ -89,14 +90,19 @@ class _OpKinds(TorchDispatchMode):
         self.expensive = False
         self.opaque = False
         self.last = ""  # the last op: ``cat`` or ``stack`` hands its inputs views of its gradient
+        self.expensive_outputs: list[torch.Tensor] = []  # what a selective checkpoint policy keeps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
             self.last = func.overloadpacket.__name__
         self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
-        self.expensive = self.expensive or func.overloadpacket.__name__ in EXPENSIVE_OPS
+        is_expensive = func.overloadpacket.__name__ in EXPENSIVE_OPS
+        self.expensive = self.expensive or is_expensive
         self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if is_expensive:
+            self.expensive_outputs.extend(t for t in tree_leaves(result) if isinstance(t, torch.Tensor))
+        return result
 
 
 class _CostInterpreter(fx.Interpreter):
@@ -203,24 +209,27 @@ class _CostInterpreter(fx.Interpreter):
                 self.owner[key] = node.name
                 fresh += tensor.untyped_storage().nbytes()
         alias_of = aliased[0] if aliased and not fresh and aliased[0] != PARAM else None
-        names, extra = [], 0
+        names, extra = [], {}  # storages saved that no value owns, each once (several backward functions may save one)
         for tensor in saved:
             name = self.owner.get(_storage_key(tensor))
             if name is None:
-                extra += tensor.untyped_storage().nbytes()
+                extra[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
             elif name != PARAM and name not in names:
                 names.append(name)
         shape, dtype = _describe(tensors)
+        own = {_storage_key(t) for t in tensors}
+        inner = {_storage_key(t): t.untyped_storage().nbytes() for t in kinds.expensive_outputs}
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
             alias_of=alias_of,
             flops=int(flops),
             saved=tuple(names),
-            saved_extra_bytes=extra,
+            saved_extra_bytes=sum(extra.values()),
             requires_grad=any(t.requires_grad for t in tensors),
             random=kinds.random,
             expensive=kinds.expensive,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
+            selective_extra_bytes=sum(nbytes for key, nbytes in inner.items() if key not in own),
             param_grad_bytes=self._param_grad_bytes(node),
             shape=shape,
             dtype=dtype,

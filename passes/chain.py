@@ -136,7 +136,7 @@ def build_chain(graph: nx.DiGraph, max_stages: int = 64) -> Chain:
         per_op["flops"][position] = attributes["flops"]
         per_op["written"][position] = attributes["bytes"]
         if attributes["expensive"]:
-            sums["exp_bytes"][stage] += attributes["bytes"]
+            sums["exp_bytes"][stage] += attributes["bytes"] + attributes["selective_extra_bytes"]
             per_op["exp_flops"][position] = attributes["flops"]
             per_op["exp_bytes"][position] = attributes["bytes"]
         sums["fixed"][stage] += not attributes["recomputable"]

@@ -6,8 +6,11 @@ value names (the fx node names, e.g. ``"linear_3"``); an edge ``u -> v`` means "
 ``graph.graph["measured"]``: ``True`` when the node attributes come from running example
 inputs; otherwise every op costs one unit, ``random`` is unknown (assume any op may draw) and
 every op is taken to save its outputs (a recompute runs its whole segment);
-and ``graph.graph["cost_unit"]``: what ``flops`` counts, ``"FLOPs"`` (default) or ``"ns"``
-when the graph was costed with measured op times.
+``graph.graph["cost_unit"]``: what ``flops`` counts, ``"FLOPs"`` (default) or ``"ns"``
+when the graph was costed with measured op times; and ``graph.graph["rng_state_bytes"]``
+(default 0): bytes of random-number-generator state a recompute boundary keeps from forward
+when its segment draws random numbers (:func:`draws_random`): about 5 KiB on CPU, none in
+a GPU's memory (the CUDA generator state is a host tensor).
 
 Node attributes (every node has all of them; :func:`check_cost_graph` verifies this):
 
@@ -55,6 +58,11 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``expensive``: ``bool``
     The value comes out of a matmul or convolution: costly to recompute, so a selective
     plan keeps it from forward even inside a recomputed segment.
+``selective_extra_bytes``: ``int``
+    Bytes a selective segment keeps for an ``expensive`` node beyond its own value: the
+    outputs of matmul/convolution kernels *inside* the node that are not its result (the
+    score matrix of an attention computed by the math kernel: torch's selective policy
+    keeps every matmul output it sees). Held from forward until the node is recomputed.
 ``param_grad_bytes``: ``int``
     Bytes of parameter gradients the node's backward creates; they live until autograd
     adds them into the parameters' existing ``.grad``.
@@ -108,6 +116,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "ordered": bool,
     "grad_views": bool,
     "expensive": bool,
+    "selective_extra_bytes": int,
     "param_grad_bytes": int,
     "backward_extra_bytes": int,
     "label": str,
@@ -124,6 +133,7 @@ DEFAULTS: Mapping[str, Any] = {
     "ordered": False,
     "grad_views": False,
     "expensive": False,
+    "selective_extra_bytes": 0,
     "param_grad_bytes": 0,
     "backward_extra_bytes": 0,
 }
@@ -204,6 +214,12 @@ def keeps_order(graph: nx.DiGraph, name: str) -> bool:
     (random draws, and in-place writes with the readers before them)."""
     attributes = graph.nodes[name]
     return attributes["random"] or attributes["ordered"]
+
+
+def draws_random(graph: nx.DiGraph, nodes: Iterable[str]) -> bool:
+    """Whether running ``nodes`` may draw random numbers, so that recomputing them must
+    replay the generator's state; unknown, so yes, on a graph costed without inputs."""
+    return not graph.graph.get("measured", False) or any(graph.nodes[n]["random"] for n in nodes)
 
 
 def is_activation(graph: nx.DiGraph, name: str) -> bool:

@@ -6,7 +6,8 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
-  saving; values kept from forward, ``saved_inside``, are reused) as far as backward needs
+  saving; values kept from forward, ``saved_inside``, are reused, with the matmul outputs
+  inside them, ``selective_extra_bytes``) as far as backward needs
   (:func:`passes.plan.recompute_steps`: torch's checkpoint stops once it has every saved
   tensor), then each op turns its output's gradient into its inputs' gradients (and
   parameter gradients, freed once added into ``.grad``) and releases what it saved.
@@ -29,7 +30,7 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import op_nodes, storage_root
+from passes.costgraph import draws_random, op_nodes, storage_root
 from passes.plan import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
@@ -172,6 +173,12 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
             if within is None or value in within:
                 memory.release(value)
         memory.release(name, 0, key)
+        # A selective segment keeps the matmul outputs inside a kept node until its recompute
+        # reruns the node (the cache is consumed there).
+        if name in keep:
+            memory.allocate(("selective-extra", name), attributes["selective_extra_bytes"])
+        else:
+            memory.free(("selective-extra", name))
 
 
 def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
@@ -213,13 +220,25 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
         memory.free(("extra", name))
 
 
+def _rng_key(memory: _Memory, segment: Segment) -> tuple:
+    return ("rng", segment.nodes[0], len(memory.fresh))
+
+
+def _enter_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment) -> None:
+    """What a recomputed segment's forward keeps for its backward besides its values: its
+    inputs, and the generator state when it draws random numbers."""
+    for value in segment.inputs:
+        memory.hold(value)
+    if draws_random(graph, segment.nodes):
+        memory.allocate(_rng_key(memory, segment), graph.graph.get("rng_state_bytes", 0))
+
+
 def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
     inputs (and their matmul outputs, when selective)."""
     for segment in segments:
         if segment.recompute:
-            for value in segment.inputs:
-                memory.hold(value)
+            _enter_recomputed(memory, graph, segment)
         _run_forward(memory, graph, segment.nodes, save=not segment.recompute, keep=segment.saved_inside)
 
 
@@ -235,6 +254,7 @@ def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Se
         _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
         for value in segment.inputs:
             memory.release(value)
+        memory.free(_rng_key(memory, segment))
 
 
 def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, grads: set[str],
@@ -253,11 +273,11 @@ def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, g
             _run_forward(memory, graph, tuple(steps), save=True, within=within)
             continue
         for child in steps:
-            for value in child.inputs:
-                memory.hold(value)
+            _enter_recomputed(memory, graph, child)
             _run_forward(memory, graph, child.nodes, save=False, within=within, keep=child.saved_inside)
     for value in kept:
         memory.release(value)
+        memory.free(("selective-extra", value))  # what the recompute did not reach is dropped
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
     _backward_sequence(memory, graph, children, grads, ran)
     memory.fresh.pop()
@@ -309,7 +329,9 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     be simulated."""
     roots = {storage_root(graph, value) for segment in segments if segment.recompute
              for value in (*segment.inputs, *segment.saved_inside)}
-    return sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
+    inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments if segment.recompute
+                for value in segment.saved_inside)
+    return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
 
 
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:

@@ -91,7 +91,7 @@ def test_budget_plan_peak_matches_measured(name: str, budget: float) -> None:
 
 # ---------------------------------------------------------------- single layers
 
-# name: (layer, input shape, input requires grad, backward has scratch on oneDNN)
+# name: (layer, input shape, input requires grad, backward may have kernel scratch: not only views/pointwise)
 LAYERS = {
     "conv3x3": (lambda: nn.Conv2d(16, 16, 3, padding=1), (8, 16, 32, 32), True, True),
     "conv3x3_stride2": (lambda: nn.Conv2d(16, 32, 3, stride=2, padding=1), (8, 16, 32, 32), True, True),
@@ -130,30 +130,11 @@ def test_backward_extra_bytes_is_what_the_layers_backward_allocates(name: str) -
     graph = analyze(layer, (x,)).cost_graph
     (node,) = op_nodes(graph)
     extra = graph.nodes[node]["backward_extra_bytes"]
+    # Measured on this machine, not asserted in bytes: oneDNN's scratch differs between CPUs
+    # (a stride-1 3x3 convolution needs X + Y on one Xeon, 2.9% more on another).
     assert extra == measured_backward_extra(layer, x)
-    if LAYERS[name][3] and torch.backends.mkldnn.is_available():
-        assert extra > 0
-    elif not LAYERS[name][3]:
+    if not LAYERS[name][3]:
         assert extra == 0
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the formulas are oneDNN's")
-def test_convolution_scratch_formulas() -> None:
-    """What the measurements found (16 channels: no rounding up to oneDNN's channel blocks):
-    a stride-1 convolution's backward reorders grad_output (Y bytes) and the input (X bytes)
-    for the weight gradient, while its grad_input exists; a strided one copies grad_input
-    twice (blocked buffer, then a contiguous copy): 3X in all, less the gradients."""
-    x_bytes, y_bytes = 8 * 16 * 32 * 32 * 4, 8 * 16 * 32 * 32 * 4
-    graph = analyze(*_as_args("conv3x3")).cost_graph
-    assert graph.nodes[op_nodes(graph)[0]]["backward_extra_bytes"] == x_bytes + y_bytes
-    graph = analyze(*_as_args("conv3x3_stride2")).cost_graph
-    node = graph.nodes[op_nodes(graph)[0]]
-    assert node["backward_extra_bytes"] == 3 * x_bytes - x_bytes - node["param_grad_bytes"]
-
-
-def _as_args(name: str) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    layer, x = _layer(name)
-    return layer, (x,)
 
 
 @pytest.mark.parametrize("name", LAYERS)
