@@ -37,7 +37,7 @@ from passes.cuts import (
     sqrt_segment_count,
 )
 from passes.plan import Plan, Segment, checkpoints_of, make_segments, validate_plan
-from passes.simulate import simulate
+from passes.simulate import eager_segments, simulate
 
 Strategy = Callable[..., Plan]
 
@@ -166,19 +166,31 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
     return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
 
 
+def no_worse_than_eager(graph: nx.DiGraph, plan: Plan) -> Plan:
+    """``plan``, or eager execution when ``plan`` would peak higher than doing nothing
+    (tiny segments whose kept boundaries outweigh what they free): a strategy never hands
+    back a plan worse than no checkpointing. The notes say what happened."""
+    if plan.peak_bytes <= plan.eager_peak_bytes:
+        return plan
+    ratio = plan.peak_bytes / max(plan.eager_peak_bytes, 1)
+    note = (f"{plan.strategy}: its plan simulated {ratio:.2f}x eager's peak, above doing nothing; "
+            "kept eager execution (try strategy='optimal' or a budget)")
+    return plan_of_segments(graph, plan.strategy, eager_segments(graph), (*plan.notes, note))
+
+
 def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """:func:`sqrt_candidate`, simulated."""
-    return simulated(graph, sqrt_candidate(graph, segments))
+    """:func:`sqrt_candidate`, simulated (eager if that is no better)."""
+    return no_worse_than_eager(graph, simulated(graph, sqrt_candidate(graph, segments)))
 
 
 def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """:func:`articulation_candidate`, simulated."""
-    return simulated(graph, articulation_candidate(graph, segments))
+    """:func:`articulation_candidate`, simulated (eager if that is no better)."""
+    return no_worse_than_eager(graph, simulated(graph, articulation_candidate(graph, segments)))
 
 
 def mincut_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """:func:`mincut_candidate`, simulated."""
-    return simulated(graph, mincut_candidate(graph, segments))
+    """:func:`mincut_candidate`, simulated (eager if that is no better)."""
+    return no_worse_than_eager(graph, simulated(graph, mincut_candidate(graph, segments)))
 
 
 def auto_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:

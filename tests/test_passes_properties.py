@@ -33,7 +33,8 @@ from passes.cuts import (
     prefix_costs,
 )
 from passes.plan import segment_edges, validate_plan
-from passes.strategies import STRATEGIES, choose_plan
+from passes.simulate import eager_peak
+from passes.strategies import STRATEGIES, choose_plan, simulated, sqrt_candidate
 
 
 class CostGraph(nx.DiGraph):
@@ -144,6 +145,7 @@ def unrecomputable_op_reading_an_uncuttable_value() -> CostGraph:
 def test_every_strategy_gives_a_valid_plan(strategy: str, graph: nx.DiGraph, segments: int | None) -> None:
     plan = choose_plan(graph, strategy, segments)
     validate_plan(graph, plan.segments)
+    assert plan.peak_bytes <= plan.eager_peak_bytes, "no strategy hands back a plan worse than doing nothing"
 
     ops = op_nodes(graph)
     placed = [n for s in plan.segments for n in s.nodes]
@@ -338,3 +340,22 @@ def test_nearest_positions_matches_the_plain_search(weights: list[float], data) 
             break
         chosen.append(min(later, key=lambda c: abs(cumulative[c] - target)))
     assert nearest_positions(cumulative, candidates, targets) == chosen
+
+
+def test_a_plan_worse_than_eager_falls_back_to_eager_and_says_so() -> None:
+    """Found by hypothesis: a one-op segment recomputed right before another keeps its
+    output (1 byte) alive with the recompute's copy, so sqrt's plan peaks at 2 bytes
+    where eager peaks at 1."""
+    graph = nx.DiGraph()
+    add_value(graph, "x0", kind="input", order=0, bytes=0, requires_grad=False)
+    add_value(graph, "op0", kind="op", order=1, bytes=1, reads=["x0"])
+    add_value(graph, "op1", kind="op", order=2, bytes=0, reads=["x0", "op0"], alias_of="x0")
+    views = [f"op{i}" for i in range(2, 7)]
+    for order, name in enumerate(views, start=3):
+        add_value(graph, name, kind="op", order=order, bytes=0, reads=["x0"], alias_of="x0")
+    add_value(graph, "output", kind="output", order=9, bytes=0, reads=["op1", *views])
+    check_cost_graph(graph)
+    assert simulated(graph, sqrt_candidate(graph)).peak_bytes > eager_peak(graph)
+    plan = choose_plan(graph, "sqrt")
+    assert plan.peak_bytes == eager_peak(graph) and not plan.recomputed_segments
+    assert any("kept eager execution" in note for note in plan.notes)
