@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch
+from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch, storage_key
 
 PARAM = "<param>"
 
@@ -53,10 +53,6 @@ def _saves_from(made_here: list[bool]) -> str:
     if any(made_here):
         return "outputs"
     return "inputs" if made_here else "nothing"
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
@@ -118,7 +114,7 @@ class _CostInterpreter(fx.Interpreter):
         self.keep_alive: list[Any] = []
         self.costs: dict[str, NodeCost] = {}
         for tensor in (*module.parameters(), *module.buffers()):
-            self.owner[_storage_key(tensor)] = PARAM
+            self.owner[storage_key(tensor)] = PARAM
 
     def run_node(self, node: fx.Node) -> Any:
         saved: list[torch.Tensor] = []
@@ -126,10 +122,10 @@ class _CostInterpreter(fx.Interpreter):
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             saved.append(tensor)
-            made_here.append(_storage_key(tensor) not in self.owner)
+            made_here.append(storage_key(tensor) not in self.owner)
             return tensor
 
-        with self.mode, saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops, \
+        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), FlopCounterMode(display=False) as flops, \
                 _OpKinds() as kinds:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
@@ -150,7 +146,7 @@ class _CostInterpreter(fx.Interpreter):
             recorder.owner = name
 
         def leave(grad_inputs: Any, grad_outputs: Any) -> None:
-            recorder.owner = None
+            recorder.leave(name)
 
         stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         while stack:
@@ -185,9 +181,19 @@ class _CostInterpreter(fx.Interpreter):
         keys = {name: [call_key(*call) for call in calls] for name, calls in self.recorder.calls.items()}
         measure_kernel_scratch({key: call for name, calls in self.recorder.calls.items()
                                 for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
+        nodes = {node.name: node for node in self.module.graph.nodes}
         for name, node_keys in keys.items():
-            extra = max((KERNEL_EXTRA.get(key, 0) for key in node_keys), default=0)
-            self.costs[name] = replace(self.costs[name], backward_extra_bytes=extra)
+            scratch = max((KERNEL_EXTRA.get(key, 0) for key in node_keys), default=0)
+            passing = max(0, self.recorder.backward_peak(name) - self._gradient_bytes(nodes[name]))
+            self.costs[name] = replace(self.costs[name], backward_extra_bytes=scratch + passing)  # on top, to be safe
+
+    def _gradient_bytes(self, node: fx.Node) -> int:
+        """Bytes of the gradients the simulator gives ``node``'s backward: one buffer the
+        size of each input's storage that takes part in backward, and its parameter
+        gradients. What its backward holds beyond them is intermediate."""
+        roots = {self.costs[n.name].alias_of or n.name for n in node.all_input_nodes
+                 if n.op != "get_attr" and self.costs[n.name].requires_grad}
+        return sum(self.costs[root].bytes for root in roots if root in self.costs) + self.costs[node.name].param_grad_bytes
 
     def _param_grad_bytes(self, node: fx.Node) -> int:
         """Bytes of parameter gradients this node's backward creates (before they are
@@ -200,7 +206,7 @@ class _CostInterpreter(fx.Interpreter):
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         fresh, aliased = 0, []
         for tensor in tensors:
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if node.op == "get_attr" and self.owner.get(key, PARAM) == PARAM:
                 self.owner[key] = node.name  # views of this buffer alias the get_attr node
             elif key in self.owner:
@@ -211,14 +217,15 @@ class _CostInterpreter(fx.Interpreter):
         alias_of = aliased[0] if aliased and not fresh and aliased[0] != PARAM else None
         names, extra = [], {}  # storages saved that no value owns, each once (several backward functions may save one)
         for tensor in saved:
-            name = self.owner.get(_storage_key(tensor))
+            name = self.owner.get(storage_key(tensor))
             if name is None:
-                extra[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+                extra[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+                self.recorder.saves(tensor)
             elif name != PARAM and name not in names:
                 names.append(name)
         shape, dtype = _describe(tensors)
-        own = {_storage_key(t) for t in tensors}
-        inner = {_storage_key(t): t.untyped_storage().nbytes() for t in kinds.expensive_outputs}
+        own = {storage_key(t) for t in tensors}
+        inner = {storage_key(t): t.untyped_storage().nbytes() for t in kinds.expensive_outputs}
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
             alias_of=alias_of,

@@ -18,7 +18,9 @@ model's activations) and cost about two runs of each distinct backward kernel.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,22 +28,122 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identifies a tensor's storage (fake tensors included), shared by all its views."""
+    return tensor.untyped_storage()._cdata
+
+
+RELEASED = object()  # the token of an event: saved bytes released (negative)
+
+
 class Recorder(TorchDispatchMode):
     """Records, for the node named ``owner`` (``None``: record nothing), the ATen calls made
-    under it that may allocate: not views, and only calls that return a tensor."""
+    under it that may allocate: not views, and only calls that return a tensor.
+
+    It also follows the tensors those calls make until autograd drops them: a node whose
+    backward is several calls (attention computed by the math kernel: matmul, dropout,
+    softmax backward, ...) hands intermediate gradients from one call to the next, and
+    :meth:`backward_peak` is the peak of everything its backward makes, net of the saved
+    tensors it releases on the way.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.owner: str | None = None
         self.calls: dict[str, list[tuple[Any, tuple, dict]]] = {}
+        self.events: dict[str, list[tuple[object, int]]] = {}  # (token, bytes made), or (token, 0): freed
+        self.ends: dict[str, int] = {}  # events before the node's backward ended
+        self.extras: dict[int, tuple[int, int]] = {}  # storage saved that no value owns -> (saves, bytes)
+        self.releasing: dict[str, list[int]] = {}  # extras unpacked by the function running now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if self.owner is not None and not func.is_view and \
                 any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
-            self.calls.setdefault(self.owner, []).append((func, args, kwargs))
+            self.calls.setdefault(self.owner, []).append((func, *layouts_of(args, kwargs)))
+            self._follow(self.owner, result, args, kwargs)
         return result
+
+    def _follow(self, owner: str, result: Any, args: tuple, kwargs: dict) -> None:
+        """Note the new storages ``result`` makes for ``owner``, and when each is freed."""
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        events = self.events.setdefault(owner, [])
+        for tensor in tree_leaves(result):
+            if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in inputs:
+                continue
+            token = object()
+            events.append((token, tensor.untyped_storage().nbytes()))
+            weakref.finalize(tensor, events.append, (token, 0))
+
+    def saves(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is saved for backward and belongs to no value of the graph (a dropout
+        mask, softmax's output inside attention): autograd frees it once the last backward
+        function that unpacks it has run."""
+        count, _ = self.extras.get(storage_key(tensor), (0, 0))
+        self.extras[storage_key(tensor)] = count + 1, tensor.untyped_storage().nbytes()
+
+    def unpacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Unpack hook of the saved tensors: an extra unpacked for the last time is released
+        after the function running now."""
+        key = storage_key(tensor)
+        if self.owner is not None and key in self.extras:
+            count, nbytes = self.extras[key]
+            self.extras[key] = count - 1, nbytes
+            if count == 1:
+                self.releasing.setdefault(self.owner, []).append(nbytes)
+        return tensor
+
+    def leave(self, owner: str | None) -> None:
+        """One of ``owner``'s backward functions has returned (releasing the extras it
+        unpacked); the last one ends its backward."""
+        if owner is not None:
+            events = self.events.setdefault(owner, [])
+            events.extend((RELEASED, -nbytes) for nbytes in self.releasing.pop(owner, ()))
+            self.ends[owner] = len(events)
+        self.owner = None
+
+    def backward_peak(self, owner: str) -> int:
+        """Peak bytes ``owner``'s backward holds above what it started with: the results
+        of its calls (the gradients it returns, and the intermediate ones passed from one
+        call to the next), net of the saved extras it releases on the way."""
+        sizes: dict[object, int] = {}
+        current = peak = 0
+        for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)]:
+            if nbytes == 0:
+                current -= sizes.pop(token, 0)
+                continue
+            if token is not RELEASED:
+                sizes[token] = nbytes
+            current += nbytes
+            peak = max(peak, current)
+        return peak
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A tensor argument of a recorded call, by layout only: holding the fake tensor itself
+    would keep the backward's intermediate results alive."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def layouts_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor replaced by its :class:`Layout` (a tensor
+    passed twice becomes one layout, so a replay passes one real tensor twice)."""
+    made: dict[int, Layout] = {}
+
+    def layout(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in made:
+            made[id(value)] = Layout(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+        return made[id(value)]
+
+    return tree_map(layout, (tuple(args), dict(kwargs)))
 
 
 Call = tuple[Any, tuple, dict]
@@ -50,8 +152,8 @@ KERNEL_EXTRA: dict[tuple, int] = {}  # call signature -> measured scratch bytes,
 
 def _signature(value: Any) -> Any:
     """A hashable description of call arguments: tensors by layout, not by value."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device))
+    if isinstance(value, Layout):
+        return ("tensor", value.shape, value.stride, value.dtype, str(value.device))
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
     if isinstance(value, dict):
@@ -75,11 +177,10 @@ def _realize(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
     made: dict[int, torch.Tensor] = {}
 
     def real(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, Layout):
             return value
         if id(value) not in made:
-            tensor = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
-                                         device=value.device)
+            tensor = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=value.device)
             made[id(value)] = tensor.fill_(1 if tensor.is_floating_point() or tensor.is_complex() else 0)
         return made[id(value)]
 
@@ -140,7 +241,7 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     """
     cpu: dict[tuple, Call] = {}
     for key, (func, args, kwargs) in calls.items():
-        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Layout)}
         device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         if device.type == "cpu":
             cpu[key] = (func, args, kwargs)
