@@ -85,12 +85,24 @@ def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[s
     return torch.get_rng_state().nbytes if on_cpu else 0
 
 
+def returned_loss(graph_module: fx.GraphModule, profile: Profile) -> str | None:
+    """The output that is the model's own loss: its one scalar output that takes part in
+    backward (a Hugging Face model given labels returns ``loss`` beside ``logits``), trained
+    on alone; ``None`` when there is none, or several, or nothing was measured."""
+    if not profile.measured:
+        return None
+    (output,) = [n for n in graph_module.graph.nodes if n.op == "output"]
+    scalars = {n.name for n in output.all_input_nodes
+               if profile.costs[n.name].shape == "[]" and profile.costs[n.name].requires_grad}
+    return scalars.pop() if len(scalars) == 1 else None
+
+
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
     not_recomputable, not_cuttable, ordered = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
-                       rng_state_bytes=profile.rng_state_bytes)
+                       rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile))
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         add_value(

@@ -31,7 +31,7 @@ from itertools import accumulate
 import networkx as nx
 
 from passes.cuts import INF, op_positions, op_weights, prefix_costs
-from passes.simulate import LOSS_WORKING_SET, gradient_bytes, needs_grad
+from passes.simulate import gradient_bytes, loss_working_bytes, trained_outputs
 
 
 @dataclass(frozen=True)
@@ -171,10 +171,9 @@ def rerun_stops(graph: nx.DiGraph, ops: Sequence[str]) -> list[int]:
 
 
 def loss_bytes(graph: nx.DiGraph) -> float:
-    """Bytes the loss holds at the end of forward, as :mod:`passes.simulate` counts them."""
-    outputs = {v for n, k in graph.nodes(data="kind") if k == "output" for v in graph.predecessors(n)}
-    trained = sum(gradient_bytes(graph, v) for v in outputs if needs_grad(graph, v))
-    return (LOSS_WORKING_SET + 1) * trained
+    """Bytes the loss holds at the end of forward, as :mod:`passes.simulate` counts them:
+    its working set and the gradients backward starts from."""
+    return loss_working_bytes(graph) + sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
 
 
 def _stage_of_positions(ends: Sequence[int]) -> list[int]:

@@ -59,8 +59,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from passes.costgraph import in_order, op_nodes, storage_root
-from passes.simulate import LOSS_WORKING_SET, gradient_bytes, needs_grad
+from passes.costgraph import op_nodes, storage_root
+from passes.simulate import gradient_bytes, loss_working_bytes, needs_grad, trained_outputs
 
 MAX_OPS = 60
 Matrix = tuple[tuple[int, ...], ...]
@@ -143,8 +143,8 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
         index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh)
     n_forward = len(nodes["names"])
-    trained = [v for v in in_order(graph, sink_reads) if needs_grad(graph, v)]
-    loss = LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained)
+    trained = trained_outputs(graph)
+    loss = loss_working_bytes(graph)
     owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
                     transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
     for k in reversed(list(index)):

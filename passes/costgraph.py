@@ -2,15 +2,27 @@
 
 A cost graph is a :class:`networkx.DiGraph` over the values of one forward pass. Nodes are
 value names (the fx node names, e.g. ``"linear_3"``); an edge ``u -> v`` means "computing
-``v`` reads ``u``". Graph attributes, both optional: ``graph.graph["name"]`` (for display)
-``graph.graph["measured"]``: ``True`` when the node attributes come from running example
-inputs; otherwise every op costs one unit, ``random`` is unknown (assume any op may draw) and
-every op is taken to save its outputs (a recompute runs its whole segment);
-``graph.graph["cost_unit"]``: what ``flops`` counts, ``"FLOPs"`` (default) or ``"ns"``
-when the graph was costed with measured op times; and ``graph.graph["rng_state_bytes"]``
-(default 0): bytes of random-number-generator state a recompute boundary keeps from forward
-when its segment draws random numbers (:func:`draws_random`): about 5 KiB on CPU, none in
-a GPU's memory (the CUDA generator state is a host tensor).
+``v`` reads ``u``".
+
+Graph attributes, all optional:
+
+``name``
+    For display.
+``measured`` (default ``False``)
+    ``True`` when the node attributes come from running example inputs; otherwise every op
+    costs one unit, ``random`` is unknown (assume any op may draw) and every op is taken to
+    save its outputs (a recompute runs its whole segment).
+``cost_unit`` (default ``"FLOPs"``)
+    What ``flops`` counts: ``"FLOPs"``, or ``"ns"`` when the graph was costed with measured
+    op times.
+``rng_state_bytes`` (default 0)
+    Bytes of random-number-generator state a recompute boundary keeps from forward when its
+    segment draws random numbers (:func:`draws_random`): about 5 KiB on CPU, none in a GPU's
+    memory (the CUDA generator state is a host tensor).
+``loss`` (default ``None``)
+    The output value that is the model's own loss (a scalar the model computes, as Hugging
+    Face models do when given labels), which training backpropagates alone. Without one,
+    training is taken to backpropagate an elementwise loss of every output.
 
 Node attributes (every node has all of them; :func:`check_cost_graph` verifies this):
 
@@ -207,6 +219,11 @@ def per_graph(function: Callable[[nx.DiGraph], list]) -> Callable[[nx.DiGraph], 
 def op_nodes(graph: nx.DiGraph) -> list[str]:
     """The computed values (kind ``op``) in execution order: what segments partition."""
     return [n for n in in_order(graph) if graph.nodes[n]["kind"] == "op"]
+
+
+def graph_outputs(graph: nx.DiGraph) -> list[str]:
+    """The values the forward returns (those the output sink reads), in execution order."""
+    return in_order(graph, {v for n, k in graph.nodes(data="kind") if k == "output" for v in graph.predecessors(n)})
 
 
 def keeps_order(graph: nx.DiGraph, name: str) -> bool:

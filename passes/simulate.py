@@ -13,8 +13,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   parameter gradients, freed once added into ``.grad``) and releases what it saved.
   Gradients are as large as their values.
 
-* the loss: between forward and backward an elementwise loss and its reduction hold
-  ``LOSS_WORKING_SET`` times the outputs' bytes for a moment (``x.pow(2).mean()``'s
+* the loss: a model that computes its own loss is trained on it alone; otherwise, between
+  forward and backward, an elementwise loss and its reduction hold ``LOSS_WORKING_SET``
+  times the outputs' bytes for a moment (``x.pow(2).mean()``'s
   backward makes four output-sized temporaries: three here plus the output's gradient).
 
 This is an estimate; ``graphckpt.measure`` is the truth it is checked against.
@@ -30,7 +31,7 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import draws_random, op_nodes, storage_root
+from passes.costgraph import draws_random, graph_outputs, op_nodes, storage_root
 from passes.plan import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
@@ -143,6 +144,21 @@ class _Memory:
 def needs_grad(graph: nx.DiGraph, name: str) -> bool:
     """Whether backward computes a gradient for this value (ops and inputs that require it)."""
     return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
+
+
+def trained_outputs(graph: nx.DiGraph) -> list[str]:
+    """The outputs backward starts from: the model's own loss when it returns one
+    (``graph.graph["loss"]``), else every output that takes part in backward."""
+    loss = graph.graph.get("loss")
+    return [loss] if loss is not None else [v for v in graph_outputs(graph) if needs_grad(graph, v)]
+
+
+def loss_working_bytes(graph: nx.DiGraph) -> int:
+    """What computing the loss holds for a moment between forward and backward: nothing
+    when the model computed its own loss, else ``LOSS_WORKING_SET`` times the outputs."""
+    if graph.graph.get("loss") is not None:
+        return 0
+    return LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
 
 
 def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
@@ -286,19 +302,15 @@ def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, g
 def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
     """Peak live bytes of one forward + backward run segment by segment."""
     memory = _Memory(graph)
-    sink = [n for n, k in graph.nodes(data="kind") if k == "output"]
-    outputs = [v for n in sink for v in graph.predecessors(n)]
     for name, kind in graph.nodes(data="kind"):
         if kind == "input":
             memory.hold(name, graph.out_degree(name))
-    for value in outputs:
+    for value in graph_outputs(graph):
         memory.hold(value)
     _forward_sequence(memory, graph, segments)
     grads: set[str] = set()
-    trained = [v for v in outputs if needs_grad(graph, v)]
-    output_bytes = sum(gradient_bytes(graph, v) for v in trained)
-    memory.allocate(("loss",), LOSS_WORKING_SET * output_bytes)
-    for value in trained:
+    memory.allocate(("loss",), loss_working_bytes(graph))
+    for value in trained_outputs(graph):
         memory.allocate(("grad", value), gradient_bytes(graph, value))
         grads.add(value)
     memory.free(("loss",))

@@ -169,8 +169,9 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
 def no_worse_than_eager(graph: nx.DiGraph, plan: Plan) -> Plan:
     """``plan``, or eager execution when ``plan`` would peak higher than doing nothing
     (tiny segments whose kept boundaries outweigh what they free): a strategy never hands
-    back a plan worse than no checkpointing. The notes say what happened."""
-    if plan.peak_bytes <= plan.eager_peak_bytes:
+    back a plan worse than no checkpointing. The notes say what happened. A graph costed
+    without example inputs counts nodes, not bytes, and keeps the strategy's plan."""
+    if plan.peak_bytes <= plan.eager_peak_bytes or not graph.graph.get("measured", False):
         return plan
     ratio = plan.peak_bytes / max(plan.eager_peak_bytes, 1)
     note = (f"{plan.strategy}: its plan simulated {ratio:.2f}x eager's peak, above doing nothing; "
