@@ -150,14 +150,29 @@ def _cell(outcome: Outcome, eager: int) -> str:
 
 
 def _row_line(row: Row) -> str:
-    cells = [row.name, row.family, row.capture, _mib(row.eager) if row.eager else "—",
+    cells = [row.name, row.family, row.capture,
+             f"{_mib(row.eager)} (sim {_mib(row.eager_simulated)})" if row.eager else "—",
              f"{_mib(row.floor)} ({row.floor / row.eager_simulated:.2f}x)" if row.floor and row.eager_simulated
              else _mib(row.floor)]
     cells += [_cell(outcome, row.eager) for outcome in row.outcomes] or ["—"] * len(h.SETTINGS)
     cells.append(f"{_mib(row.per_block)} ({row.per_block / row.eager:.2f}x)" if row.per_block and row.eager
-                 else f"— ({row.per_block_note})")
+                 else "n/a")
     cells.append("pass" if not row.failures else f"**{len(row.failures)} failed**")
     return "| " + " | ".join(cells) + " |"
+
+
+_KINDS = {"not the model's step": "a step differing from the model's", "eager's measured": "a peak above eager's",
+          "its budget": "a budget missed by more than 3%", "BudgetError without": "a BudgetError not naming its floor",
+          "measuring failed": "a step that failed to run", "capture": "no capture"}
+
+
+def _summary(rows: list[Row]) -> str:
+    """How many entries keep every promise, and how many break each kind of promise."""
+    counts = {label: sum(any(key in failure for failure in row.failures) for row in rows)
+              for key, label in _KINDS.items()}
+    broken = ", ".join(f"{count} with {label}" for label, count in counts.items() if count)
+    passing = sum(not row.failures for row in rows)
+    return f"{passing} of {len(rows)} entries keep every promise" + (f"; {broken}." if broken else ".")
 
 
 def markdown(rows: list[Row], seconds: float) -> str:
@@ -181,7 +196,7 @@ def markdown(rows: list[Row], seconds: float) -> str:
         "buffers), same `state_dict` keys, measured peak at most eager's, and a budget met within 3% "
         "on the measured peak (or a `BudgetError` naming a floor above it).",
         "",
-        f"| entry | family | capture | eager measured | floor (sim) | {settings} | per-block measured | promises |",
+        f"| entry | family | capture | eager measured (sim) | floor (sim) | {settings} | per-block measured | promises |",
         "|---|---|---|---:|---:|" + "---:|" * len(h.SETTINGS) + "---:|---|",
         *(_row_line(row) for row in rows),
         "",
@@ -189,11 +204,16 @@ def markdown(rows: list[Row], seconds: float) -> str:
         "",
     ]
     failing = [row for row in rows if row.failures]
+    lines += [_summary(rows), ""]
     if not failing:
         lines.append("None: every promise holds on every entry.")
     for row in failing:
         lines.append(f"* **{row.name}**")
         lines += [f"  * {failure}" for failure in row.failures]
+    no_block = [row for row in rows if row.per_block is None and row.per_block_note]
+    if no_block:
+        lines += ["", "Per-block checkpointing n/a: " + "; ".join(f"`{row.name}`: {row.per_block_note}"
+                                                           for row in no_block) + "."]
     lines += ["", "## Entries", ""]
     lines += [f"* `{name}` ({entry.family}): {entry.description}" for name, entry in ENTRIES.items()]
     return "\n".join(lines) + "\n"
