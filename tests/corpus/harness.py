@@ -1,0 +1,146 @@
+"""Capture, plan, rewrite and measure a corpus entry: what the tests and ``scripts/corpus.py`` share.
+
+One capture (``graphckpt.api.cost_model``: what ``graphckpt.rewrite`` runs first) serves every
+plan of an entry; ``rewritten`` then runs the codegen ``rewrite`` would, so each plan's module
+is the one ``graphckpt.rewrite(model, args, example_kwargs=kwargs, budget=...)`` returns.
+Measurement is :func:`graphckpt.bench.measured_peak` (a warm-up step, then one step under the
+profiler's memory timeline) of a step whose loss is the model's own (``output.loss`` for
+Hugging Face models, a scalar output as is, else the mean squares of every output).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+from graphckpt.anchors import Skipped, block_anchor
+from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_graph
+from graphckpt.bench import measured_peak
+from graphckpt.capture import Captured
+from passes.budget import BudgetError
+from passes.plan import Plan
+from passes.simulate import eager_peak
+from tests.corpus.entries import Entry
+from tests.equivalence import default_loss
+
+Setting = str | float
+"""``"auto"`` (the default strategy), a budget as a fraction of eager's simulated peak, or
+``"floor"``: a budget at the smallest simulated peak any plan reaches (the tightest plan)."""
+
+SETTINGS: tuple[Setting, ...] = ("auto", 0.5, 0.3, "floor")
+BUDGET_SLACK = 1.03  # a budget plan's measured peak may exceed its budget by 3% at most
+
+
+@dataclass
+class Prepared:
+    """An entry's model, example inputs and the capture and cost graph every plan shares."""
+
+    entry: Entry
+    model: nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    captured: Captured
+    cost_graph: nx.DiGraph
+    floor: int | None = None
+
+    @property
+    def eager_simulated(self) -> int:
+        """The simulator's peak for eager (what a budget fraction multiplies)."""
+        return eager_peak(self.cost_graph)
+
+
+def prepare(entry: Entry, seed: int = 0) -> Prepared:
+    """Build ``entry`` (seeded) and capture and cost it as ``graphckpt.rewrite`` would."""
+    model, args, kwargs = entry.build(seed)
+    captured, cost_graph = cost_model(model, args, example_kwargs=kwargs or None)
+    return Prepared(entry, model, args, kwargs, captured, cost_graph)
+
+
+def plan_for(prepared: Prepared, setting: Setting) -> Plan:
+    """The plan ``rewrite`` makes with ``strategy="auto"`` or ``budget=setting``; raises
+    :class:`BudgetError` when no plan fits the budget."""
+    if setting == "auto":
+        return plan_cost_graph(prepared.cost_graph, "auto")
+    if setting == "floor":
+        return plan_cost_graph(prepared.cost_graph, budget=budget_bytes(prepared, setting))
+    return plan_cost_graph(prepared.cost_graph, budget=float(setting))
+
+
+def rewritten(prepared: Prepared, plan: Plan) -> nn.Module:
+    """The rewritten module for ``plan``, sharing the entry model's tensors."""
+    return generate_rewrite(prepared.model, Analysis(prepared.captured, prepared.cost_graph, plan))
+
+
+def budget_bytes(prepared: Prepared, setting: Setting) -> int:
+    """The bytes a budget allows: the fraction of eager's simulated peak, or for ``"floor"``
+    the floor :class:`BudgetError` names (to 0.01 MiB) plus half its rounding, so at least
+    the true floor."""
+    if setting == "floor":
+        return _floor(prepared) + FLOOR_ROUNDING // 2
+    return int(float(setting) * prepared.eager_simulated)
+
+
+FLOOR_ROUNDING = int(0.01 * 2**20)  # BudgetError names its floor in MiB to two decimals
+_FLOOR = re.compile(r"smallest simulated peak is ([0-9.]+) MiB")
+
+
+def floor_from_error(error: BudgetError) -> int | None:
+    """The smallest simulated peak a :class:`BudgetError` names (to 0.01 MiB), if it names one."""
+    match = _FLOOR.search(str(error))
+    return int(float(match.group(1)) * 2**20) if match else None
+
+
+def floor_bytes(prepared: Prepared) -> int | None:
+    """The smallest simulated peak any plan reaches (to 0.01 MiB): what ``rewrite`` names
+    when asked for one byte; None if its error does not say."""
+    try:
+        plan_cost_graph(prepared.cost_graph, budget=1)
+    except BudgetError as error:
+        return floor_from_error(error)
+    return 0
+
+
+def _floor(prepared: Prepared) -> int:
+    """:func:`floor_bytes`, computed once per entry; an error if the floor is not named."""
+    if prepared.floor is None:
+        prepared.floor = floor_bytes(prepared)
+    if prepared.floor is None:
+        raise AssertionError("BudgetError at one byte does not name the smallest simulated peak")
+    return prepared.floor
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a user trains on: a Hugging Face output's ``.loss``, a scalar output itself,
+    else the mean squares of every floating output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output
+    return default_loss(output)
+
+
+def bound(module: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``module`` with the keyword inputs bound, so positional-only helpers can step it."""
+    return functools.partial(module, **kwargs) if kwargs else module
+
+
+def measure(prepared: Prepared, module: Callable[..., Any]) -> int:
+    """Measured peak activation bytes of one training step of ``module`` on the entry's inputs."""
+    return measured_peak(bound(module, prepared.kwargs), prepared.args, model_loss)
+
+
+def per_block(prepared: Prepared) -> tuple[int | None, str]:
+    """Measured peak of per-block checkpointing (HF ``gradient_checkpointing_enable`` where the
+    model supports it, else every repeated block checkpointed), and what was used or why not."""
+    variant = block_anchor(prepared.model, prepared.args)
+    if isinstance(variant, Skipped):
+        return None, variant.reason
+    return measure(prepared, variant.module), variant.setting
