@@ -77,7 +77,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
-    not_recomputable, not_cuttable, ordered = mutation_constraints(graph_module, profile.parents)
+    not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
@@ -98,6 +98,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             requires_grad=cost.requires_grad,
             random=cost.random,
             ordered=node.name in ordered,
+            state=node.name in state,
             expensive=cost.expensive,
             param_grad_bytes=cost.param_grad_bytes,
             backward_extra_bytes=cost.backward_extra_bytes,
