@@ -60,7 +60,8 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     by an ``add_`` nothing reads. Ops updating it are recomputable: a recompute gets scratch
     copies of the state values its segment reads, so the model's state moves once per step.
     ``False`` for every other value (norm layers called as one node update their own
-    buffers, which are not values of the graph).
+    buffers, which are not values of the graph). The √n strategies do not count updates of
+    state as layers (:func:`passes.cuts.sqrt_segment_count`).
 ``expensive``: ``bool``
     The value comes out of a matmul or convolution: costly to recompute, so a selective
     plan keeps it from forward even inside a recomputed segment.

@@ -46,6 +46,9 @@ MODULE_KINDS = {
     "gelu": lambda: nn.GELU(),
     "relu_": lambda: nn.ReLU(inplace=True),
 }
+# Modules a recipe may call again at another place: one BatchNorm called three times updates
+# its running statistics three times, in eager's order.
+REUSABLE = ("linear", "ln", "bn", "drop")
 
 
 @dataclass(frozen=True)
@@ -119,15 +122,15 @@ def model_specs(draw, max_steps: int = 16) -> ModelSpec:
 
     for _ in range(draw(st.integers(1, max_steps))):
         writable = [v for v in live if storage[v] not in pinned]
-        linears = [key for key, kind in modules if kind == "linear"]
+        reusable = [key for key, kind in modules if kind in REUSABLE]
         choices = ["linear", "act", "add", "mul", "cat", "ln", "bn", "drop", "gelu"]
-        choices += ["reuse"] * 2 * bool(linears) + ["relu_", "add_", "mul_"] * bool(writable)
+        choices += ["reuse"] * 3 * bool(reusable) + ["relu_", "add_", "mul_"] * bool(writable)
         choice = draw(st.sampled_from(choices))
         index = len(recipe) + 1  # the value this step appends
         storage[index] = index
         if choice in ("linear", "ln", "bn", "drop", "gelu", "reuse"):
-            key = draw(st.sampled_from(linears)) if choice == "reuse" else new_module(choice)
-            step, saving = ("call", key, operand()), choice != "drop"
+            key = draw(st.sampled_from(reusable)) if choice == "reuse" else new_module(choice)
+            step, saving = ("call", key, operand()), dict(modules)[key] != "drop"
             pinned |= {storage[step[2]]} if saving else set()
         elif choice == "act":
             name, a = draw(st.sampled_from(["relu", "tanh", "gelu"])), operand()
