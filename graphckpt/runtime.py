@@ -7,7 +7,7 @@ copies, so the model's state moves once per step: normalization layers the body 
 update copies of their running statistics (:func:`frozen_running_stats`), and buffers the
 body is passed and updates in place (running statistics of an export-captured
 ``aten.batch_norm``, a batch counter's ``add_``: :mod:`graphckpt.state`) are replaced by
-copies (:func:`scratch_inputs`).
+copies (:func:`scratch_state`).
 
 Selective segments keep their matmul/convolution outputs (torch's selective checkpointing
 contexts). A nested one keeps them from its enclosing segment's recompute, not from the
