@@ -294,7 +294,7 @@ def test_rewrite_trains_like_eager(spec: ModelSpec, segments: list[int | None]) 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=model_specs(max_steps=24), segments=SEGMENT_COUNTS)
 def test_rewrite_trains_like_eager_many_models(spec: ModelSpec, segments: list[int | None]) -> None:
-    """The search above, longer and on larger recipes (about 5 minutes on 2 cores)."""
+    """The search above, longer and on larger recipes (about 7 minutes on 2 busy cores)."""
     _check_every_strategy(spec, segments)
 
 
