@@ -120,7 +120,8 @@ def _segment_module(source: fx.GraphModule, graph: nx.DiGraph, planned: PlannedS
                       outputs=planned.outputs, saved_inside=planned.saved_inside,
                       kept_bytes=boundary_bytes(graph, planned.inputs),
                       replays_rng=draws_random(graph, planned.nodes),
-                      reruns=rerun_nodes(graph, planned))
+                      reruns=rerun_nodes(graph, planned),
+                      state_inputs=[i for i, name in enumerate(planned.inputs) if graph.nodes[name]["state"]])
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment

@@ -100,7 +100,7 @@ def returned_loss(graph_module: fx.GraphModule, profile: Profile) -> str | None:
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
     """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
     costs = profile.costs
-    not_recomputable, not_cuttable, ordered = mutation_constraints(graph_module, profile.parents)
+    not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile))
     for order, node in enumerate(graph_module.graph.nodes):
@@ -122,6 +122,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             requires_grad=cost.requires_grad,
             random=cost.random,
             ordered=node.name in ordered,
+            state=node.name in state,
             expensive=cost.expensive,
             param_grad_bytes=cost.param_grad_bytes,
             backward_extra_bytes=cost.backward_extra_bytes,

@@ -8,27 +8,27 @@ later wrote into one of them, the recompute would read the wrong data. Two defen
    afterwards, so the written storage never needs to be a boundary.
 2. :func:`mutation_constraints` marks what is left: values written in place later may not
    be kept at a boundary (``cuttable=False``), and anything reading an input, parameter or
-   buffer that is written in place may not be recomputed (``recomputable=False``).
+   buffer that is written in place may not be recomputed (``recomputable=False``), unless
+   the write is a state update (:mod:`graphckpt.state`: running statistics, a batch counter),
+   which a recompute redirects to scratch copies.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import fx
 
 from graphckpt.profile import NodeCost
+from graphckpt.state import FUNCTIONAL_NORMS, NORMS_WRITING_RUNNING_STATS, state_keys, state_roots
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                       operator.setitem}
-
-
-_NORMS_WRITING_RUNNING_STATS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-                                "cudnn_batch_norm", "miopen_batch_norm", "instance_norm"}
 
 
 def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
@@ -38,19 +38,9 @@ def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
     bound = {argument.name: node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
              for i, argument in enumerate(schema.arguments)}
     written = [bound[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if schema.name.split("::")[-1] in _NORMS_WRITING_RUNNING_STATS and bound.get("training", True):
+    if schema.name.split("::")[-1] in NORMS_WRITING_RUNNING_STATS and bound.get("training", True):
         written += [bound.get("running_mean"), bound.get("running_var")]
     return [value for value in written if isinstance(value, fx.Node)]
-
-
-# Python-level norms that update running statistics given in their arguments: positions of
-# (running_mean, running_var) and of the flag that makes them update (name, position, default).
-_FUNCTIONAL_NORMS = {
-    torch.nn.functional.batch_norm: ((1, 2), ("training", 5, False)),
-    torch.nn.functional.instance_norm: ((1, 2), ("use_input_stats", 5, True)),
-    torch.batch_norm: ((3, 4), ("training", 5, True)),
-    torch.instance_norm: ((3, 4), ("use_input_stats", 5, True)),
-}
 
 
 def _functional_norm_written(node: fx.Node) -> list[fx.Node]:
@@ -58,7 +48,7 @@ def _functional_norm_written(node: fx.Node) -> list[fx.Node]:
     ``torch.compile`` graphs call, with the module's buffers as graph inputs): those it is
     passed while in training mode (or ``use_input_stats``); a flag that is itself a value of
     the graph counts as on."""
-    (mean, var), (flag, position, default) = _FUNCTIONAL_NORMS[node.target]
+    (mean, var), (flag, position, default) = FUNCTIONAL_NORMS[node.target]
     names = ("running_mean", "running_var")
     on = node.args[position] if position < len(node.args) else node.kwargs.get(flag, default)
     if on is False:
@@ -84,7 +74,7 @@ def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
         return []
     if isinstance(node.target, torch._ops.OpOverload):
         return _schema_written_arguments(node)
-    if node.target in _FUNCTIONAL_NORMS:
+    if node.target in FUNCTIONAL_NORMS:
         return _functional_norm_written(node)
     if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
         return first
@@ -164,19 +154,35 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
     return inserted
 
 
-def mutation_constraints(graph_module: fx.GraphModule,
-                         parents: Mapping[fx.Node, fx.Node]) -> tuple[set[str], set[str], set[str]]:
-    """``(not_recomputable, not_cuttable, ordered)`` node names implied by the in-place
-    writes left: ``ordered`` are each write and the earlier readers of its storage, which
-    must not run after it."""
+class MutationConstraints(NamedTuple):
+    """Node names the in-place writes left in a graph constrain (:func:`mutation_constraints`)."""
+
+    not_recomputable: set[str]
+    not_cuttable: set[str]
+    ordered: set[str]  # each write and the earlier readers of its storage: must not run after it
+    state: set[str]  # (views of) buffers and inputs forward only updates (graphckpt.state)
+
+
+def mutation_constraints(graph_module: fx.GraphModule, parents: Mapping[fx.Node, fx.Node]) -> MutationConstraints:
+    """What the in-place writes left in ``graph_module`` forbid a plan to do.
+
+    A write into an activation pins its storage (not cuttable) and the earlier readers'
+    order; a write into an input or buffer that is read for its value makes the write and
+    those readers unrecomputable. A state update (a buffer nothing reads but to update it)
+    stays recomputable; only several updates of one buffer are ordered
+    (:func:`_state_update_order`)."""
     nodes = list(graph_module.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     not_recomputable: set[str] = set()
     not_cuttable: set[str] = set()
     ordered: set[str] = set()
     roots = _storage_roots(nodes, parents)
+    written = {node: mutated_arguments(graph_module, node) for node in nodes}
+    state = state_roots(nodes, roots, written)
     for node in nodes:
-        for target in mutated_arguments(graph_module, node):
+        for target in written[node]:
+            if roots[target] in state:
+                continue
             group = [n for n in nodes if roots[n] is roots[target] and position[n] < position[node]]
             ordered.add(node.name)
             ordered.update(r.name for n in group for r in n.users if position[r] < position[node] and r.op != "output")
@@ -186,4 +192,30 @@ def mutation_constraints(graph_module: fx.GraphModule,
                                         if position[r] <= position[node])
             else:
                 not_cuttable.update(n.name for n in group)
-    return not_recomputable, not_cuttable, ordered
+    more_ordered, more_fixed = _state_update_order(graph_module, nodes, roots, written)
+    return MutationConstraints(not_recomputable | more_fixed, not_cuttable, ordered | more_ordered,
+                               {n.name for n in nodes if roots[n] in state})
+
+
+def _state_update_order(graph_module: fx.GraphModule, nodes: Sequence[fx.Node], roots: Mapping[fx.Node, fx.Node],
+                        written: Mapping[fx.Node, Sequence[fx.Node]]) -> tuple[set[str], set[str]]:
+    """``(ordered, not_recomputable)`` for buffers updated at several places (one norm layer
+    called three times: momentum updates do not commute) or read as ``get_attr`` while a
+    norm layer updates them: the updates and those readers keep their eager order, and a
+    reader an update follows is not recomputed (its recompute would see later statistics)."""
+    position = {n: i for i, n in enumerate(nodes)}
+    updates: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        for key in state_keys(graph_module, node, roots, written):
+            updates.setdefault(key, []).append(node)
+    ordered: set[str] = set()
+    fixed: set[str] = set()
+    for key, writers in updates.items():
+        attributes = {n for n in nodes if n.op == "get_attr" and n.target == key}
+        readers = [r for n in nodes if roots[n] in attributes for r in n.users
+                   if r not in writers and r.op != "output"]
+        if len(writers) > 1 or readers:
+            ordered.update(n.name for n in (*writers, *readers))
+        last = max(position[w] for w in writers)
+        fixed.update(r.name for r in readers if position[r] < last)
+    return ordered, fixed

@@ -2,8 +2,12 @@
 
 A :class:`Segment` runs its body through non-reentrant ``torch.utils.checkpoint``: forward
 keeps only the segment's inputs, backward runs the body again (same RNG state, same
-autocast state) until it has what it needs. While recomputing, normalization layers use
-batch statistics without updating their running statistics again.
+autocast state) until it has what it needs. While recomputing, state updates go to scratch
+copies, so the model's state moves once per step: normalization layers the body calls
+update copies of their running statistics (:func:`frozen_running_stats`), and buffers the
+body is passed and updates in place (running statistics of an export-captured
+``aten.batch_norm``, a batch counter's ``add_``: :mod:`graphckpt.state`) are replaced by
+copies (:func:`scratch_state`).
 
 Selective segments keep their matmul/convolution outputs (torch's selective checkpointing
 contexts). A nested one keeps them from its enclosing segment's recompute, not from the
@@ -31,8 +35,7 @@ from torch.utils.checkpoint import (
 )
 
 from graphckpt.profile import EXPENSIVE_OPS
-
-_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+from graphckpt.state import RUNNING_STATS
 
 
 @contextlib.contextmanager
@@ -43,7 +46,7 @@ def frozen_running_stats(norms: Sequence[_NormBase]) -> Iterator[None]:
     (Turning ``track_running_stats`` off instead would change which tensors autograd saves,
     which checkpointing rejects.)
     """
-    originals = [{name: getattr(norm, name) for name in _RUNNING_STATS} for norm in norms]
+    originals = [{name: getattr(norm, name) for name in RUNNING_STATS} for norm in norms]
     try:
         for norm, buffers in zip(norms, originals, strict=True):
             for name, buffer in buffers.items():
@@ -54,6 +57,38 @@ def frozen_running_stats(norms: Sequence[_NormBase]) -> Iterator[None]:
         for norm, buffers in zip(norms, originals, strict=True):
             for name, buffer in buffers.items():
                 setattr(norm, name, buffer)
+
+
+class _StateInput:
+    """A state tensor a segment updates in place, handed to ``checkpoint`` by reference:
+    checkpoint saves tensor inputs with their version, and the body's own update (a counter's
+    ``add_``) would fail that check in backward. ``scratch`` is the copy a recompute
+    updates instead (made by :class:`_Recomputing` before the recompute starts)."""
+
+    __slots__ = ("scratch", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.scratch: Any = None
+
+
+@contextlib.contextmanager
+def scratch_state(state: Sequence[_StateInput]) -> Iterator[None]:
+    """A recompute's state updates go to copies, dropped afterwards (the same idea as
+    :func:`frozen_running_stats`, for state passed in rather than held by a module)."""
+    try:
+        for value in state:
+            value.scratch = value.tensor.clone() if isinstance(value.tensor, torch.Tensor) else value.tensor
+        yield
+    finally:
+        for value in state:
+            value.scratch = None
+
+
+def unwrap_state(args: Sequence[Any], recomputing: bool) -> tuple[Any, ...]:
+    """``args`` with each :class:`_StateInput` replaced by its tensor, or by its scratch copy
+    when ``recomputing``."""
+    return tuple((a.scratch if recomputing else a.tensor) if isinstance(a, _StateInput) else a for a in args)
 
 
 def _wants_grad(args: Sequence[Any]) -> bool:
@@ -71,7 +106,7 @@ class Segment(nn.Module):
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
-                 reruns: Sequence[str], replays_rng: bool = True) -> None:
+                 reruns: Sequence[str], replays_rng: bool = True, state_inputs: Sequence[int] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
@@ -83,6 +118,7 @@ class Segment(nn.Module):
         self.kept_bytes = kept_bytes
         self.recomputations = 0
         self.replays_rng = replays_rng  # keep the RNG state for recompute (5 KiB a segment on CPU)
+        self.state_inputs = tuple(state_inputs)  # inputs it updates in place (buffers): copied in a recompute
         # Found once, not on every call: the body's modules do not change after codegen.
         called = list(self.called_modules())
         self.called_parameters = tuple(p for m in called for p in m.parameters(recurse=False))
@@ -106,13 +142,15 @@ class Segment(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled() or not (_wants_grad(args) or self._trains_parameters()):
             return self.body(*args)
+        if self.state_inputs:
+            args = tuple(_StateInput(a) if i in self.state_inputs else a for i, a in enumerate(args))
         running = _innermost_running()
         if running is not None and running.recomputing:
             # Run again inside the enclosing segment's recompute: this call's own graph is
             # never backpropagated; it stands for the call made in the original forward.
             contexts = functools.partial(_refill_contexts, running.next_nested())
         else:
-            call = _Call(self.saved_inside)
+            call = _Call(self.saved_inside, [a for a in args if isinstance(a, _StateInput)])
             if running is not None:
                 running.call.nested.append(call)
             contexts = functools.partial(_call_contexts, self, call)
@@ -120,9 +158,17 @@ class Segment(nn.Module):
         # once backward has every tensor it saved. It ends by raising through the body, so
         # the body's generated forward is called directly: fx's call wrapper would format
         # a traceback for that exception on every recompute (~0.2 ms each).
+        body = self._run_body if self.state_inputs else self.body.forward
         with set_checkpoint_early_stop(True):
-            return checkpoint(self.body.forward, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
+            return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
                               context_fn=contexts)
+
+    def _run_body(self, *args: Any) -> Any:
+        """The body, given scratch copies of the state it updates when this is its recompute
+        (a call made again by an enclosing recompute is already passed that one's copies)."""
+        running = _innermost_running()
+        recomputing = isinstance(running, _Recomputing) and running.segment is self
+        return self.body.forward(*unwrap_state(args, recomputing))
 
     def extra_repr(self) -> str:
         kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
@@ -141,8 +187,9 @@ class _Call:
     ``nested`` they stand for (``filled`` once one has).
     """
 
-    def __init__(self, saved_inside: Sequence[str]) -> None:
+    def __init__(self, saved_inside: Sequence[str], state: Sequence[_StateInput] = ()) -> None:
         self.nested: list[_Call] = []
+        self.state = tuple(state)  # what its recompute gets scratch copies of
         self.filled = False
         self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -224,6 +271,7 @@ class _Recomputing(_Running):
         self.nested_seen = 0
         super().__enter__()
         self.stack.enter_context(frozen_running_stats(self.segment.norms()))
+        self.stack.enter_context(scratch_state(self.call.state))
         if self.segment.saved_inside and (self.segment.enclosing is None or self.call.filled):
             self.stack.enter_context(self.call.cached)
 

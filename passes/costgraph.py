@@ -43,8 +43,8 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     unknown), or nanoseconds when ``graph.graph["cost_unit"] == "ns"``.
 ``recomputable``: ``bool``
     ``False`` when running the node again would change results or state we do not replay
-    exactly (e.g. an in-place write to a buffer). Such nodes never sit in a recomputed
-    segment.
+    exactly (e.g. an in-place write to a buffer that something reads). Such nodes never sit
+    in a recomputed segment. Updates of ``state`` values stay recomputable.
 ``cuttable``: ``bool``
     ``False`` when the value may not be kept at a segment boundary: its storage is written
     in place later in the forward, so a recompute starting from it would read the wrong data.
@@ -66,7 +66,17 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``ordered``: ``bool``
     The node keeps its execution order relative to every other ordered or random node: an
     in-place write that stays in the graph and the earlier readers of the storage it writes
-    (reordering them would let a reader see the written data).
+    (reordering them would let a reader see the written data), and every update of a
+    ``state`` buffer updated at several places (one norm layer called three times: its
+    momentum updates do not commute).
+``state``: ``bool``
+    The value is (a view of) a buffer or input that forward only updates in place and never
+    reads for its value: running statistics of a training-mode norm, a batch counter bumped
+    by an ``add_`` nothing reads. Ops updating it are recomputable: a recompute gets scratch
+    copies of the state values its segment reads, so the model's state moves once per step.
+    ``False`` for every other value (norm layers called as one node update their own
+    buffers, which are not values of the graph). The √n strategies do not count updates of
+    state as layers (:func:`passes.cuts.sqrt_segment_count`).
 ``expensive``: ``bool``
     The value comes out of a matmul or convolution: costly to recompute, so a selective
     plan keeps it from forward even inside a recomputed segment.
@@ -126,6 +136,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "requires_grad": bool,
     "random": bool,
     "ordered": bool,
+    "state": bool,
     "grad_views": bool,
     "expensive": bool,
     "selective_extra_bytes": int,
@@ -143,6 +154,7 @@ DEFAULTS: Mapping[str, Any] = {
     "requires_grad": True,
     "random": False,
     "ordered": False,
+    "state": False,
     "grad_views": False,
     "expensive": False,
     "selective_extra_bytes": 0,

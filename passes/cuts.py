@@ -100,8 +100,10 @@ def balanced_targets(weights: Sequence[float], segments: int) -> list[float]:
 
 
 def sqrt_segment_count(graph: nx.DiGraph) -> int:
-    """Chen et al.'s √n: about √(number of ops) segments, at least one."""
-    return max(1, round(math.sqrt(len(op_nodes(graph)))))
+    """Chen et al.'s √n: about √(number of ops) segments, at least one. Updates of
+    ``state`` (an export-captured BatchNorm's batch counter ``add_``) are bookkeeping, not
+    layers: they do not count, so a graph plans alike however its norms were captured."""
+    return max(1, round(math.sqrt(sum(not graph.nodes[n]["state"] for n in op_nodes(graph)))))
 
 
 def op_weights(graph: nx.DiGraph, ops: Sequence[str]) -> list[float]:

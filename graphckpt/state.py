@@ -1,0 +1,107 @@
+"""State updates: in-place writes into buffers whose value nothing in forward reads.
+
+A training-mode norm layer updates its running statistics (and counts the batch in
+``num_batches_tracked``) while forward runs, but none of forward's results depends on those
+buffers. Captured with fx, the layer is one ``call_module`` node; captured with
+``torch.export`` (or handed over by ``torch.compile``), it is an ``aten.batch_norm`` (or
+``F.batch_norm``) writing buffers that are ``get_attr`` nodes (or graph inputs), plus an
+``add_`` on the counter whose result nothing reads. Either way recomputing it is safe as long
+as the recompute updates scratch copies (:mod:`graphckpt.runtime`), so the model's buffers
+move once per step, and as long as two updates of one buffer keep their eager order (a
+momentum update does not commute).
+
+This module finds such *state*: the buffers (and inputs) forward only updates
+(:func:`state_roots`), and the names of the state each node updates (:func:`state_keys`), so
+:func:`graphckpt.inplace.mutation_constraints` keeps every buffer's updates in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import fx
+from torch.nn.modules.batchnorm import _NormBase
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+# ATen norms that write the running statistics they are passed (in training mode).
+NORMS_WRITING_RUNNING_STATS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                               "cudnn_batch_norm", "miopen_batch_norm", "instance_norm"}
+# Python-level norms that update running statistics given in their arguments: positions of
+# (running_mean, running_var) and of the flag that makes them update (name, position, default).
+FUNCTIONAL_NORMS = {
+    torch.nn.functional.batch_norm: ((1, 2), ("training", 5, False)),
+    torch.nn.functional.instance_norm: ((1, 2), ("use_input_stats", 5, True)),
+    torch.batch_norm: ((3, 4), ("training", 5, True)),
+    torch.instance_norm: ((3, 4), ("use_input_stats", 5, True)),
+}
+
+
+def _updates_running_stats(node: fx.Node) -> bool:
+    """Whether ``node`` is a norm op whose output does not depend on the running statistics
+    it writes (training mode: it normalizes with the batch's own statistics)."""
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name.split("::")[-1] in NORMS_WRITING_RUNNING_STATS
+    return node.target in FUNCTIONAL_NORMS
+
+
+def _read_only_to_update(user: fx.Node, value: fx.Node, root: fx.Node, roots: Mapping[fx.Node, fx.Node],
+                         written: Mapping[fx.Node, Sequence[fx.Node]]) -> bool:
+    """Whether ``user`` reads ``value`` (which shares the storage of ``root``) only to write
+    into it: every argument slot holding ``value`` is written, and the user either returns
+    (a view of) that storage or is a norm whose output ignores the statistics it updates."""
+    slots = []
+    fx.node.map_arg((user.args, user.kwargs), lambda n: slots.append(n) if n is value else None)
+    writes = [n for n in written.get(user, ()) if n is value]
+    if user.op == "output" or len(writes) < len(slots):
+        return False
+    return roots.get(user) is root or _updates_running_stats(user)
+
+
+def state_roots(nodes: Sequence[fx.Node], roots: Mapping[fx.Node, fx.Node],
+                written: Mapping[fx.Node, Sequence[fx.Node]]) -> set[fx.Node]:
+    """Buffers and inputs (``get_attr`` / ``placeholder`` storage roots) that forward writes
+    in place and otherwise never reads: every reader of their storage (the buffer, its views,
+    results of writes into it) only writes into it. ``roots`` maps each node to the node
+    owning its storage; ``written`` each node to the values it writes."""
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        groups.setdefault(roots[node], []).append(node)
+    state = set()
+    for root, group in groups.items():
+        if root.op not in ("get_attr", "placeholder"):
+            continue
+        readers = [(user, value) for value in group for user in value.users]
+        if readers and all(_read_only_to_update(user, value, root, roots, written) for user, value in readers):
+            state.add(root)
+    return state
+
+
+def state_key(root: fx.Node) -> str | None:
+    """The name of the buffer or input ``root`` is: its attribute path, or ``input <name>``."""
+    if root.op == "get_attr":
+        return str(root.target)
+    return f"input {root.name}" if root.op == "placeholder" else None
+
+
+def norm_layer_keys(graph_module: fx.GraphModule, node: fx.Node) -> list[str]:
+    """The buffers a ``call_module`` norm layer with running statistics updates
+    (``"bn.running_mean"``, ...), whatever mode it runs in; empty for any other node."""
+    if node.op != "call_module":
+        return []
+    layer = graph_module.get_submodule(node.target)
+    if not isinstance(layer, _NormBase) or not layer.track_running_stats:
+        return []
+    return [f"{node.target}.{name}" for name in RUNNING_STATS if getattr(layer, name, None) is not None]
+
+
+def state_keys(graph_module: fx.GraphModule, node: fx.Node, roots: Mapping[fx.Node, fx.Node],
+               written: Mapping[fx.Node, Sequence[fx.Node]]) -> set[str]:
+    """Names of the buffers and inputs ``node`` writes into (a norm layer's running statistics
+    included): two nodes sharing a name must keep their eager order."""
+    keys = {state_key(roots[value]) for value in written.get(node, ())}
+    keys.update(norm_layer_keys(graph_module, node))
+    keys.discard(None)
+    return keys
