@@ -78,6 +78,7 @@ def lifted_parameters_as_params(cost_graph: nx.DiGraph, graph_module: fx.GraphMo
             continue
         cost_graph.nodes[node.name].update(kind="param", bytes=0, alias_of=None)
         if value.requires_grad:
+            cost_graph.nodes[node.name]["param_grad_bytes"] = value.untyped_storage().nbytes()
             for reader in cost_graph.successors(node.name):
                 cost_graph.nodes[reader]["param_grad_bytes"] += value.untyped_storage().nbytes()
 

@@ -200,6 +200,8 @@ class _CostInterpreter(fx.Interpreter):
         accumulated into ``.grad``)."""
         if node.op == "call_module":
             return _trainable_bytes(self.module.get_submodule(node.target).parameters())
+        if node.op == "get_attr":  # the parameter itself: the size of its gradient
+            return _trainable_bytes([self.fetch_attr(node.target)])
         return _trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
 
     def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: _OpKinds) -> NodeCost:

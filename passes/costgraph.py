@@ -86,8 +86,11 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     score matrix of an attention computed by the math kernel: torch's selective policy
     keeps every matmul output it sees). Held from forward until the node is recomputed.
 ``param_grad_bytes``: ``int``
-    Bytes of parameter gradients the node's backward creates; they live until autograd
-    adds them into the parameters' existing ``.grad``.
+    On an op: bytes of parameter gradients the node's backward creates; they live until
+    autograd adds them into the parameters' existing ``.grad``. On a ``param``: the bytes
+    of its gradient (0 when it is not trained). A parameter read by several ops (tied
+    embeddings) has one accumulator, which holds the first gradient until the last reader's
+    backward has run (:func:`shared_parameters`).
 ``backward_extra_bytes``: ``int``
     Bytes the node's backward allocates for a moment beyond the gradients it returns
     (kernel scratch: on CPU, oneDNN's ``convolution_backward`` reorders grad_output and the
@@ -236,6 +239,22 @@ def op_nodes(graph: nx.DiGraph) -> list[str]:
 def graph_outputs(graph: nx.DiGraph) -> list[str]:
     """The values the forward returns (those the output sink reads), in execution order."""
     return in_order(graph, {v for n, k in graph.nodes(data="kind") if k == "output" for v in graph.predecessors(n)})
+
+
+@per_graph
+def shared_parameters(graph: nx.DiGraph) -> list[tuple[str, int, tuple[str, ...]]]:
+    """Trained parameters read by several ops that take part in backward, as
+    ``(param, gradient bytes, readers)``: autograd sums their gradients in one buffer that
+    lives from the first reader's backward to the last one's, not one reader's moment."""
+    shared = []
+    for name, attributes in graph.nodes(data=True):
+        if attributes["kind"] != "param" or not attributes["param_grad_bytes"]:
+            continue
+        readers = tuple(r for r in graph.successors(name)
+                        if graph.nodes[r]["kind"] == "op" and graph.nodes[r]["requires_grad"])
+        if len(readers) > 1:
+            shared.append((name, attributes["param_grad_bytes"], readers))
+    return shared
 
 
 def keeps_order(graph: nx.DiGraph, name: str) -> bool:

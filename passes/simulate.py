@@ -10,7 +10,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   inside them, ``selective_extra_bytes``) as far as backward needs
   (:func:`passes.plan.recompute_steps`: torch's checkpoint stops once it has every saved
   tensor), then each op turns its output's gradient into its inputs' gradients (and
-  parameter gradients, freed once added into ``.grad``) and releases what it saved.
+  parameter gradients, freed once added into ``.grad``; a parameter several ops read, such as
+  a tied embedding, keeps one summed gradient until the last of them) and releases what it
+  saved.
   Gradients are as large as their values.
 
 * the loss: a model that computes its own loss is trained on it alone; otherwise, between
@@ -31,7 +33,7 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import draws_random, graph_outputs, op_nodes, storage_root
+from passes.costgraph import draws_random, graph_outputs, op_nodes, shared_parameters, storage_root
 from passes.plan import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
@@ -58,6 +60,8 @@ class _Index:
     readers: dict[str, tuple[str, ...]]
     reads: dict[str, tuple[str, ...]]
     activation_reads: dict[str, tuple[str, ...]]  # reads that are not parameters: what a read releases
+    shared: dict[str, tuple[tuple[str, int], ...]]  # op -> (shared parameter, gradient bytes) it reads
+    shared_readers: dict[str, int]  # shared parameter -> readers whose backward adds to its gradient
 
 
 _INDEXES: WeakKeyDictionary[nx.DiGraph, _Index] = WeakKeyDictionary()
@@ -73,8 +77,18 @@ def _index(graph: nx.DiGraph) -> _Index:
             reads={name: tuple(graph.predecessors(name)) for name in graph},
             activation_reads={name: tuple(v for v in graph.predecessors(name) if graph.nodes[v]["kind"] != "param")
                               for name in graph},
+            shared=_shared_by_reader(graph),
+            shared_readers={param: len(readers) for param, _, readers in shared_parameters(graph)},
         )
     return _INDEXES[graph]
+
+
+def _shared_by_reader(graph: nx.DiGraph) -> dict[str, tuple[tuple[str, int], ...]]:
+    by_reader: dict[str, list[tuple[str, int]]] = {name: [] for name in graph}
+    for param, nbytes, readers in shared_parameters(graph):
+        for reader in readers:
+            by_reader[reader].append((param, nbytes))
+    return {name: tuple(params) for name, params in by_reader.items()}
 
 
 class _Memory:
@@ -95,6 +109,7 @@ class _Memory:
         self.views_of: Counter = Counter()  # gradient buffer -> gradients viewing it
         self.current = 0
         self.peak = 0
+        self.pending_readers = Counter(self.index.shared_readers)  # shared parameter -> backward still to add
 
     def key(self, name: str) -> tuple:
         root = self.index.roots[name]
@@ -222,13 +237,25 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
                 else:
                     memory.allocate(("grad", value), size)
                     grads.add(value)
-            memory.allocate(("param-grad", name), attributes["param_grad_bytes"])
+            shared = index.shared[name]
+            own = attributes["param_grad_bytes"]
+            for param, nbytes in shared:  # summed in one buffer until its last reader's backward:
+                if ("param-accumulator", param) not in memory.live:  # the first gradient becomes it;
+                    memory.allocate(("param-accumulator", param), nbytes)
+                    own -= nbytes
+                else:  # a later one is made beside it, and their sum (out of place) replaces it
+                    own += nbytes
+            memory.allocate(("param-grad", name), max(0, own))
             # Kernel scratch lives while every gradient the node returns exists: the new
             # buffers and parameter gradients above and those still to be added into a buffer.
             extra = attributes["backward_extra_bytes"]
             memory.allocate(("backward-extra", name), extra and extra + partial)
             memory.free(("backward-extra", name))
             memory.free(("param-grad", name))
+            for param, _ in shared:
+                memory.pending_readers[param] -= 1
+                if memory.pending_readers[param] == 0:
+                    memory.free(("param-accumulator", param))
             memory.free_gradient(name)
             grads.discard(name)
         for value in attributes["saved"]:
