@@ -5,25 +5,18 @@ No wall-clock assertion: the published numbers come from the full run (docs/benc
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from graphckpt.bench_report import COLUMNS
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_script():
-    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_script"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench")
 
 
 def _table_rows(text: str, section: str) -> list[list[str]]:

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.corpus import harness as h
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def corpus_script():
-    spec = importlib.util.spec_from_file_location("corpus_script", ROOT / "scripts" / "corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["corpus_script"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("corpus")
 
 
 def test_corpus_report_of_one_entry(corpus_script, tmp_path) -> None:

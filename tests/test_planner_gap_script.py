@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "planner_gap.py"
+from tests.scripts import load_script
+
 CELL = re.compile(r"^(\d+\.\d+)(?:–(\d+\.\d+))?x\*?$")
-
-
-def load_script() -> ModuleType:
-    """Import the script as a module (scripts/ is no package; dataclasses need it in sys.modules)."""
-    spec = importlib.util.spec_from_file_location("planner_gap_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def tables(text: str) -> list[list[list[str]]]:
@@ -36,7 +24,7 @@ def tables(text: str) -> list[list[list[str]]]:
 
 
 def test_quick_run_writes_both_tables(tmp_path: Path) -> None:
-    script = load_script()
+    script = load_script("planner_gap")
     out = tmp_path / "gap.md"
     script.main(["--quick", "--out", str(out)])
     text = out.read_text()

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
 
 import networkx as nx
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rewrite_cost.py"
-
-
-def load_script() -> ModuleType:
-    """Import the script as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("rewrite_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_rewrite_cost_script_writes_table_and_plot(tmp_path: Path, capsys) -> None:
     markdown, png = tmp_path / "cost.md", tmp_path / "cost.png"
     options = ["--sizes", "200", "400", "--budget-timeout", "1", "--out-md", str(markdown), "--png", str(png)]
-    rows = load_script().main(options)  # a budget plan given up after 1 s or not: a row either way
+    rows = load_script("rewrite_cost").main(options)  # a budget plan given up after 1 s or not: a row either way
     assert [row["nodes"] for row in rows] == [202, 402]
     printed = capsys.readouterr().out
     text = markdown.read_text()
@@ -37,7 +27,7 @@ def test_rewrite_cost_script_writes_table_and_plot(tmp_path: Path, capsys) -> No
 
 
 def test_a_plan_that_runs_too_long_is_given_up_even_when_its_error_is_wrapped() -> None:
-    script = load_script()
+    script = load_script("rewrite_cost")
 
     def wrapped() -> None:
         try:
