@@ -50,7 +50,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.owner: str | None = None
-        self.calls: dict[str, list[tuple[Any, tuple, dict]]] = {}
+        self.calls: dict[str, list[tuple[Any, tuple, dict]]] = {}  # (op, args, kwargs), tensors as Layouts
         self.events: dict[str, list[tuple[object, int]]] = {}  # (token, bytes made), or (token, 0): freed
         self.ends: dict[str, int] = {}  # events before the node's backward ended
         self.extras: dict[int, tuple[int, int]] = {}  # storage saved that no value owns -> (saves, bytes)
@@ -172,8 +172,8 @@ def call_key(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> tuple:
 
 
 def _realize(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
-    """Real tensors laid out like the fake ones (ones for floats, zeros, valid indices,
-    otherwise); a fake tensor passed twice becomes one real tensor."""
+    """Real tensors for the recorded :class:`Layout` s (ones for floats, zeros, valid
+    indices, otherwise); a layout passed twice (one fake tensor) becomes one real tensor."""
     made: dict[int, torch.Tensor] = {}
 
     def real(value: Any) -> Any:
