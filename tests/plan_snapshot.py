@@ -1,0 +1,91 @@
+"""Stored plans of the zoo, so a refactor of the passes can show it changed no plan.
+
+``tests/data/zoo_plans.json`` holds, for every zoo model, its measured cost graph (as
+networkx node-link data, so the snapshot does not depend on the CPU that reads it) and the
+plan each strategy and budget chose from it when the snapshot was written. The test plans
+the stored graphs again and compares. Rewrite the file only when a plan change is meant:
+``python -m tests.plan_snapshot``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+SNAPSHOT = Path(__file__).parent / "data" / "zoo_plans.json"
+STRATEGY_NAMES = ("sqrt", "articulation", "mincut", "auto", "optimal")
+BUDGETS = (0.7, 0.5, 0.3)
+
+
+def graph_to_data(graph: nx.DiGraph) -> dict[str, Any]:
+    """A cost graph as JSON-ready node-link data."""
+    return nx.node_link_data(graph, edges="edges")
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def graph_from_data(data: dict[str, Any]) -> nx.DiGraph:
+    """The cost graph of :func:`graph_to_data`, with its tuple attributes restored."""
+    graph = nx.node_link_graph(data, directed=True, edges="edges")
+    for _, attrs in graph.nodes(data=True):
+        for key, value in attrs.items():
+            attrs[key] = _tuples(value)
+    graph.graph.update({k: _tuples(v) for k, v in graph.graph.items()})
+    return graph
+
+
+def segment_summary(segment: Any) -> dict[str, Any]:
+    """What a segment decides: its nodes, whether it is recomputed, what it keeps inside
+    and its children."""
+    return {"nodes": list(segment.nodes), "recompute": segment.recompute,
+            "saved_inside": list(segment.saved_inside),
+            "children": [segment_summary(c) for c in segment.children]}
+
+
+def plan_summary(plan: Any) -> dict[str, Any]:
+    """What a plan decides and what the simulator says of it."""
+    return {"segments": [segment_summary(s) for s in plan.segments],
+            "peak_bytes": plan.peak_bytes, "recompute_flops": plan.recompute_flops}
+
+
+def plans_of(graph: nx.DiGraph) -> dict[str, Any]:
+    """Every strategy's plan and every budget's plan (or its error) for one cost graph."""
+    from graphckpt.api import plan_cost_graph
+    from passes.budget import BudgetError
+
+    found: dict[str, Any] = {name: plan_summary(plan_cost_graph(graph, name)) for name in STRATEGY_NAMES}
+    for budget in BUDGETS:
+        try:
+            found[f"budget={budget}"] = plan_summary(plan_cost_graph(graph, budget=budget))
+        except BudgetError:
+            found[f"budget={budget}"] = "BudgetError"
+    return found
+
+
+def zoo_cost_graphs() -> dict[str, nx.DiGraph]:
+    """Every zoo model's measured cost graph at its default size."""
+    from graphckpt import zoo
+    from graphckpt.api import cost_model
+
+    graphs = {}
+    for name in zoo.names():
+        model, inputs = zoo.make(name)
+        graphs[name] = cost_model(model, inputs)[1]
+    return graphs
+
+
+def write_snapshot(path: Path = SNAPSHOT) -> None:
+    """Cost graphs and plans of the zoo, as they are now."""
+    entries = {name: {"graph": graph_to_data(graph), "plans": plans_of(graph)}
+               for name, graph in zoo_cost_graphs().items()}
+    path.write_text(json.dumps(entries, indent=None, sort_keys=True))
+
+
+if __name__ == "__main__":
+    write_snapshot()
+    print(f"wrote {SNAPSHOT}")
