@@ -10,7 +10,7 @@ grad_input in a blocked buffer before copying it out (``X + Y`` more bytes than 
 mode that records the ATen calls each node's autograd functions make, and each distinct
 call of a node that ran more than views and pointwise ops (op, shapes, strides,
 dtypes, arguments) is then replayed once on real tensors and measured the way
-:mod:`graphckpt.measure` measures a training step (the yardstick the simulator is checked
+:mod:`graphckpt.tools.measure` measures a training step (the yardstick the simulator is checked
 against): its peak above the bytes of the outputs it returns. Replays are cached per process;
 they hold real memory for one call's arguments and results at a time (at most a few of the
 model's activations) and cost about two runs of each distinct backward kernel.
@@ -216,7 +216,7 @@ def _scratch_in(event: Any) -> int:
 
 def _cuda_scratch(func: Any, args: tuple, kwargs: dict, device: torch.device) -> int:
     """A call's peak above the storages it returns, from the CUDA allocator's statistics."""
-    from graphckpt.measure import peak_memory
+    from graphckpt.tools.measure import peak_memory
 
     outputs: list[Any] = []
     with torch.no_grad():
@@ -233,7 +233,7 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     like its fake arguments and store in ``KERNEL_EXTRA`` the bytes it allocates for a
     moment beyond the outputs it returns.
 
-    The yardstick is :mod:`graphckpt.measure`'s: on CPU the profiler's allocation events (one
+    The yardstick is :mod:`graphckpt.tools.measure`'s: on CPU the profiler's allocation events (one
     profiler session for all the calls, each call marked by a ``record_function``), on CUDA
     the allocator's peak. Each call runs once untimed first (oneDNN builds and caches its
     primitives then). A call that cannot be replayed (a kernel that rejects the stand-in

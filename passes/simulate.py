@@ -20,7 +20,7 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   times the outputs' bytes for a moment (``x.pow(2).mean()``'s
   backward makes four output-sized temporaries: three here plus the output's gradient).
 
-This is an estimate; ``graphckpt.measure`` is the truth it is checked against.
+This is an estimate; ``graphckpt.tools.measure`` is the truth it is checked against.
 """
 
 from __future__ import annotations

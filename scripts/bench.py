@@ -10,7 +10,7 @@ torch.compile with ``activation_memory_budget`` 0.5 and 0.1 (aot_eager; ``--indu
 inductor); graphckpt with every strategy, at budgets 0.5, 0.25 and 0.1, and at the per-block
 anchor's measured peak. Each variant is warmed up, its peak measured once (profiler memory
 timeline on CPU), and its step time is the median of ``--steps`` interleaved rounds, its
-ratio to eager the median of per-round ratios (:func:`graphckpt.bench.measure_variants`).
+ratio to eager the median of per-round ratios (:func:`graphckpt.tools.bench.measure_variants`).
 ``graphckpt bench TARGET`` runs the same set on one model. The markdown goes to ``--out``
 with a Pareto PNG per model beside it.
 """
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphckpt import zoo
-from graphckpt.bench import Result, bench_variants, measure_variants
-from graphckpt.bench_report import Verdict, machine_line, never_above_eager, peak_and_time_target, results_table
-from graphckpt.console import quiet_profiler
-from graphckpt.plots import plot_pareto
+from graphckpt.tools import zoo
+from graphckpt.tools.bench import Result, bench_variants, measure_variants
+from graphckpt.tools.bench_report import Verdict, machine_line, never_above_eager, peak_and_time_target, results_table
+from graphckpt.tools.console import quiet_profiler
+from graphckpt.tools.plots import plot_pareto
 from passes.strategies import STRATEGIES
 
 Loss = Callable[[Any], torch.Tensor]

@@ -6,7 +6,7 @@ Also ``optimal`` at checkpoint_sequential's own measured peak: the two at equal 
 
 The chain is 32 x (Linear 256 + GELU). Eager, ``graphckpt.rewrite(model, x, budget=...)``
 and ``torch.utils.checkpoint.checkpoint_sequential`` with 6 segments are measured in one
-process by :func:`graphckpt.bench.measure_variants`: peak from the profiler's memory timeline
+process by :func:`graphckpt.tools.bench.measure_variants`: peak from the profiler's memory timeline
 after a warm-up step, step time as the median of interleaved rounds (each starting at the
 next variant). Ratios are to eager, round by round. Then ours and checkpoint_sequential
 go head to head: one step each per round, back to back, and the median of our step over
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from graphckpt import zoo
-from graphckpt.anchors import Variant, sequential_anchor
-from graphckpt.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant, training_step
+from graphckpt.tools import zoo
+from graphckpt.tools.anchors import Variant, sequential_anchor
+from graphckpt.tools.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant, training_step
 
 
 def head_to_head(ours: torch.nn.Module, anchor: torch.nn.Module, inputs: tuple, rounds: int) -> list[float]:

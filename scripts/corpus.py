@@ -9,7 +9,7 @@ own loss): eager's measured peak; the floor (the smallest simulated peak any pla
 peak and a budget at the floor, the simulated and the measured peak; per-block checkpointing
 (HF ``gradient_checkpointing_enable()`` where the model supports it) measured; and which of
 the promises ``tests/test_corpus.py`` checks fail, and how. Peaks are measured with
-:func:`graphckpt.bench.measured_peak` (a warm-up step, then the profiler's memory timeline).
+:func:`graphckpt.tools.bench.measured_peak` (a warm-up step, then the profiler's memory timeline).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # tests/corpus is not installed with the package
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from graphckpt.bench_report import machine_line  # noqa: E402
+from graphckpt.tools.bench_report import machine_line  # noqa: E402
 from passes.budget import BudgetError  # noqa: E402
 from tests.corpus import ENTRIES  # noqa: E402
 from tests.corpus import harness as h  # noqa: E402

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from graphckpt.api import plan_cost_graph
-from graphckpt.bench_report import machine_line
 from graphckpt.capture import capture
 from graphckpt.codegen import generate
 from graphckpt.costs import build_cost_graph, prepare
-from graphckpt.plots import _pyplot
+from graphckpt.tools.bench_report import machine_line
+from graphckpt.tools.plots import _pyplot
 from passes.budget import BudgetError
 
 WIDTH, BATCH, NODES_PER_BLOCK, CHECK_MAX_NODES = 16, 4, 5, 1000

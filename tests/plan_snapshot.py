@@ -69,8 +69,8 @@ def plans_of(graph: nx.DiGraph) -> dict[str, Any]:
 
 def zoo_cost_graphs() -> dict[str, nx.DiGraph]:
     """Every zoo model's measured cost graph at its default size."""
-    from graphckpt import zoo
     from graphckpt.api import cost_model
+    from graphckpt.tools import zoo
 
     graphs = {}
     for name in zoo.names():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphckpt import zoo
-from graphckpt.anchors import CheckpointedBlock, Skipped, Variant, block_anchor, find_blocks, sequential_anchor
+from graphckpt.tools import zoo
+from graphckpt.tools.anchors import CheckpointedBlock, Skipped, Variant, block_anchor, find_blocks, sequential_anchor
 
 
 def _loss_and_grads(module: torch.nn.Module, inputs: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from graphckpt.bench_report import COLUMNS
+from graphckpt.tools.bench_report import COLUMNS
 from tests.scripts import load_script
 
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphckpt
-from graphckpt import zoo
-from graphckpt.measure import measure_step
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError, candidate_plans, candidates, cheapest_fitting, fit_budget, parse_budget
 from passes.costgraph import add_value
 from passes.simulate import eager_peak, forward_floor

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from graphckpt.cli import app, parse_budget_option
-from graphckpt.report import human_bytes, human_flops
-from graphckpt.targets import TargetError, load_target, parse_zoo_spec
+from graphckpt.tools.cli import app, parse_budget_option
+from graphckpt.tools.report import human_bytes, human_flops
+from graphckpt.tools.targets import TargetError, load_target, parse_zoo_spec
 from passes.budget import BudgetError
 from passes.strategies import STRATEGIES
 
@@ -262,7 +262,7 @@ def test_debug_shows_the_exception(runner: CliRunner) -> None:
 
 def test_console_script_runs_in_a_real_process(tmp_path: Path) -> None:
     env = {**os.environ, "COLUMNS": "120"}
-    command = [sys.executable, "-m", "graphckpt.cli"]
+    command = [sys.executable, "-m", "graphckpt.tools.cli"]
     good = subprocess.run([*command, "inspect", MLP, "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert good.returncode == 0, good.stderr
     assert JSON_KEYS <= set(json.loads(good.stdout))
@@ -306,7 +306,7 @@ def test_nested_segments_are_indented_in_rows_and_table() -> None:
     from rich.console import Console
 
     import graphckpt
-    from graphckpt import report
+    from graphckpt.tools import report
     from passes.plan import Segment
 
     if "children" not in {f.name for f in fields(Segment)}:

@@ -12,9 +12,9 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphckpt
-from graphckpt import zoo
 from graphckpt.backend import GraphckptBackend
-from graphckpt.measure import measure_step
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step
 from tests.equivalence import ATOL, RTOL
 
 
@@ -200,7 +200,7 @@ def test_unknown_strategy_and_bad_budget_fail_before_compiling() -> None:
 
 def compiled_peak_ratio(depth: int, width: int, batch: int) -> float:
     """Measured peak of a training step of the zoo MLP compiled with the graphckpt backend,
-    over eager's (:func:`graphckpt.measure.measure_step`, after a warm-up step)."""
+    over eager's (:func:`graphckpt.tools.measure.measure_step`, after a warm-up step)."""
     model, (x,) = zoo.make("mlp", depth=depth, width=width, batch=batch)
     compiled = torch.compile(model, backend=graphckpt.backend())
     eager = measure_step(model, (x,), zoo.scalar_loss, repeats=1).peak_bytes

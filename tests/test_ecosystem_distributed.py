@@ -53,7 +53,7 @@ def _hf_gpt2() -> tuple[nn.Module, nn.Module, torch.Tensor]:
 def _mlp() -> tuple[nn.Module, nn.Module, torch.Tensor]:
     """The zoo MLP, its rewrite (node counting: no profiling in each process) and an input."""
     import graphckpt
-    from graphckpt import zoo
+    from graphckpt.tools import zoo
 
     model, (x,) = zoo.make("mlp", depth=8, width=32, batch=8, seed=0)
     return model, graphckpt.rewrite(model, strategy="sqrt"), x
@@ -66,7 +66,7 @@ def run_scenario(rank: int, scenario: str) -> str:
     FSDP2 shards the MLP's layers, then the root; the export-captured GPT-2 only at the root
     (its graph reads parameters directly, so per-layer hooks would not run).
     """
-    from graphckpt import zoo
+    from graphckpt.tools import zoo
 
     model, rewritten, example = (_hf_gpt2 if scenario.startswith("hf_") else _mlp)()
     reference = copy.deepcopy(model)

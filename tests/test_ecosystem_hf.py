@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import graphckpt
-from graphckpt.measure import measure_step, peak_memory
+from graphckpt.tools.measure import measure_step, peak_memory
 from tests.equivalence import assert_trains_like, fresh_pair
 
 transformers = pytest.importorskip("transformers")
@@ -198,7 +198,7 @@ def _bottleneck_resnet(batch: int = 4, size: int = 32) -> tuple[nn.Module, dict[
 
 
 def _measured_peak(module: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
-    """Measured peak bytes of one training step after a warm-up step (graphckpt.measure's
+    """Measured peak bytes of one training step after a warm-up step (graphckpt.tools.measure's
     yardstick; ``measure_step`` takes positional inputs only)."""
 
     def step() -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import graphckpt
-from graphckpt import zoo
+from graphckpt.tools import zoo
 from tests.equivalence import ATOL, RTOL, assert_trains_like, fresh_pair
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ecosystem.md"

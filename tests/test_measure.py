@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from graphckpt.measure import (
+from graphckpt.tools.measure import (
     StepMeasurement,
     _cpu_peak_and_net,
     measure_step,

@@ -16,9 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphckpt import zoo
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
+from graphckpt.tools import zoo
 from passes.budget import BudgetError, fit_budget
 from passes.chain import Chain, build_chain
 from passes.costgraph import op_nodes

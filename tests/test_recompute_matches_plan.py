@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphckpt import zoo
 from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_graph
-from graphckpt.measure import measure_step
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError
 from passes.costgraph import add_value, op_nodes
 from passes.plan import Plan, Segment, make_segments, nested, recompute_steps, recomputed_nodes

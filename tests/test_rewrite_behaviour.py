@@ -227,7 +227,7 @@ def test_not_a_module() -> None:
 def test_rng_state_is_kept_only_where_recompute_may_draw() -> None:
     """Dropout masks replay exactly; segments without random ops skip keeping the RNG state
     (5 KiB each on CPU), except without example inputs, where nobody knows which ops draw."""
-    from graphckpt import zoo
+    from graphckpt.tools import zoo
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.Dropout(0.3))])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import graphckpt
-from graphckpt import zoo
-from graphckpt.measure import measure_step
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step
 from tests.equivalence import assert_trains_like, fresh_pair
 
 STRATEGIES = ["sqrt", "articulation", "mincut", "auto", "optimal"]

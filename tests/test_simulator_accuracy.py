@@ -1,5 +1,5 @@
 """The simulator's model of memory (:mod:`passes.simulate`) against the measured truth
-(:mod:`graphckpt.measure`): single layers, every zoo model in eager mode and under plans
+(:mod:`graphckpt.tools.measure`): single layers, every zoo model in eager mode and under plans
 fitted to three budgets each.
 
 The CPU kernels behind conv nets allocate scratch in their backward that no value of the
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphckpt
-from graphckpt import zoo
 from graphckpt.api import analyze
-from graphckpt.measure import measure_step, peak_memory
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step, peak_memory
 from passes.checkmate import no_recompute_peak
 from passes.costgraph import add_value, check_cost_graph, op_nodes
 from passes.simulate import eager_peak, eager_segments, simulate

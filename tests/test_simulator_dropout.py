@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphckpt.api import Analysis, analyze, cost_model, generate_rewrite
-from graphckpt.measure import peak_memory
+from graphckpt.tools.measure import peak_memory
 from passes.costgraph import op_nodes, shared_parameters
 from passes.strategies import from_positions, selective, simulated, sqrt_candidate
 from tests.equivalence import default_loss
@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 def _measured(module: nn.Module, kwargs: dict) -> int:
     def step() -> None:
         torch.manual_seed(0)
-        output = module(**kwargs)  # alive during backward, as in a training loop (graphckpt.measure)
+        output = module(**kwargs)  # alive during backward, as in a training loop (graphckpt.tools.measure)
         loss = getattr(output, "loss", None)  # a model given labels is trained on its own loss
         (loss if loss is not None else default_loss(output)).backward()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from graphckpt import zoo
+from graphckpt.tools import zoo
 
 NAMES = ["mlp", "resnet", "gpt", "unet", "densenet"]
 

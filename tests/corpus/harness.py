@@ -3,7 +3,7 @@
 One capture (``graphckpt.api.cost_model``: what ``graphckpt.rewrite`` runs first) serves every
 plan of an entry; ``rewritten`` then runs the codegen ``rewrite`` would, so each plan's module
 is the one ``graphckpt.rewrite(model, args, example_kwargs=kwargs, budget=...)`` returns.
-Measurement is :func:`graphckpt.bench.measured_peak` (a warm-up step, then one step under the
+Measurement is :func:`graphckpt.tools.bench.measured_peak` (a warm-up step, then one step under the
 profiler's memory timeline) of a step whose loss is the model's own (``output.loss`` for
 Hugging Face models, a scalar output as is, else the mean squares of every output).
 """
@@ -20,10 +20,10 @@ import networkx as nx
 import torch
 from torch import nn
 
-from graphckpt.anchors import Skipped, block_anchor
 from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_graph
-from graphckpt.bench import measured_peak
 from graphckpt.capture import Captured
+from graphckpt.tools.anchors import Skipped, block_anchor
+from graphckpt.tools.bench import measured_peak
 from passes.budget import BudgetError
 from passes.plan import Plan
 from passes.simulate import eager_peak

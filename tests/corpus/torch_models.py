@@ -1,4 +1,4 @@
-"""Plain torch models shaped unlike the zoo's (graphckpt/zoo.py): captured with torch.fx.
+"""Plain torch models shaped unlike the zoo's (graphckpt/tools/zoo.py): captured with torch.fx.
 
 * :class:`SharedNormConvNet`: one BatchNorm module called at four places, so its running
   statistics are updated four times per step (and must be, exactly, after a rewrite).

@@ -3,7 +3,7 @@
 TARGET is either
 
 * ``zoo:NAME`` with optional constructor arguments as a query string, e.g.
-  ``zoo:gpt?layers=2&d=32&batch=2`` (``batch`` goes to :func:`graphckpt.zoo.make`, the rest
+  ``zoo:gpt?layers=2&d=32&batch=2`` (``batch`` goes to :func:`graphckpt.tools.zoo.make`, the rest
   to the model's constructor), or
 * ``package.module:callable`` (or ``path/to/file.py:callable``) naming a function that
   returns ``(model, example_inputs)``; it is called with ``batch=`` when ``--batch`` is
@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl
 import torch
 from torch import nn
 
-from graphckpt import zoo
+from graphckpt.tools import zoo
 
 
 class TargetError(ValueError):

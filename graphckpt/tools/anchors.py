@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from graphckpt.measure import training_step
+from graphckpt.tools.measure import training_step
 from passes.plan import Plan
 
 

@@ -1,9 +1,9 @@
 """The ``graphckpt`` command: inspect, compare, bench and pareto plans of a model, or run the demo.
 
 TARGET names the model: ``zoo:NAME`` (``zoo:gpt?layers=2&d=32&batch=2``) or
-``package.module:callable`` returning ``(model, example_inputs)``; see :mod:`graphckpt.targets`.
-The commands are thin: planning data comes from :mod:`graphckpt.report`, pictures from
-:mod:`graphckpt.draw` and :mod:`graphckpt.plots`, measurements from :mod:`graphckpt.bench`.
+``package.module:callable`` returning ``(model, example_inputs)``; see :mod:`graphckpt.tools.targets`.
+The commands are thin: planning data comes from :mod:`graphckpt.tools.report`, pictures from
+:mod:`graphckpt.tools.draw` and :mod:`graphckpt.tools.plots`, measurements from :mod:`graphckpt.tools.bench`.
 Bad input ends in one red ``error:`` line and exit status 1 (``--debug`` shows the traceback).
 """
 
@@ -22,8 +22,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from graphckpt.console import err, error_line, note_line, out, quiet_profiler
-from graphckpt.report import human_bytes
+from graphckpt.tools.console import err, error_line, note_line, out, quiet_profiler
+from graphckpt.tools.report import human_bytes
 
 app = typer.Typer(name="graphckpt", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Automatic gradient checkpointing: see what is kept, what is recomputed, and what it costs.")
@@ -61,7 +61,7 @@ def friendly(command: F) -> F:
 
 def _describe(error: Exception) -> str:
     from graphckpt.capture import CaptureError
-    from graphckpt.targets import TargetError
+    from graphckpt.tools.targets import TargetError
     from passes.budget import BudgetError
 
     if isinstance(error, (TargetError, BudgetError, CaptureError, ValueError, KeyError)):
@@ -101,7 +101,7 @@ def parse_budget_option(text: str | None) -> float | int | str | None:
 
 
 def _load(target: str, batch: int | None) -> Any:
-    from graphckpt.targets import load_target
+    from graphckpt.tools.targets import load_target
 
     return load_target(target, batch)
 
@@ -127,7 +127,7 @@ def _print_json(document: Any) -> None:
 
 
 def _draw(analysis: Any, target: str, strategy: str, files: dict[str, Path | None], collapse: bool | None) -> None:
-    from graphckpt import draw
+    from graphckpt.tools import draw
 
     if not any(files.values()):
         return
@@ -162,7 +162,7 @@ def inspect(
                                                   help="one box per segment (default: above 60 ops)")] = None,
 ) -> None:
     """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
-    from graphckpt.report import inspect_view, plan_document
+    from graphckpt.tools.report import inspect_view, plan_document
 
     check_strategy(strategy)
     parsed_budget = parse_budget_option(budget)
@@ -185,7 +185,7 @@ def compare(
     json_: Annotated[bool, typer.Option("--json", help="print the rows as JSON")] = False,
 ) -> None:
     """Every strategy side by side: simulated peak, recompute, checkpoints, planning time."""
-    from graphckpt.report import compare_strategies, compare_table
+    from graphckpt.tools.report import compare_strategies, compare_table
     from passes.strategies import STRATEGIES
 
     loaded = _load(target, batch)
@@ -210,8 +210,8 @@ def _progress() -> Progress:
 
 def _measure(variants: Sequence[Any], inputs: tuple, steps: int) -> list[Any]:
     """Measure with a progress bar on stderr (redrawn between steps, never during one)."""
-    from graphckpt import zoo
-    from graphckpt.bench import measure_variants, work_units
+    from graphckpt.tools import zoo
+    from graphckpt.tools.bench import measure_variants, work_units
 
     with _progress() as progress:
         task = progress.add_task("measuring", total=work_units(variants, steps))
@@ -276,8 +276,8 @@ def bench(
 ) -> None:
     """Measured peak and median step time: eager, the anchors (checkpoint_sequential, per-block,
     torch.compile) and graphckpt with each strategy and budget; the same set scripts/bench.py runs."""
-    from graphckpt import zoo
-    from graphckpt.bench import bench_variants
+    from graphckpt.tools import zoo
+    from graphckpt.tools.bench import bench_variants
     from passes.strategies import STRATEGIES
 
     names = [check_strategy(s) for s in strategy] if strategy else list(STRATEGIES)
@@ -290,7 +290,7 @@ def bench(
     title = f"{loaded.description}: median of {steps} interleaved rounds, {_threads()}"
     _report_measured(results, skipped, title, json_)
     if png is not None:
-        from graphckpt.plots import plot_bench
+        from graphckpt.tools.plots import plot_bench
 
         plot_bench(results, png, title)
         err().print(f"[dim]wrote {png}[/]", soft_wrap=True)
@@ -320,8 +320,8 @@ def pareto(
     json_: Annotated[bool, typer.Option("--json", help="print results as JSON")] = False,
 ) -> None:
     """Sweep memory budgets: measured (and simulated) peak against step time, ours and the anchors."""
-    from graphckpt import zoo
-    from graphckpt.bench import pareto_variants
+    from graphckpt.tools import zoo
+    from graphckpt.tools.bench import pareto_variants
 
     if x not in ("time", "flops"):
         raise ValueError(f"--x {x!r}: choose time or flops")
@@ -333,7 +333,7 @@ def pareto(
     title = f"{loaded.description}: budget sweep, {_threads()}"
     _report_measured(results, skipped, title, json_)
     if png is not None:
-        from graphckpt.plots import plot_pareto
+        from graphckpt.tools.plots import plot_pareto
 
         plot_pareto(results, png, title, x)
         err().print(f"[dim]wrote {png}[/]", soft_wrap=True)
@@ -349,10 +349,10 @@ def demo(
     target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
 ) -> None:
     """Rewrite a zoo transformer, show its cut, train a few steps with and without the rewrite."""
-    from graphckpt import zoo
     from graphckpt.api import generate_rewrite
-    from graphckpt.measure import measure_step
-    from graphckpt.report import inspect_view, plan_document
+    from graphckpt.tools import zoo
+    from graphckpt.tools.measure import measure_step
+    from graphckpt.tools.report import inspect_view, plan_document
 
     loaded = _load(target, None)
     console = out()
@@ -375,7 +375,7 @@ def demo(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point (``graphckpt = graphckpt.cli:main``); returns the exit status."""
+    """Console-script entry point (``graphckpt = graphckpt.tools.cli:main``); returns the exit status."""
     try:
         app(args=list(argv) if argv is not None else None, prog_name="graphckpt", standalone_mode=True)
     except SystemExit as stop:

@@ -1,4 +1,4 @@
-"""Charts of measurements (:mod:`graphckpt.bench` results) with matplotlib.
+"""Charts of measurements (:mod:`graphckpt.tools.bench` results) with matplotlib.
 
 * :func:`plot_bench`: measured peak and step time of every variant, as bars with their
   ratio to eager.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from graphckpt.bench import Result
+from graphckpt.tools.bench import Result
 
 MiB = 2**20
 KIND_STYLE: dict[str, dict[str, Any]] = {

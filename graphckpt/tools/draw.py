@@ -18,7 +18,7 @@ from typing import Any
 
 import networkx as nx
 
-from graphckpt.report import children, human_bytes, human_flops, recomputed_flops, values_bytes
+from graphckpt.tools.report import children, human_bytes, human_flops, recomputed_flops, values_bytes
 from passes.costgraph import in_order, is_activation
 from passes.plan import Plan
 

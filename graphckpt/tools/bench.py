@@ -1,11 +1,11 @@
 """Measured peak memory and step time of eager, graphckpt's plans and the anchors.
 
-The anchors (:mod:`graphckpt.anchors`) are what a user would otherwise reach for:
+The anchors (:mod:`graphckpt.tools.anchors`) are what a user would otherwise reach for:
 ``checkpoint_sequential``, per-block checkpointing as Hugging Face does it, and
 ``torch.compile`` with ``activation_memory_budget``.
 
 Every variant but the per-block anchor (a copy) shares the model's parameters. Each is warmed up (compiled, ``.grad``
-allocated), its peak is measured once under the profiler (:func:`graphckpt.measure.peak_memory`),
+allocated), its peak is measured once under the profiler (:func:`graphckpt.tools.measure.peak_memory`),
 and step times come from rounds that time one step of every variant in turn, so load on a
 shared machine hits all of them alike; the median of the rounds is reported.
 
@@ -26,11 +26,11 @@ import networkx as nx
 import torch
 from torch import nn
 
-from graphckpt.anchors import Skipped, Variant, block_anchor, compile_anchor, find_sequential, sequential_anchor
 from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_graph
 from graphckpt.capture import Captured
-from graphckpt.console import quiet_profiler
-from graphckpt.measure import peak_memory, training_step
+from graphckpt.tools.anchors import Skipped, Variant, block_anchor, compile_anchor, find_sequential, sequential_anchor
+from graphckpt.tools.console import quiet_profiler
+from graphckpt.tools.measure import peak_memory, training_step
 from passes.budget import BudgetError
 
 DEFAULT_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15)

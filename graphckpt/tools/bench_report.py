@@ -1,7 +1,7 @@
 """Benchmark results as markdown: one table per model, the machine they ran on, target checks.
 
-Pure formatting of :class:`graphckpt.bench.Result` lists; what is measured is decided in
-:mod:`graphckpt.bench` and ``scripts/bench.py``.
+Pure formatting of :class:`graphckpt.tools.bench.Result` lists; what is measured is decided in
+:mod:`graphckpt.tools.bench` and ``scripts/bench.py``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graphckpt.anchors import Skipped
-from graphckpt.bench import Result
-from graphckpt.report import human_bytes
+from graphckpt.tools.anchors import Skipped
+from graphckpt.tools.bench import Result
+from graphckpt.tools.report import human_bytes
 
 COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager", "build")
 
