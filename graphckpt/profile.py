@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch, storage_key
+from passes.costgraph import saves_from
 
 PARAM = "<param>"
 
@@ -46,13 +47,6 @@ class NodeCost:
     grad_views: bool = False
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
-
-
-def _saves_from(made_here: list[bool]) -> str:
-    """The cost graph's ``saves_from`` of a node, from which of its saved tensors it made."""
-    if any(made_here):
-        return "outputs"
-    return "inputs" if made_here else "nothing"
 
 
 def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
@@ -130,7 +124,7 @@ class _CostInterpreter(fx.Interpreter):
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
-        self.costs[node.name] = replace(cost, saves_from=_saves_from(made_here))
+        self.costs[node.name] = replace(cost, saves_from=saves_from(made_here))
         if self.backward and node.op.startswith("call_"):
             self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result

@@ -59,8 +59,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from passes.costgraph import op_nodes, storage_root
-from passes.simulate import gradient_bytes, loss_working_bytes, needs_grad, trained_outputs
+from passes.costgraph import gradient_bytes, graph_outputs, needs_grad, op_nodes, storage_root
+from passes.simulate import loss_working_bytes, trained_outputs
 
 MAX_OPS = 60
 Matrix = tuple[tuple[int, ...], ...]
@@ -132,7 +132,7 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
 
     index: dict[str, int] = {}
     extra: dict[str, int] = {}
-    sink_reads = {u for n, kind in graph.nodes(data="kind") if kind == "output" for u in graph.predecessors(n)}
+    sink_reads = set(graph_outputs(graph))
     kept = {storage_root(graph, v) for v in sink_reads} | sink_reads
     for k in op_nodes(graph):
         attributes, reads = graph.nodes[k], _forward_reads(graph, k, index)

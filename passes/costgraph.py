@@ -174,19 +174,22 @@ def add_value(graph: nx.DiGraph, name: str, *, kind: str, order: int, bytes: int
               reads: Iterable[str] = (), label: str | None = None, **attributes: Any) -> None:
     """Add one value with the contract's attributes (defaults filled in) and its input edges."""
     attributes = {**DEFAULTS, **attributes}
-    attributes.setdefault("saves_from", saves_from(name, attributes["saved"], attributes["saved_extra_bytes"]))
+    made_here = [*(value == name for value in attributes["saved"]), *([True] if attributes["saved_extra_bytes"] else [])]
+    attributes.setdefault("saves_from", saves_from(made_here))
     graph.add_node(name, kind=kind, order=order, bytes=bytes, label=label or name, **attributes)
     graph.add_edges_from((source, name) for source in reads)
 
 
-def saves_from(name: str, saved: Iterable[str], saved_extra_bytes: int) -> str:
-    """``saves_from`` of a node that saves the values ``saved`` plus ``saved_extra_bytes``
-    of its own (parameters it saves are not known here: an op saving only parameters reads
-    ``"nothing"``; profiled graphs say ``"inputs"``)."""
-    saved = tuple(saved)
-    if name in saved or saved_extra_bytes:
+def saves_from(made_here: Iterable[bool]) -> str:
+    """``saves_from`` of a node, from one flag per tensor it saves for backward: whether the
+    node made that tensor (its own value, a mask) rather than received it. :func:`add_value`
+    knows only names (a saved value named like the node, or ``saved_extra_bytes``, is made
+    here; parameters it saves are not known, so an op saving only parameters reads
+    ``"nothing"``); the profiler sees every saved tensor's storage."""
+    flags = list(made_here)
+    if any(flags):
         return "outputs"
-    return "inputs" if saved else "nothing"
+    return "inputs" if flags else "nothing"
 
 
 def check_cost_graph(graph: nx.DiGraph) -> None:
@@ -236,9 +239,26 @@ def op_nodes(graph: nx.DiGraph) -> list[str]:
     return [n for n in in_order(graph) if graph.nodes[n]["kind"] == "op"]
 
 
+def output_sink(graph: nx.DiGraph) -> str | None:
+    """The node of kind ``output`` that gathers the forward's results (``None`` in a graph
+    without one)."""
+    return next((n for n, kind in graph.nodes(data="kind") if kind == "output"), None)
+
+
 def graph_outputs(graph: nx.DiGraph) -> list[str]:
     """The values the forward returns (those the output sink reads), in execution order."""
-    return in_order(graph, {v for n, k in graph.nodes(data="kind") if k == "output" for v in graph.predecessors(n)})
+    sink = output_sink(graph)
+    return [] if sink is None else in_order(graph, set(graph.predecessors(sink)))
+
+
+def needs_grad(graph: nx.DiGraph, name: str) -> bool:
+    """Whether backward computes a gradient for this value (ops and inputs that require it)."""
+    return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
+
+
+def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
+    """Bytes of ``name``'s gradient buffer: the size of the storage it lives in."""
+    return graph.nodes[storage_root(graph, name)]["bytes"]
 
 
 @per_graph
@@ -303,16 +323,20 @@ def boundary(graph: nx.DiGraph, before: set[str]) -> set[str]:
     return {u for u in before for v in graph.successors(u) if v not in before}
 
 
+def storage_bytes(graph: nx.DiGraph, values: Iterable[str]) -> int:
+    """Activation bytes ``values`` keep alive: each storage they live in once, those of
+    inputs and parameters (and views of them) free, as something else holds them."""
+    roots = {storage_root(graph, name) for name in values}
+    return sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
+
+
 def boundary_bytes(graph: nx.DiGraph, values: Iterable[str]) -> float:
-    """Bytes kept alive by a set of values, each storage counted once; ``inf`` if any is
-    not cuttable."""
-    roots: dict[str, float] = {}
-    for name in values:
-        cost = keep_cost(graph, name)
-        if cost == float("inf"):
-            return cost
-        roots[storage_root(graph, name)] = cost
-    return sum(roots.values())
+    """Bytes kept alive by a set of values kept at a boundary (:func:`storage_bytes`);
+    ``inf`` if any is not cuttable."""
+    values = list(values)
+    if not all(graph.nodes[name]["cuttable"] for name in values):
+        return float("inf")
+    return float(storage_bytes(graph, values))
 
 
 def unit_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:

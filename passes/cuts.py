@@ -20,7 +20,7 @@ from itertools import pairwise
 
 import networkx as nx
 
-from passes.costgraph import keep_cost, keeps_order, op_nodes, per_graph, storage_root
+from passes.costgraph import keep_cost, keeps_order, op_nodes, output_sink, per_graph, storage_root
 
 INF = float("inf")
 
@@ -32,11 +32,10 @@ def op_positions(graph: nx.DiGraph) -> tuple[list[str], dict[str, int]]:
     """
     ops = op_nodes(graph)
     position = {name: index for index, name in enumerate(ops)}
-    for name, kind in graph.nodes(data="kind"):
-        if kind == "input":
-            position[name] = -1
-        elif kind == "output":
-            position[name] = len(ops)
+    position.update((name, -1) for name, kind in graph.nodes(data="kind") if kind == "input")
+    sink = output_sink(graph)
+    if sink is not None:
+        position[sink] = len(ops)
     return ops, position
 
 
@@ -141,12 +140,12 @@ def articulation_points(graph: nx.DiGraph) -> list[str]:
     source = ("__source__",)
     flow = nx.DiGraph(graph.subgraph(n for n, k in graph.nodes(data="kind") if k != "param"))
     flow.add_edges_from((source, n) for n, k in graph.nodes(data="kind") if k == "input")
-    sinks = [n for n, k in graph.nodes(data="kind") if k == "output"]
-    if not sinks or source not in flow or not nx.has_path(flow, source, sinks[0]):
+    sink = output_sink(graph)
+    if sink is None or source not in flow or not nx.has_path(flow, source, sink):
         return []
     dominator = nx.immediate_dominators(flow, source)
     chain = []
-    node = dominator.get(sinks[0])
+    node = dominator.get(sink)
     while node is not None and node != source:
         chain.append(node)
         node = dominator[node] if dominator[node] != node else None

@@ -33,7 +33,15 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import draws_random, graph_outputs, op_nodes, shared_parameters, storage_root
+from passes.costgraph import (
+    draws_random,
+    gradient_bytes,
+    graph_outputs,
+    needs_grad,
+    op_nodes,
+    shared_parameters,
+    storage_root,
+)
 from passes.plan import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
@@ -60,6 +68,7 @@ class _Index:
     readers: dict[str, tuple[str, ...]]
     reads: dict[str, tuple[str, ...]]
     activation_reads: dict[str, tuple[str, ...]]  # reads that are not parameters: what a read releases
+    grad_reads: dict[str, tuple[tuple[str, int], ...]]  # reads backward makes a gradient for, with its bytes
     shared: dict[str, tuple[tuple[str, int], ...]]  # op -> (shared parameter, gradient bytes) it reads
     shared_readers: dict[str, int]  # shared parameter -> readers whose backward adds to its gradient
 
@@ -77,6 +86,8 @@ def _index(graph: nx.DiGraph) -> _Index:
             reads={name: tuple(graph.predecessors(name)) for name in graph},
             activation_reads={name: tuple(v for v in graph.predecessors(name) if graph.nodes[v]["kind"] != "param")
                               for name in graph},
+            grad_reads={name: tuple((v, gradient_bytes(graph, v)) for v in graph.predecessors(name)
+                                    if needs_grad(graph, v)) for name in graph},
             shared=_shared_by_reader(graph),
             shared_readers={param: len(readers) for param, _, readers in shared_parameters(graph)},
         )
@@ -156,11 +167,6 @@ class _Memory:
                 self.free(buffer)
 
 
-def needs_grad(graph: nx.DiGraph, name: str) -> bool:
-    """Whether backward computes a gradient for this value (ops and inputs that require it)."""
-    return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
-
-
 def trained_outputs(graph: nx.DiGraph) -> list[str]:
     """The outputs backward starts from: the model's own loss when it returns one
     (``graph.graph["loss"]``), else every output that takes part in backward."""
@@ -174,11 +180,6 @@ def loss_working_bytes(graph: nx.DiGraph) -> int:
     if graph.graph.get("loss") is not None:
         return 0
     return LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
-
-
-def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
-    """Bytes of ``name``'s gradient buffer: the size of the storage it lives in."""
-    return graph.nodes[storage_root(graph, name)]["bytes"]
 
 
 def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
@@ -223,10 +224,7 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
         attributes = index.attributes[name]
         if name in grads:
             partial = 0
-            for value in index.reads[name]:
-                if not (index.attributes[value]["requires_grad"] and index.attributes[value]["kind"] in ("op", "input")):
-                    continue  # needs_grad
-                size = index.attributes[index.roots[value]]["bytes"]  # gradient_bytes
+            for value, size in index.grad_reads[name]:
                 if value in grads:
                     memory.allocate(("grad-partial", value), size)
                     memory.free(("grad-partial", value))
