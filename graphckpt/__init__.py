@@ -10,7 +10,8 @@ from graphckpt.api import analyze, plan, rewrite
 from graphckpt.backend import backend
 from graphckpt.capture import CaptureError
 from graphckpt.codegen import RewrittenModule
-from passes.plan import Plan, PlanError
+from passes.plan import Plan
+from passes.segments import PlanError
 
 __all__ = ["CaptureError", "Plan", "PlanError", "RewrittenModule", "analyze", "backend", "plan", "rewrite"]
 __version__ = "0.1.0"

@@ -18,10 +18,9 @@ from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
 from graphckpt.progress import planning_progress
-from passes.budget import Budget, fit_budget, optimal_plan, parse_budget
+from passes.budget import Budget
 from passes.plan import Plan
-from passes.simulate import eager_peak
-from passes.strategies import STRATEGIES, choose_plan
+from passes.strategies import check_request, plan_graph
 
 
 @dataclass(frozen=True)
@@ -53,27 +52,18 @@ def _require_costs_for_inplace(source: fx.GraphModule) -> None:
 
 def check_options(strategy: str, segments: int | None = None, budget: Budget | None = None) -> None:
     """Refuse an unknown strategy, a budget given with a strategy or segment count, and an
-    unreadable budget, before any work is done."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    if budget is not None and (strategy not in ("auto", "optimal") or segments is not None):
-        raise ValueError("budget= picks the segments itself with the optimal pass; leave strategy='auto' "
-                         "(or 'optimal') and segments=None, or drop the budget")
-    if budget is not None:
-        parse_budget(budget, 1)
+    unreadable budget, before any work is done (:func:`passes.strategies.check_request`)."""
+    check_request(strategy, segments, budget)
 
 
 def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None,
                     budget: Budget | None = None) -> Plan:
     """The plan for a cost graph: ``strategy``, or the optimal pass within ``budget`` (a
-    fraction of this graph's eager peak, bytes, or a size string); a progress bar when slow."""
+    fraction of this graph's eager peak, bytes, or a size string); a progress bar when slow
+    (:func:`passes.strategies.plan_graph`)."""
     check_options(strategy, segments, budget)
     with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress:
-        if budget is not None:
-            return fit_budget(cost_graph, parse_budget(budget, eager_peak(cost_graph)), progress)
-        if strategy == "optimal":
-            return optimal_plan(cost_graph, segments, progress)
-        return choose_plan(cost_graph, strategy, segments)
+        return plan_graph(cost_graph, strategy, segments, budget, progress)
 
 
 def cost_model(model: nn.Module, example_inputs: Any = None, *,
@@ -108,8 +98,7 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
 def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
     """The rewritten module for an analysis of ``model`` (codegen only)."""
     with torch.no_grad():
-        return generate(analysis.captured.graph_module, model, analysis.cost_graph,
-                        analysis.plan, analysis.captured.method)
+        return generate(analysis.captured.graph_module, model, analysis.plan, analysis.captured.method)
 
 
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",

@@ -144,7 +144,7 @@ class GraphckptBackend:
         lifted_parameters_as_params(cost_graph, graph_module, example_inputs)
         plan = choose(cost_graph, self.strategy, self.budget)
         with torch.no_grad():
-            return generate(graph_module, graph_module, cost_graph, plan, "torch.compile (dynamo)")
+            return generate(graph_module, graph_module, plan, "torch.compile (dynamo)")
 
 
 def backend(strategy: str = "auto", budget: Budget | None = None) -> GraphckptBackend:

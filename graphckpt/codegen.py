@@ -19,14 +19,14 @@ import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
 
 from graphckpt.runtime import Segment
-from passes.costgraph import boundary_bytes, draws_random
-from passes.plan import Plan, rerun_nodes
-from passes.plan import Segment as PlannedSegment
+from passes.plan import Plan
+from passes.segments import RecomputeFacts
+from passes.segments import Segment as PlannedSegment
+from passes.units import format_bytes
 
 
 class RewrittenModule(fx.GraphModule):
@@ -100,9 +100,19 @@ def _attribute_table(graph: fx.Graph, owner: nn.Module, skip: Mapping[str, Any] 
             if n.op in ("call_module", "get_attr") and n.target not in skip}
 
 
-def _segment_module(source: fx.GraphModule, graph: nx.DiGraph, planned: PlannedSegment, target: str) -> Segment:
+def _facts(planned: PlannedSegment) -> RecomputeFacts:
+    """What the plan says of a recomputed segment's cost graph (every plan made by
+    :func:`passes.plan.plan_of_segments` says it)."""
+    if planned.facts is None:
+        raise ValueError(f"segment {planned.nodes[0]} .. {planned.nodes[-1]} has no RecomputeFacts: "
+                         "make plans with passes.plan.plan_of_segments (or a strategy)")
+    return planned.facts
+
+
+def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> Segment:
     """The runtime module of one recomputed segment. Its body takes the segment's inputs and
     returns its outputs; nested recomputed children become segments called from the body."""
+    facts = _facts(planned)
     originals = {n.name: n for n in source.graph.nodes}
     body = fx.Graph()
     env = {name: body.placeholder(name) for name in planned.inputs}
@@ -112,22 +122,19 @@ def _segment_module(source: fx.GraphModule, graph: nx.DiGraph, planned: PlannedS
             env[name] = body.node_copy(originals[name], lambda n: env[n.name])
 
     children = planned.children or (PlannedSegment(planned.nodes, False, planned.inputs, planned.outputs),)
-    modules = _emit_segments(body, source, graph, children, env, copy_node, prefix=f"{target}_")
+    modules = _emit_segments(body, source, children, env, copy_node, prefix=f"{target}_")
     results = [env[name] for name in planned.outputs]
     body.output(results[0] if len(results) == 1 else tuple(results))
     attributes = {**_attribute_table(body, source, skip=modules), **modules}
     segment = Segment(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes, inputs=planned.inputs,
-                      outputs=planned.outputs, saved_inside=planned.saved_inside,
-                      kept_bytes=boundary_bytes(graph, planned.inputs),
-                      replays_rng=draws_random(graph, planned.nodes),
-                      reruns=rerun_nodes(graph, planned),
-                      state_inputs=[i for i, name in enumerate(planned.inputs) if graph.nodes[name]["state"]])
+                      outputs=planned.outputs, saved_inside=planned.saved_inside, kept_bytes=facts.kept_bytes,
+                      replays_rng=facts.draws_random, reruns=facts.reruns, state_inputs=facts.state_inputs)
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment
 
 
-def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule, graph: nx.DiGraph,
+def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
                    segments: tuple[PlannedSegment, ...], env: dict[str, fx.Node],
                    copy_node: Callable[[str], None], prefix: str) -> dict[str, Segment]:
     """Emit a sequence of planned segments into ``target_graph``: kept ones inline, each
@@ -141,7 +148,7 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule, graph: nx.DiG
         for name in planned.inputs:
             copy_node(name)
         target = f"{prefix}{len(modules)}"
-        modules[target] = _segment_module(source, graph, planned, target)
+        modules[target] = _segment_module(source, planned, target)
         _emit_call(target_graph, target, planned, env)
     return modules
 
@@ -157,21 +164,20 @@ def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[st
         env[name] = top.create_node("call_function", operator.getitem, (call, index), name=name)
 
 
-def _header(plan: Plan, graph: nx.DiGraph, method: str) -> str:
+def _header(plan: Plan, method: str) -> str:
     depth = max((s.depth for s in plan.segments), default=0)
     nesting = f", nested {depth} deep (segment_i_j runs inside segment_i's recompute)" if depth > 1 else ""
     lines = [f"# graphckpt: strategy {plan.strategy}, captured with {method}; "
              f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}"]
-    for name in plan.checkpoints:
-        attributes = graph.nodes[name]
-        lines.append(f"#   keeps {name}: {attributes.get('shape', '')} {attributes.get('dtype', '')} "
-                     f"({attributes['bytes'] / 1024:.1f} KiB)")
+    for kept in plan.checkpoint_details:
+        lines.append(f"#   keeps {kept.name}: {kept.shape} {kept.dtype} ({format_bytes(kept.bytes)})")
     return "\n".join(lines) + "\n"
 
 
-def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: Plan,
-             method: str = "fx") -> RewrittenModule:
-    """The rewritten module for ``plan`` over the captured ``source`` of ``model``."""
+def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str = "fx") -> RewrittenModule:
+    """The rewritten module for ``plan`` over the captured ``source`` of ``model``. Everything
+    it needs of the cost graph is in the plan (:class:`passes.segments.RecomputeFacts`,
+    :attr:`passes.plan.Plan.checkpoint_details`)."""
     originals = {n.name: n for n in source.graph.nodes}
     top = fx.Graph()
     top._codegen = copy.deepcopy(source.graph._codegen)
@@ -185,7 +191,7 @@ def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: 
     for node in source.graph.nodes:
         if node.op == "placeholder":
             lookup(node)
-    segments = _emit_segments(top, source, graph, plan.segments, env,
+    segments = _emit_segments(top, source, plan.segments, env,
                               lambda name: lookup(originals[name]), prefix="segment_")
     for node in source.graph.nodes:
         if node.op == "output":
@@ -199,7 +205,7 @@ def generate(source: fx.GraphModule, model: nn.Module, graph: nx.DiGraph, plan: 
             _attach(staging, node, _resolve(source, node.target))
     top.lint()
     rewritten = RewrittenModule(staging, top, type(model).__name__ + "Checkpointed")
-    rewritten.meta["graphckpt_header"] = _header(plan, graph, method)
+    rewritten.meta["graphckpt_header"] = _header(plan, method)
     rewritten.meta["graphckpt_plan"] = plan
     return rewritten
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from passes.optimal import Progress as ProgressCallback
+from passes.plan import Progress as ProgressCallback
 
 SHOW_AFTER_SECONDS = 1.0
 

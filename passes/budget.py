@@ -7,41 +7,68 @@ the bytes saved for backward.
 from __future__ import annotations
 
 import math
-import re
+from collections.abc import Sequence
 from dataclasses import replace
 
 import networkx as nx
 
 from passes.costgraph import op_nodes
-from passes.optimal import DynamicProgram, Progress, plan_for_budget
-from passes.plan import Plan, cost_key, make_segments
+from passes.heuristics import articulation_candidate, auto_plan, mincut_candidate, sqrt_candidate
+from passes.optimal import DynamicProgram, plan_for_budget
+from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
+from passes.segments import cost_key, make_segments
 from passes.simulate import eager_peak, forward_floor
-from passes.strategies import (
-    Candidate,
-    articulation_candidate,
-    auto_plan,
-    build_plan,
-    mincut_candidate,
-    selective,
-    simulated,
-    sqrt_candidate,
-)
+from passes.units import format_bytes, parse_size
 
 Budget = float | int | str
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class BudgetError(ValueError):
-    """A budget cannot be read, or no plan of this graph fits it."""
+    """A budget cannot be read, or no plan of this graph fits it.
+
+    When no plan fits, the fields say why, for programs to read rather than the message:
+    ``budget_bytes`` asked for, ``smallest_peak_bytes`` the smallest simulated peak any plan
+    reaches (the floor), ``eager_peak_bytes``, ``strategy`` and ``segment_count`` of that
+    smallest plan, and ``kept_values``: the heaviest values it still keeps. A budget that
+    cannot be read leaves them ``None`` (``()`` for ``kept_values``).
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None,
+                 eager_peak_bytes: int | None = None, strategy: str | None = None,
+                 segment_count: int | None = None, kept_values: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.smallest_peak_bytes = smallest_peak_bytes
+        self.eager_peak_bytes = eager_peak_bytes
+        self.strategy = strategy
+        self.segment_count = segment_count
+        self.kept_values = tuple(kept_values)
+
+    @property
+    def reason(self) -> str:
+        """What no plan reaches and the smallest peak one does, in a line (the message
+        without the values kept and the advice); the message itself for an unreadable budget."""
+        if self.smallest_peak_bytes is None or self.budget_bytes is None:
+            return str(self)
+        return _reason(self.budget_bytes, self.smallest_peak_bytes, self.eager_peak_bytes or 0, self.strategy,
+                       self.segment_count)
+
+
+def _reason(budget_bytes: int, smallest_peak_bytes: int, eager_peak_bytes: int, strategy: str | None,
+            segment_count: int | None) -> str:
+    ratio = smallest_peak_bytes / max(eager_peak_bytes, 1)
+    return (f"no plan fits {format_bytes(budget_bytes, 'MiB')}; the smallest simulated peak is "
+            f"{format_bytes(smallest_peak_bytes, 'MiB')} ({ratio:.2f}x eager, "
+            f"strategy {strategy} with {segment_count} segments)")
 
 
 def parse_budget(budget: Budget, eager_peak_bytes: int) -> int:
     """Bytes allowed for the peak, from a fraction of eager's peak (``0 < float <= 1``),
-    an ``int`` of bytes, or a string such as ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"25%"``.
+    an ``int`` of bytes, or a string as :func:`read_budget` reads it: ``"512MiB"``,
+    ``"1.5GB"``, ``"25%"``, ``"0.3"`` (a fraction), ``"1000000"`` (bytes).
 
-    >>> parse_budget(0.25, 1000), parse_budget("1KiB", 0), parse_budget("50%", 1000)
-    (250, 1024, 500)
+    >>> parse_budget(0.25, 1000), parse_budget("1KiB", 0), parse_budget("50%", 1000), parse_budget("0.3", 1000)
+    (250, 1024, 500, 300)
     """
     if isinstance(budget, bool):
         raise BudgetError(f"budget {budget!r}: give a fraction, bytes or a size like '2GiB'")
@@ -55,14 +82,36 @@ def parse_budget(budget: Budget, eager_peak_bytes: int) -> int:
             raise BudgetError(f"budget {budget}: bytes must be positive")
         return budget
     if isinstance(budget, str):
-        text = budget.strip().lower().replace(" ", "")
-        if text.endswith("%"):
-            return parse_budget(float(text[:-1]) / 100, eager_peak_bytes)
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", text)
-        if match is None:
-            raise BudgetError(f"budget {budget!r}: expected e.g. '512MiB', '2GiB', '1.5GB' or '25%'")
-        return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+        value = read_budget(budget)
+        return parse_budget(parse_size(value) if isinstance(value, str) else value, eager_peak_bytes)
     raise BudgetError(f"budget {budget!r}: expected a float fraction, int bytes or a string size")
+
+
+def read_budget(text: str) -> Budget:
+    """A budget written as text (a command line's ``--budget``), read into what
+    :func:`parse_budget` takes: ``"0.5"`` a fraction (a plain number up to 1), ``"1000000"``
+    bytes (a whole number above 1), ``"25%"`` a fraction, ``"2MiB"`` kept as the size string.
+    Raises :class:`BudgetError` for anything else.
+
+    >>> read_budget("0.5"), read_budget("1000000"), read_budget("25%"), read_budget("2MiB")
+    (0.5, 1000000, 0.25, '2MiB')
+    """
+    compact = text.strip().lower().replace(" ", "")
+    percent = compact.endswith("%")
+    try:
+        number = float(compact[:-1] if percent else compact)
+    except ValueError:
+        if parse_size(compact) is None:
+            raise BudgetError(f"budget {text!r}: expected e.g. '512MiB', '2GiB', '1.5GB', '25%', "
+                              "a fraction like 0.3 or bytes") from None
+        return text
+    if percent or 0 < number <= 1:
+        fraction = number / 100 if percent else number
+        parse_budget(fraction, 1)  # a fraction out of range says so
+        return fraction
+    if number > 1 and number.is_integer():
+        return int(number)
+    raise BudgetError(f"budget {text!r}: give a fraction 0 < b <= 1, bytes, or a size like '2GiB' or '25%'")
 
 
 def segment_counts(graph: nx.DiGraph) -> list[int]:
@@ -157,7 +206,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     its plan still keeps when none fits.
     """
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
-        note = f"optimal: eager fits {budget_bytes / 2**20:.2f} MiB; nothing is recomputed"
+        note = f"optimal: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
         return build_plan(graph, "optimal", [(op_nodes(graph), False)], [note])
     program = DynamicProgram(graph, progress=progress)
     found = plan_for_budget(program, budget_bytes)
@@ -167,25 +216,26 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         raise _unreachable(graph, budget_bytes, [*tried, program.smallest()])
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
-    note = (f"optimal: least recompute for {budget_bytes / 2**20:.2f} MiB among the dynamic program's "
+    note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
 
 
 def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan]) -> BudgetError:
+    """The error for a budget below every plan's peak: the smallest of ``plans`` and the
+    heaviest values it keeps."""
     best = min(plans, key=lambda p: p.peak_bytes)
-    eager = best.eager_peak_bytes
     heaviest = sorted(best.checkpoints, key=lambda v: -graph.nodes[v]["bytes"])[:5]
-    return BudgetError(
-        f"no plan fits {budget_bytes / 2**20:.2f} MiB; the smallest simulated peak is "
-        f"{best.peak_bytes / 2**20:.2f} MiB ({best.peak_bytes / max(eager, 1):.2f}x eager, "
-        f"strategy {best.strategy} with {len(best.segments)} segments), kept values include "
-        f"{', '.join(heaviest) or 'none'}. Raise the budget."
-    )
+    reason = _reason(budget_bytes, best.peak_bytes, best.eager_peak_bytes, best.strategy, len(best.segments))
+    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}. Raise the budget.",
+                       budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
+                       eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
+                       segment_count=len(best.segments), kept_values=heaviest)
 
 
-def optimal_plan(graph: nx.DiGraph, segments: int | None = None, progress: Progress | None = None) -> Plan:
-    """Least recompute for the peak :func:`passes.strategies.auto_plan` reaches (without a
-    budget, "optimal" keeps auto's memory and cuts its recompute). ``segments`` is ignored:
-    the program chooses segments itself."""
+def optimal_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """Least recompute for the peak :func:`passes.heuristics.auto_plan` reaches (without a
+    budget, "optimal" keeps auto's memory and cuts its recompute): the ``"optimal"``
+    :class:`passes.strategies.Strategy`. ``segments`` is ignored: the program chooses
+    segments itself."""
     return fit_budget(graph, auto_plan(graph).peak_bytes, progress)

@@ -28,20 +28,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import networkx as nx
 import numpy as np
 
 from passes.chain import Chain, build_chain
-from passes.plan import Plan, Segment, make_segments, merge_kept, nested
+from passes.plan import Plan, Progress, plan_of_segments
+from passes.segments import Segment, make_segments, merge_kept, nested
 from passes.simulate import eager_peak
-from passes.strategies import plan_of_segments
 
 KEPT, RECOMPUTED, SELECTIVE = 0, 1, 2
 SLOTS = 160
-Progress = Callable[[int, int], None]  # (done, total): planning is long enough to show
 
 
 @dataclass(frozen=True)

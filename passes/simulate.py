@@ -8,7 +8,7 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
   saving; values kept from forward, ``saved_inside``, are reused, with the matmul outputs
   inside them, ``selective_extra_bytes``) as far as backward needs
-  (:func:`passes.plan.recompute_steps`: torch's checkpoint stops once it has every saved
+  (:func:`passes.segments.recompute_steps`: torch's checkpoint stops once it has every saved
   tensor), then each op turns its output's gradient into its inputs' gradients (and
   parameter gradients, freed once added into ``.grad``; a parameter several ops read, such as
   a tied embedding, keeps one summed gradient until the last of them) and releases what it
@@ -42,7 +42,7 @@ from passes.costgraph import (
     shared_parameters,
     storage_root,
 )
-from passes.plan import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
+from passes.segments import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
 

@@ -1,15 +1,15 @@
-"""Checkpointing strategies: each is a function ``CostGraph -> Plan``.
+"""Every strategy behind one interface, and the one way in: a name, or a memory budget.
 
-* :func:`sqrt_plan` — Chen et al. 2016: about √n segments of equal bytes, cut wherever
-  the execution order allows.
-* :func:`articulation_plan` — boundaries only at articulation points (one value every
-  input-to-output path goes through), chosen √n-style; falls back to min-cut when a graph
-  has too few (U-Net skips, dense blocks).
-* :func:`mincut_plan` — at each balanced position, the minimum-bytes vertex cut in the
-  window around it, so a boundary may be several tensors.
-* :func:`auto_plan` — runs the three and keeps the lowest simulated peak.
-* :func:`optimal_plan` — least recompute at that peak: a dynamic program that may nest
-  segments and keep matmul outputs (:mod:`passes.optimal`, :mod:`passes.budget`).
+A :class:`Strategy` turns a cost graph into a :class:`passes.plan.Plan`; :data:`STRATEGIES`
+holds each one by name:
+
+* ``sqrt``, ``articulation``, ``mincut``, ``auto``: the heuristics of :mod:`passes.heuristics`;
+* ``optimal``: least recompute at auto's peak, nested segments allowed
+  (:func:`passes.budget.optimal_plan`).
+
+:func:`plan_graph` is what the torch side calls: a strategy by name, or with a ``budget``
+the optimal pass within it (:func:`passes.budget.fit_budget`); both are checked by
+:func:`check_request` first.
 
 Every segment except the last is recomputed: the last one's backward runs right after
 forward, so recomputing it would save nothing.
@@ -17,197 +17,23 @@ forward, so recomputing it would save nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from itertools import accumulate, pairwise
+from typing import Protocol
 
 import networkx as nx
 
-from passes.costgraph import boundary_bytes, op_nodes
-from passes.cuts import (
-    INF,
-    articulation_points,
-    balanced_targets,
-    last_reader,
-    min_cut_between,
-    nearest_positions,
-    op_positions,
-    op_weights,
-    prefix_costs,
-    sqrt_segment_count,
-)
-from passes.plan import Plan, Segment, checkpoints_of, make_segments, validate_plan
-from passes.simulate import eager_segments, simulate
-
-Strategy = Callable[..., Plan]
+from passes.budget import Budget, fit_budget, optimal_plan, parse_budget
+from passes.heuristics import articulation_plan, auto_plan, mincut_plan, sqrt_plan
+from passes.plan import Plan, Progress
+from passes.simulate import eager_peak
 
 
-def groups_from_cuts(ops: Sequence[str], befores: Sequence[set[str]]) -> list[tuple[list[str], bool]]:
-    """Segments ``(nodes, recompute)`` from nested before-sets: all recomputed but the last."""
-    groups, done = [], set()
-    for before in befores:
-        groups.append(([n for n in ops if n in before and n not in done], True))
-        done |= before
-    groups.append(([n for n in ops if n not in done], False))
-    return groups
+class Strategy(Protocol):
+    """A checkpointing strategy: the plan it chooses for ``graph``. ``segments`` overrides
+    the segment count where a strategy has one (the √n heuristics); ``progress`` hears how
+    far a slow strategy is, ``(done, total)``."""
 
-
-@dataclass(frozen=True)
-class Candidate:
-    """A strategy's segments before simulation: cheap to make and to price
-    (:func:`passes.plan.cost_key`), so a search can simulate only the ones that could win."""
-
-    strategy: str
-    segments: tuple[Segment, ...]
-    notes: tuple[str, ...] = ()
-
-
-def build_plan(graph: nx.DiGraph, strategy: str, groups, notes: Sequence[str] = ()) -> Plan:
-    """Validate segments, simulate them and wrap everything in a :class:`Plan`."""
-    return plan_of_segments(graph, strategy, make_segments(graph, groups), notes)
-
-
-def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segment],
-                     notes: Sequence[str] = ()) -> Plan:
-    """A :class:`Plan` of ready segments: validated and simulated."""
-    segments = tuple(segments)
-    validate_plan(graph, segments)
-    checkpoints = checkpoints_of(graph, segments)
-    result = simulate(graph, segments)
-    return Plan(
-        strategy=strategy,
-        segments=segments,
-        checkpoints=checkpoints,
-        checkpoint_bytes=boundary_bytes(graph, checkpoints),
-        peak_bytes=result.peak_bytes,
-        eager_peak_bytes=result.eager_peak_bytes,
-        recompute_flops=result.recompute_flops,
-        forward_flops=result.forward_flops,
-        notes=tuple(notes),
-        recompute_bytes=result.recompute_bytes,
-        cost_unit=graph.graph.get("cost_unit", "FLOPs"),
-    )
-
-
-def simulated(graph: nx.DiGraph, candidate: Candidate) -> Plan:
-    """The :class:`Plan` of a candidate: validated and simulated."""
-    return plan_of_segments(graph, candidate.strategy, candidate.segments, candidate.notes)
-
-
-def from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[int], notes: Sequence[str] = ()) -> Candidate:
-    """Segments whose boundaries are prefix cuts after the given op positions."""
-    ops = op_nodes(graph)
-    starts = [0, *(p + 1 for p in positions)]
-    groups = [(ops[start:end], True) for start, end in pairwise(starts)]
-    return Candidate(strategy, make_segments(graph, [*groups, (ops[starts[-1]:], False)]), tuple(notes))
-
-
-def selective(graph: nx.DiGraph, candidate: Candidate) -> Candidate:
-    """``candidate`` with every matmul/convolution output of its recomputed segments kept
-    from forward (selective checkpointing): more memory, far less recompute."""
-    segments = tuple(replace(s, saved_inside=tuple(n for n in s.nodes if graph.nodes[n]["expensive"]))
-                     if s.recompute else s for s in candidate.segments)
-    return Candidate(f"{candidate.strategy}+selective", segments, candidate.notes)
-
-
-def keep_expensive(graph: nx.DiGraph, plan: Plan) -> Plan:
-    """``plan`` made selective (:func:`selective`), simulated."""
-    return simulated(graph, selective(graph, Candidate(plan.strategy, plan.segments, plan.notes)))
-
-
-def sqrt_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
-    """About √n segments balanced by bytes, each boundary at an allowed prefix cut."""
-    ops = op_nodes(graph)
-    count = segments or sqrt_segment_count(graph)
-    costs = prefix_costs(graph)
-    cumulative = list(accumulate(op_weights(graph, ops)))
-    allowed = [i for i, cost in enumerate(costs[:-1]) if cost < INF]
-    positions = nearest_positions(cumulative, allowed, balanced_targets(op_weights(graph, ops), count))
-    return from_positions(graph, "sqrt", positions)
-
-
-def articulation_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
-    """√n-style boundaries chosen among articulation points; min-cut when there are none."""
-    ops, position = op_positions(graph)
-    count = segments or sqrt_segment_count(graph)
-    costs = prefix_costs(graph)
-    candidates = [position[n] for n in articulation_points(graph)
-                  if position[n] < len(ops) - 1 and costs[position[n]] < INF]
-    if len(candidates) < min(count - 1, 2):
-        fallback = mincut_candidate(graph, segments)
-        note = (f"articulation: only {len(candidates)} articulation point(s); "
-                "used min-cut boundaries instead")
-        return replace(fallback, notes=(note, *fallback.notes))
-    cumulative = list(accumulate(op_weights(graph, ops)))
-    targets = balanced_targets(op_weights(graph, ops), count)
-    return from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
-
-
-def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
-    """Minimum-bytes vertex cuts, one per window between balanced positions."""
-    ops, position = op_positions(graph)
-    last = last_reader(graph, position)
-    count = segments or sqrt_segment_count(graph)
-    weights = op_weights(graph, ops)
-    cumulative = list(accumulate(weights))
-    marks = nearest_positions(cumulative, list(range(len(ops))), balanced_targets(weights, count))
-    reach = max(1, len(ops) // (4 * count))
-    befores, notes, previous_high = [], [], 0
-    for mark in marks:
-        low, high = max(previous_high, mark - reach + 1), min(mark + reach + 1, len(ops) - 1)
-        if high <= low:
-            continue
-        previous_high = high
-        found = min_cut_between(graph, ops, position, last, low, high, mark)
-        if found is None:
-            notes.append(f"mincut: no allowed boundary between {ops[low]} and {ops[high - 1]}")
-            continue
-        befores.append(set(ops[:low]) | found[1])
-    return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
-
-
-def no_worse_than_eager(graph: nx.DiGraph, plan: Plan) -> Plan:
-    """``plan``, or eager execution when ``plan`` would peak higher than doing nothing
-    (tiny segments whose kept boundaries outweigh what they free): a strategy never hands
-    back a plan worse than no checkpointing. The notes say what happened. A graph costed
-    without example inputs counts nodes, not bytes, and keeps the strategy's plan."""
-    if plan.peak_bytes <= plan.eager_peak_bytes or not graph.graph.get("measured", False):
-        return plan
-    ratio = plan.peak_bytes / max(plan.eager_peak_bytes, 1)
-    note = (f"{plan.strategy}: its plan simulated {ratio:.2f}x eager's peak, above doing nothing; "
-            "kept eager execution (try strategy='optimal' or a budget)")
-    return plan_of_segments(graph, plan.strategy, eager_segments(graph), (*plan.notes, note))
-
-
-def sqrt_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """:func:`sqrt_candidate`, simulated (eager if that is no better)."""
-    return no_worse_than_eager(graph, simulated(graph, sqrt_candidate(graph, segments)))
-
-
-def articulation_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """:func:`articulation_candidate`, simulated (eager if that is no better)."""
-    return no_worse_than_eager(graph, simulated(graph, articulation_candidate(graph, segments)))
-
-
-def mincut_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """:func:`mincut_candidate`, simulated (eager if that is no better)."""
-    return no_worse_than_eager(graph, simulated(graph, mincut_candidate(graph, segments)))
-
-
-def auto_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """The plan of lowest simulated peak among sqrt, articulation and mincut (less
-    recompute breaks ties); its ``strategy`` names the winner."""
-    plans = [strategy(graph, segments) for strategy in (mincut_plan, articulation_plan, sqrt_plan)]
-    best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
-    return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))
-
-
-def optimal_plan(graph: nx.DiGraph, segments: int | None = None) -> Plan:
-    """Least recompute for the peak :func:`auto_plan` reaches, nested segments allowed
-    (:mod:`passes.optimal`); with a budget, use :func:`passes.budget.fit_budget`."""
-    from passes.budget import optimal_plan as least_recompute  # budgets build on the strategies above
-
-    return least_recompute(graph, segments)
+    def __call__(self, graph: nx.DiGraph, *, segments: int | None = None,
+                 progress: Progress | None = None) -> Plan: ...
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -217,12 +43,40 @@ STRATEGIES: dict[str, Strategy] = {
     "auto": auto_plan,
     "optimal": optimal_plan,
 }
+BUDGET_STRATEGIES = ("auto", "optimal")  # a budget runs the optimal pass; these names allow one
 
 
-def choose_plan(graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None) -> Plan:
+def check_strategy(name: str) -> str:
+    """``name`` if :data:`STRATEGIES` has it, else ``ValueError`` listing the known ones."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return name
+
+
+def check_request(strategy: str = "auto", segments: int | None = None, budget: Budget | None = None) -> None:
+    """Refuse an unknown strategy, a budget given with a strategy or segment count, and an
+    unreadable budget, before any work is done."""
+    check_strategy(strategy)
+    if budget is not None and (strategy not in BUDGET_STRATEGIES or segments is not None):
+        raise ValueError("budget= picks the segments itself with the optimal pass; leave strategy='auto' "
+                         "(or 'optimal') and segments=None, or drop the budget")
+    if budget is not None:
+        parse_budget(budget, 1)
+
+
+def choose_plan(graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None, *,
+                progress: Progress | None = None) -> Plan:
     """Run the named strategy; an unknown name raises ``ValueError`` listing the known ones."""
-    try:
-        chosen = STRATEGIES[strategy]
-    except KeyError:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}") from None
-    return chosen(graph, segments)
+    return STRATEGIES[check_strategy(strategy)](graph, segments=segments, progress=progress)
+
+
+def plan_graph(graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None,
+               budget: Budget | None = None, progress: Progress | None = None) -> Plan:
+    """The plan for a cost graph: ``strategy``, or the optimal pass within ``budget`` (a
+    fraction of this graph's eager peak, bytes, or a size string, :func:`parse_budget`).
+    Raises ``ValueError`` for options :func:`check_request` refuses, and
+    :class:`passes.budget.BudgetError` when no plan fits the budget."""
+    check_request(strategy, segments, budget)
+    if budget is not None:
+        return fit_budget(graph, parse_budget(budget, eager_peak(graph)), progress)
+    return STRATEGIES[strategy](graph, segments=segments, progress=progress)

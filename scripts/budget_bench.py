@@ -25,6 +25,7 @@ import torch
 from graphckpt.tools import zoo
 from graphckpt.tools.anchors import Variant, sequential_anchor
 from graphckpt.tools.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant, training_step
+from passes.units import format_bytes
 
 
 def head_to_head(ours: torch.nn.Module, anchor: torch.nn.Module, inputs: tuple, rounds: int) -> list[float]:
@@ -81,8 +82,8 @@ def main() -> None:
     print("| variant | measured peak | vs eager | simulated | step time | vs eager |")
     print("|---|---:|---:|---:|---:|---:|")
     for result in results:
-        simulated = f"{result.simulated_peak_bytes / 2**20:.1f} MiB" if result.simulated_peak_bytes else ""
-        print(f"| {result.name} | {result.peak_bytes / 2**20:.1f} MiB | {result.peak_ratio:.2f}x | {simulated} | "
+        simulated = format_bytes(result.simulated_peak_bytes, "MiB") if result.simulated_peak_bytes else ""
+        print(f"| {result.name} | {format_bytes(result.peak_bytes, 'MiB')} | {result.peak_ratio:.2f}x | {simulated} | "
               f"{result.step_seconds * 1e3:.0f} ms | {result.time_ratio:.2f}x |")
     ratios = head_to_head(variants[1].module, anchor.module, inputs, options.rounds)
     low, high = bootstrap_interval(ratios)

@@ -30,6 +30,7 @@ import transformers  # noqa: E402
 
 from graphckpt.tools.bench_report import machine_line  # noqa: E402
 from passes.budget import BudgetError  # noqa: E402
+from passes.units import format_bytes  # noqa: E402
 from tests.corpus import ENTRIES  # noqa: E402
 from tests.corpus import harness as h  # noqa: E402
 from tests.equivalence import assert_trains_like  # noqa: E402
@@ -92,9 +93,9 @@ def _outcome(prepared: h.Prepared, row: Row, setting: h.Setting) -> Outcome:
     try:
         plan = h.plan_for(prepared, setting)
     except BudgetError as error:
-        outcome.infeasible = str(error).split(", kept values")[0]
-        floor = h.floor_from_error(error)
-        if floor is None or floor <= outcome.budget - h.FLOOR_ROUNDING:
+        outcome.infeasible = error.reason
+        floor = error.smallest_peak_bytes
+        if floor is None or floor <= outcome.budget:
             row.failures.append(f"{setting}: BudgetError without a floor above the budget ({error})")
         return outcome
     outcome.simulated = plan.peak_bytes
@@ -138,11 +139,11 @@ def evaluate(name: str) -> Row:
 
 
 def _mib(value: int | None) -> str:
-    return "—" if value is None else f"{value / 2**20:.2f}"
+    return "—" if value is None else format_bytes(value, "MiB")
 
 
 def _cell(outcome: Outcome, eager: int) -> str:
-    """``simulated / measured MiB (measured x eager)``, or why there is no plan."""
+    """``simulated / measured (measured x eager)``, or why there is no plan."""
     if outcome.infeasible is not None:
         return "below the floor"
     ratio = f" ({outcome.measured / eager:.2f}x)" if outcome.measured and eager else ""
@@ -186,7 +187,7 @@ def markdown(rows: list[Row], seconds: float) -> str:
         f"in {seconds / 60:.1f} min: {machine_line()}, transformers {transformers.__version__}.",
         "",
         "Each entry is a tiny random config (tests/corpus/, no downloads) in training mode with dropout at its "
-        "default, stepped on its own loss. Peaks are MiB of activation memory in one training step after a "
+        "default, stepped on its own loss. Peaks are activation memory in one training step after a "
         "warm-up step (profiler memory timeline); *sim* is the simulator's prediction, *measured* the profiler's, "
         "and (Nx) is measured over eager's measured peak. Budgets are fractions of eager's simulated peak; "
         "*floor* is the smallest simulated peak any plan reaches (as `BudgetError` names it, and its ratio to "

@@ -120,7 +120,7 @@ def measure(size: int, budget_timeout: int) -> Row:
     plan, plan_s = timed(lambda: plan_cost_graph(cost_graph, "auto"))
     budget_s = timed_or_none(lambda: plan_budget(cost_graph), budget_timeout)
     with torch.no_grad():
-        rewritten, codegen_s = timed(lambda: generate(gm, model, cost_graph, plan, captured.method))
+        rewritten, codegen_s = timed(lambda: generate(gm, model, plan, captured.method))
     if len(gm.graph.nodes) <= CHECK_MAX_NODES:
         check_gradients(model, rewritten, x)
     seconds = (capture_s, costs_s, plan_s, budget_s, codegen_s, capture_s + costs_s + plan_s + codegen_s)

@@ -12,8 +12,8 @@ from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError, candidate_plans, candidates, cheapest_fitting, fit_budget, parse_budget
 from passes.costgraph import add_value
+from passes.plan import simulated
 from passes.simulate import eager_peak, forward_floor
-from passes.strategies import simulated
 from tests.equivalence import assert_trains_like, fresh_pair
 from tests.test_optimal import graphs_with_matmuls
 

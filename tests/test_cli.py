@@ -19,10 +19,11 @@ import pytest
 from typer.testing import CliRunner
 
 from graphckpt.tools.cli import app, parse_budget_option
-from graphckpt.tools.report import human_bytes, human_flops
+from graphckpt.tools.report import human_flops
 from graphckpt.tools.targets import TargetError, load_target, parse_zoo_spec
 from passes.budget import BudgetError
 from passes.strategies import STRATEGIES
+from passes.units import format_bytes
 
 MLP = "zoo:mlp?depth=4&width=32&batch=4"
 GPT = "zoo:gpt?layers=1&d=16&heads=2&seq=8&batch=2"
@@ -295,8 +296,8 @@ def test_parse_budget_option() -> None:
 
 
 def test_human_units() -> None:
-    assert human_bytes(32768) == "32 KiB" and human_bytes(512) == "512 B"
-    assert human_bytes(3.5 * 2**20) == "3.5 MiB"
+    assert format_bytes(32768) == "32 KiB" and format_bytes(512) == "512 B"
+    assert format_bytes(3.5 * 2**20) == "3.5 MiB" and format_bytes(3.5 * 2**20, "MiB") == "3.50 MiB"
     assert human_flops(4_194_304) == "4.19 MFLOP"
 
 
@@ -307,7 +308,7 @@ def test_nested_segments_are_indented_in_rows_and_table() -> None:
 
     import graphckpt
     from graphckpt.tools import report
-    from passes.plan import Segment
+    from passes.segments import Segment
 
     if "children" not in {f.name for f in fields(Segment)}:
         pytest.skip("this version of passes.plan has no nested segments")

@@ -124,9 +124,9 @@ def test_budget_is_met_on_the_measured_peak(name: str, setting: h.Setting) -> No
     try:
         plan = h.plan_for(entry, setting)
     except BudgetError as error:
-        floor = h.floor_from_error(error)
+        floor = error.smallest_peak_bytes
         assert floor is not None, f"BudgetError does not name the floor: {error}"
-        assert floor > allowed - h.FLOOR_ROUNDING, f"floor {floor:,} B fits the budget {allowed:,} B: {error}"
+        assert floor > allowed, f"floor {floor:,} B fits the budget {allowed:,} B: {error}"
         return
     assert plan.peak_bytes <= allowed, f"simulated {plan.peak_bytes:,} B over the budget {allowed:,} B"
     measured = plan_measured(name, setting)

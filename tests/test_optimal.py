@@ -173,7 +173,7 @@ def test_nested_plans_train_like_eager(name: str) -> None:
     inputs = zoo.make(name)[1]
     analysis = analyze(model, inputs, strategy="sqrt")
     plan = DynamicProgram(analysis.cost_graph).smallest()
-    rewritten = generate(analysis.captured.graph_module, model, analysis.cost_graph, plan)
+    rewritten = generate(analysis.captured.graph_module, model, plan)
     if name in ("mlp", "gpt", "densenet"):
         assert max(s.depth for s in plan.segments) >= 2, "expected nesting"
         assert "self.segment_0_0(" in rewritten.code or "segment_1_0(" in rewritten.code
@@ -211,7 +211,7 @@ def test_measured_op_times_as_the_recompute_cost() -> None:
     assert all(graph.nodes[n]["flops"] > 0 for n in op_nodes(graph) if graph.nodes[n]["label"].startswith("relu"))
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, dict(reference.named_buffers())[name]), f"timing changed {name}"
-    rewritten = generate(analysis.captured.graph_module, model, graph, plan)
+    rewritten = generate(analysis.captured.graph_module, model, plan)
     assert_trains_like(reference, model, rewritten, inputs)
     with pytest.raises(ValueError, match="unknown cost"):
         analyze(model, inputs, cost="joules")

@@ -32,9 +32,11 @@ from passes.cuts import (
     op_positions,
     prefix_costs,
 )
-from passes.plan import segment_edges, validate_plan
+from passes.heuristics import sqrt_candidate
+from passes.plan import simulated
+from passes.segments import segment_edges, validate_plan
 from passes.simulate import eager_peak
-from passes.strategies import STRATEGIES, choose_plan, simulated, sqrt_candidate
+from passes.strategies import STRATEGIES, choose_plan
 
 
 class CostGraph(nx.DiGraph):

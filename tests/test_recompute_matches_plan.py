@@ -27,8 +27,8 @@ from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError
 from passes.costgraph import add_value, op_nodes
-from passes.plan import Plan, Segment, make_segments, nested, recompute_steps, recomputed_nodes
-from passes.strategies import plan_of_segments
+from passes.plan import Plan, plan_of_segments
+from passes.segments import Segment, make_segments, nested, recompute_steps, recomputed_nodes
 from tests.equivalence import assert_trains_like
 
 DEPTH, WIDTH = 16, 128  # 16 x (Linear + GELU): ops layers_0 (Linear) .. layers_31 (GELU)

@@ -71,15 +71,16 @@ def test_gradients_flow_into_the_models_own_parameters() -> None:
 def test_selective_plans_keep_matmuls_and_train_like_eager(name: str) -> None:
     from graphckpt.api import analyze
     from graphckpt.codegen import generate
-    from passes.strategies import keep_expensive
+    from passes.plan import Candidate, selective, simulated
 
     reference, model = fresh_pair(zoo.make(name)[0])
     inputs = zoo.make(name)[1]
     analysis = analyze(model, inputs, strategy="mincut")
-    plan = keep_expensive(analysis.cost_graph, analysis.plan)
+    flat = Candidate(analysis.plan.strategy, analysis.plan.segments)
+    plan = simulated(analysis.cost_graph, selective(analysis.cost_graph, flat))
     assert any(s.saved_inside for s in plan.segments)
     assert plan.recompute_flops < analysis.plan.recompute_flops
-    rewritten = generate(analysis.captured.graph_module, model, analysis.cost_graph, plan)
+    rewritten = generate(analysis.captured.graph_module, model, plan)
     assert "keeps matmul/conv outputs" in rewritten.code
     for _ in range(2):
         assert_trains_like(reference, model, rewritten, inputs)

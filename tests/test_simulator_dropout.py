@@ -13,7 +13,8 @@ from torch import nn
 from graphckpt.api import Analysis, analyze, cost_model, generate_rewrite
 from graphckpt.tools.measure import peak_memory
 from passes.costgraph import op_nodes, shared_parameters
-from passes.strategies import from_positions, selective, simulated, sqrt_candidate
+from passes.heuristics import sqrt_candidate
+from passes.plan import from_positions, selective, simulated
 from tests.equivalence import default_loss
 
 transformers = pytest.importorskip("transformers")

@@ -21,7 +21,7 @@ import graphckpt
 import graphckpt.capture
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
-from passes.strategies import keep_expensive
+from passes.plan import Candidate, selective, simulated
 from tests.equivalence import assert_trains_like, fresh_pair
 
 STRATEGIES = ["sqrt", "articulation", "mincut", "auto", "optimal"]
@@ -156,9 +156,9 @@ def test_selective_plans_update_like_eager(model_class: type[nn.Module]) -> None
     reference, model = fresh_pair(model_class().train())
     x = torch.randn(BATCH, WIDTH)
     analysis = analyze(model, (x,), strategy="mincut", segments=3)
-    plan = keep_expensive(analysis.cost_graph, analysis.plan)
+    plan = simulated(analysis.cost_graph, selective(analysis.cost_graph, Candidate("mincut", analysis.plan.segments)))
     assert any(s.saved_inside for s in plan.segments)
-    rewritten = generate(analysis.captured.graph_module, model, analysis.cost_graph, plan)
+    rewritten = generate(analysis.captured.graph_module, model, plan)
     for _ in range(2):
         assert_trains_like(reference, model, rewritten, (x,))
 

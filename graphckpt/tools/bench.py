@@ -91,7 +91,7 @@ def planned_variant(modelled: Modelled, strategy: str = "auto", budget: float | 
         plan = plan_cost_graph(modelled.cost_graph, strategy, budget=budget)
     except BudgetError as error:
         return Skipped(name.replace("graphckpt ", "graphckpt budget ", 1) if budget is not None else name,
-                       "infeasible: " + str(error).split(", kept values")[0])
+                       f"infeasible: {error.reason}")
     module = generate_rewrite(modelled.model, Analysis(modelled.captured, modelled.cost_graph, plan))
     seconds = modelled.seconds + time.perf_counter() - start
     setting = plan.strategy if budget is not None or plan.strategy == strategy else f"-> {plan.strategy}"

@@ -15,7 +15,7 @@ import torch
 
 from graphckpt.tools.anchors import Skipped
 from graphckpt.tools.bench import Result
-from graphckpt.tools.report import human_bytes
+from passes.units import format_bytes
 
 COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager", "build")
 
@@ -38,16 +38,13 @@ def machine_line() -> str:
             f"torch {torch.__version__}")
 
 
-def _bytes(value: int | None) -> str:
-    return "" if value is None else human_bytes(value)
-
-
 def result_row(result: Result) -> str:
     """One markdown table row: measured peak and its ratio, simulated peak, step time and
     ratio, and the time to build the variant (capture + plan + codegen, or compile)."""
     build = "" if result.plan_seconds is None else f"{result.plan_seconds:.1f} s"
-    cells = (result.name, result.setting, _bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
-             _bytes(result.simulated_peak_bytes), f"{result.step_seconds * 1e3:.0f} ms",
+    simulated = "" if result.simulated_peak_bytes is None else format_bytes(result.simulated_peak_bytes)
+    cells = (result.name, result.setting, format_bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
+             simulated, f"{result.step_seconds * 1e3:.0f} ms",
              f"{result.time_ratio:.2f}", build)
     return "| " + " | ".join(cells) + " |"
 

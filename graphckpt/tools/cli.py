@@ -23,7 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from graphckpt.tools.console import err, error_line, note_line, out, quiet_profiler
-from graphckpt.tools.report import human_bytes
+from passes.budget import BudgetError, read_budget
+from passes.strategies import STRATEGIES, check_strategy
+from passes.units import format_bytes
 
 app = typer.Typer(name="graphckpt", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Automatic gradient checkpointing: see what is kept, what is recomputed, and what it costs.")
@@ -62,7 +64,6 @@ def friendly(command: F) -> F:
 def _describe(error: Exception) -> str:
     from graphckpt.capture import CaptureError
     from graphckpt.tools.targets import TargetError
-    from passes.budget import BudgetError
 
     if isinstance(error, (TargetError, BudgetError, CaptureError, ValueError, KeyError)):
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
@@ -73,31 +74,10 @@ def _describe(error: Exception) -> str:
 # ---------------------------------------------------------------- shared steps
 
 
-def check_strategy(name: str) -> str:
-    """``name`` if it is a strategy of :data:`passes.strategies.STRATEGIES`, else ValueError."""
-    from passes.strategies import STRATEGIES
-
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    return name
-
-
 def parse_budget_option(text: str | None) -> float | int | str | None:
-    """``--budget``: ``0.5`` (fraction of eager's peak), ``50%``, ``2MiB`` or bytes ``1000000``."""
-    from passes.budget import BudgetError, parse_budget
-
-    if text is None:
-        return None
-    try:
-        number = float(text)
-    except ValueError:
-        parse_budget(text, 1)  # raises BudgetError on a bad format
-        return text
-    if 0 < number <= 1:
-        return number
-    if number > 1 and number.is_integer():
-        return int(number)
-    raise BudgetError(f"budget {text!r}: give a fraction 0 < b <= 1, bytes, or a size like '2GiB' or '25%'")
+    """``--budget``: ``0.5`` (fraction of eager's peak), ``50%``, ``2MiB`` or bytes ``1000000``
+    (:func:`passes.budget.read_budget`)."""
+    return None if text is None else read_budget(text)
 
 
 def _load(target: str, batch: int | None) -> Any:
@@ -186,8 +166,6 @@ def compare(
 ) -> None:
     """Every strategy side by side: simulated peak, recompute, checkpoints, planning time."""
     from graphckpt.tools.report import compare_strategies, compare_table
-    from passes.strategies import STRATEGIES
-
     loaded = _load(target, batch)
     analysis, _ = _analyze(loaded, "sqrt" if "sqrt" in STRATEGIES else next(iter(STRATEGIES)))
     rows = compare_strategies(analysis.cost_graph)
@@ -196,7 +174,7 @@ def compare(
                      "eager_peak_bytes": analysis.plan.eager_peak_bytes, "strategies": rows})
         return
     title = (f"{loaded.description}: captured with {analysis.captured.method}, "
-             f"eager simulated peak {human_bytes(analysis.plan.eager_peak_bytes)}")
+             f"eager simulated peak {format_bytes(analysis.plan.eager_peak_bytes)}")
     out().print(compare_table(rows, title))
 
 
@@ -241,9 +219,9 @@ def _results_table(results: Sequence[Any], title: str) -> Table:
                    "build"):
         table.add_column(header, justify="left" if header in ("variant", "setting") else "right")
     for r in results:
-        simulated = human_bytes(r.simulated_peak_bytes) if r.simulated_peak_bytes is not None else ""
+        simulated = format_bytes(r.simulated_peak_bytes) if r.simulated_peak_bytes is not None else ""
         built = f"{r.plan_seconds:.1f} s" if r.plan_seconds is not None else ""
-        table.add_row(r.name, r.setting, human_bytes(r.peak_bytes), f"{r.peak_ratio:.2f}x", simulated,
+        table.add_row(r.name, r.setting, format_bytes(r.peak_bytes), f"{r.peak_ratio:.2f}x", simulated,
                       f"{r.step_seconds * 1e3:.1f} ms", f"{r.time_ratio:.2f}x", built)
     return table
 
@@ -278,7 +256,6 @@ def bench(
     torch.compile) and graphckpt with each strategy and budget; the same set scripts/bench.py runs."""
     from graphckpt.tools import zoo
     from graphckpt.tools.bench import bench_variants
-    from passes.strategies import STRATEGIES
 
     names = [check_strategy(s) for s in strategy] if strategy else list(STRATEGIES)
     loaded = _load(target, batch)
@@ -297,12 +274,15 @@ def bench(
 
 
 def _budgets(text: str) -> list[float]:
+    """``--budgets``: fractions of eager's peak, comma-separated (``1,0.5,25%``), each read
+    as ``--budget`` is (:func:`passes.budget.read_budget`)."""
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--budgets {text!r}: expected fractions separated by commas, e.g. 1,0.5,0.25") from None
-    if not values or not all(0 < v <= 1 for v in values):
-        raise ValueError(f"--budgets {text!r}: each budget is a fraction of eager's peak, 0 < b <= 1")
+        values = [read_budget(v) for v in text.split(",") if v.strip()]
+    except BudgetError:
+        values = []
+    if not values or not all(isinstance(v, float) for v in values):
+        raise ValueError(f"--budgets {text!r}: each budget is a fraction of eager's peak, 0 < b <= 1, "
+                         "separated by commas, e.g. 1,0.5,25%")
     return values
 
 
@@ -367,8 +347,8 @@ def demo(
     table = Table(title=f"training step, median of {steps}", title_justify="left", title_style="bold")
     for header in ("", "measured peak", "step time"):
         table.add_column(header, justify="right" if header else "left")
-    table.add_row("eager", human_bytes(eager.peak_bytes), f"{eager.step_seconds * 1e3:.0f} ms")
-    table.add_row("graphckpt", human_bytes(ours.peak_bytes), f"{ours.step_seconds * 1e3:.0f} ms")
+    table.add_row("eager", format_bytes(eager.peak_bytes), f"{eager.step_seconds * 1e3:.0f} ms")
+    table.add_row("graphckpt", format_bytes(ours.peak_bytes), f"{ours.step_seconds * 1e3:.0f} ms")
     console.print(table)
     console.print(f"ratio: peak {ours.peak_bytes / max(eager.peak_bytes, 1):.2f}x eager, step time "
                   f"{ours.step_seconds / eager.step_seconds:.2f}x eager")

@@ -18,9 +18,10 @@ from typing import Any
 
 import networkx as nx
 
-from graphckpt.tools.report import children, human_bytes, human_flops, recomputed_flops, values_bytes
-from passes.costgraph import in_order, is_activation
+from graphckpt.tools.report import human_flops, recomputed_flops
+from passes.costgraph import in_order, is_activation, storage_bytes
 from passes.plan import Plan
+from passes.units import format_bytes
 
 COLLAPSE_ABOVE = 60
 PALETTE = ("#8dd3c7", "#fdb462", "#bebada", "#80b1d3", "#b3de69", "#fccde5",
@@ -52,7 +53,7 @@ def _short(text: str, limit: int = 22) -> str:
 def _value_caption(graph: nx.DiGraph, name: str) -> str:
     attributes = graph.nodes[name]
     shape = attributes.get("shape", "")
-    return f"{shape} · {human_bytes(values_bytes(graph, [name]))}" if shape else human_bytes(values_bytes(graph, [name]))
+    return f"{shape} · {format_bytes(storage_bytes(graph, [name]))}" if shape else format_bytes(storage_bytes(graph, [name]))
 
 
 def _add(view: nx.DiGraph, name: str, label: str, role: str, fill: str, order: float, **extra: Any) -> None:
@@ -89,7 +90,7 @@ def _segment_label(graph: nx.DiGraph, plan: Plan, index: int) -> str:
             else f"{_short(segment.nodes[0], 16)} … {_short(segment.nodes[-1], 16)}")
     flops = recomputed_flops(graph, segment)
     what = "recomputed" if segment.recompute else "kept"
-    nested = len(children(segment))
+    nested = len(segment.children)
     if nested:
         what += f" ({nested} nested)"
     if segment.recompute and flops:
@@ -118,7 +119,7 @@ def _collapsed_view(graph: nx.DiGraph, plan: Plan) -> nx.DiGraph:
         if kind == "input" or kind == "output":
             _add(view, name, f"{name}\n{graph.nodes[name].get('shape', '')}".strip(), kind, IO_FILL,
                  graph.nodes[name]["order"])
-        elif kind == "op" and readers and is_activation(graph, name) and values_bytes(graph, [name]) > 0:
+        elif kind == "op" and readers and is_activation(graph, name) and storage_bytes(graph, [name]) > 0:
             _add(view, name, f"{_short(name)}\n{_value_caption(graph, name)}", "value", IO_FILL,
                  graph.nodes[name]["order"] + 0.5, checkpoint=name in checkpoints)
             view.add_edge(box(name), name)
@@ -331,10 +332,10 @@ def draw_cut(view: nx.DiGraph, path: str | Path, title: str, subtitle: str = "",
 def cut_titles(plan: Plan, target: str, strategy: str, capture: str) -> tuple[str, str]:
     """Title (model, strategy, simulated peak vs eager) and subtitle (what the cut keeps)."""
     used = plan.strategy if plan.strategy == strategy else f"{strategy} → {plan.strategy}"
-    title = (f"{target} · strategy {used} · simulated peak {human_bytes(plan.peak_bytes)} vs eager "
-             f"{human_bytes(plan.eager_peak_bytes)} ({plan.peak_bytes / max(plan.eager_peak_bytes, 1):.2f}×)")
+    title = (f"{target} · strategy {used} · simulated peak {format_bytes(plan.peak_bytes)} vs eager "
+             f"{format_bytes(plan.eager_peak_bytes)} ({plan.peak_bytes / max(plan.eager_peak_bytes, 1):.2f}×)")
     recomputed = sum(s.recompute for s in plan.segments)
     subtitle = (f"{recomputed} of {len(plan.segments)} segments recomputed in backward, "
-                f"{len(plan.checkpoints)} checkpoints ({human_bytes(plan.checkpoint_bytes)}) kept; recompute "
+                f"{len(plan.checkpoints)} checkpoints ({format_bytes(plan.checkpoint_bytes)}) kept; recompute "
                 f"{plan.recompute_flops / max(plan.forward_flops, 1):.0%} of forward FLOPs; captured with {capture}")
     return title, subtitle

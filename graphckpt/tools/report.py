@@ -17,21 +17,13 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from passes.costgraph import is_activation, keep_cost, op_nodes, storage_root
-from passes.plan import Plan, Segment, recomputed_nodes
+from passes.costgraph import op_nodes, storage_bytes
+from passes.plan import Plan
+from passes.segments import Segment, recomputed_nodes
 from passes.strategies import STRATEGIES
+from passes.units import format_bytes
 
 JSON_VERSION = 1
-
-
-def human_bytes(nbytes: float) -> str:
-    """``32768`` -> ``"32.0 KiB"``: binary units, three significant figures."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_flops(flops: float) -> str:
@@ -47,24 +39,6 @@ def human_flops(flops: float) -> str:
 def ratio(part: float, whole: float) -> float:
     """``part / whole``, 0 when ``whole`` is 0 (a graph with no FLOPs, say)."""
     return part / whole if whole else 0.0
-
-
-def children(segment: Segment) -> tuple[Segment, ...]:
-    """Nested segments run when ``segment`` is recomputed (empty for flat plans)."""
-    return tuple(getattr(segment, "children", ()) or ())
-
-
-def values_bytes(graph: nx.DiGraph, values: Iterable[str]) -> int:
-    """Activation bytes ``values`` keep alive, each storage once; uncuttable values count
-    their own bytes (they are kept by a segment that runs like eager code)."""
-    roots: dict[str, float] = {}
-    for name in values:
-        if not is_activation(graph, name):
-            continue
-        cost = keep_cost(graph, name)
-        root = storage_root(graph, name)
-        roots[root] = float(graph.nodes[root]["bytes"]) if cost == float("inf") else cost
-    return int(sum(roots.values()))
 
 
 def recomputed_flops(graph: nx.DiGraph, segment: Segment) -> int:
@@ -83,10 +57,10 @@ def segment_dict(graph: nx.DiGraph, segment: Segment, index: str) -> dict[str, A
         "recompute": segment.recompute,
         "inputs": list(segment.inputs),
         "outputs": list(segment.outputs),
-        "boundary_bytes": values_bytes(graph, segment.outputs),
+        "boundary_bytes": storage_bytes(graph, segment.outputs),
         "saved_inside": list(segment.saved_inside),
         "recompute_flops": recomputed_flops(graph, segment),
-        "children": [segment_dict(graph, child, f"{index}.{i}") for i, child in enumerate(children(segment))],
+        "children": [segment_dict(graph, child, f"{index}.{i}") for i, child in enumerate(segment.children)],
     }
 
 
@@ -106,7 +80,7 @@ def checkpoint_dicts(graph: nx.DiGraph, plan: Plan) -> list[dict[str, Any]]:
         "label": graph.nodes[name]["label"],
         "shape": graph.nodes[name].get("shape", ""),
         "dtype": graph.nodes[name].get("dtype", ""),
-        "bytes": values_bytes(graph, [name]),
+        "bytes": storage_bytes(graph, [name]),
     } for name in plan.checkpoints]
 
 
@@ -156,7 +130,7 @@ def compare_strategies(graph: nx.DiGraph, names: Iterable[str] | None = None) ->
     for name in names if names is not None else list(STRATEGIES):
         start = time.perf_counter()
         try:
-            plan = STRATEGIES[name](graph, None)
+            plan = STRATEGIES[name](graph)
         except Exception as error:  # report, keep comparing the rest
             rows.append({"strategy": name, "error": f"{type(error).__name__}: {error}"})
             continue
@@ -180,19 +154,19 @@ def _segment_table(document: Mapping[str, Any]) -> Table:
         if row["saved_inside"]:
             what.append(f" ({len(row['saved_inside'])} kept inside)", style="dim")
         table.add_row(indent + row["index"], str(row["nodes"]), f"{indent}{row['first']} .. {row['last']}",
-                      what, human_bytes(row["boundary_bytes"]) if row["recompute"] else "-",
+                      what, format_bytes(row["boundary_bytes"]) if row["recompute"] else "-",
                       human_flops(row["recompute_flops"]) if row["recompute"] else "-")
     return table
 
 
 def _checkpoint_table(document: Mapping[str, Any]) -> Table:
     table = Table(title=f"checkpoints: {len(document['checkpoints'])} value(s) kept for backward, "
-                        f"{human_bytes(document['checkpoint_bytes'])}", title_justify="left", title_style="bold")
+                        f"{format_bytes(document['checkpoint_bytes'])}", title_justify="left", title_style="bold")
     for header, justify in (("node", "left"), ("module / op", "left"), ("shape", "left"),
                             ("dtype", "left"), ("bytes", "right")):
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for row in document["checkpoints"]:
-        table.add_row(row["node"], row["label"], row["shape"], row["dtype"], human_bytes(row["bytes"]))
+        table.add_row(row["node"], row["label"], row["shape"], row["dtype"], format_bytes(row["bytes"]))
     return table
 
 
@@ -205,8 +179,8 @@ def summary_text(document: Mapping[str, Any]) -> Text:
     text.append(f"   captured with {document['capture']}, strategy {chosen}"
                 + (f", budget {document['budget']}" if document.get("budget") else "") + "\n")
     text.append("simulated peak ")
-    text.append(human_bytes(document["peak_bytes"]), style="bold cyan")
-    text.append(f" vs eager {human_bytes(document['eager_peak_bytes'])} ")
+    text.append(format_bytes(document["peak_bytes"]), style="bold cyan")
+    text.append(f" vs eager {format_bytes(document['eager_peak_bytes'])} ")
     text.append(f"({document['peak_ratio']:.2f}x)", style="bold")
     text.append(f"; recompute {document['recompute_fraction']:.0%} of forward FLOPs "
                 f"({human_flops(document['recompute_flops'])} of {human_flops(document['forward_flops'])})")
@@ -234,7 +208,7 @@ def compare_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
             table.add_row(row["strategy"], Text(row["error"], style="red"), *[""] * 6)
             continue
         style = "bold green" if row["peak_bytes"] == best else ""
-        table.add_row(row["strategy"], row["strategy_used"], Text(human_bytes(row["peak_bytes"]), style=style),
+        table.add_row(row["strategy"], row["strategy_used"], Text(format_bytes(row["peak_bytes"]), style=style),
                       f"{row['peak_ratio']:.2f}x", f"{row['recompute_fraction']:.0%}", str(row["checkpoints"]),
                       str(row["segment_count"]), f"{row['planning_seconds'] * 1e3:.0f} ms")
     return table

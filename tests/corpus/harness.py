@@ -11,7 +11,6 @@ Hugging Face models, a scalar output as is, else the mean squares of every outpu
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,30 +79,19 @@ def rewritten(prepared: Prepared, plan: Plan) -> nn.Module:
 
 def budget_bytes(prepared: Prepared, setting: Setting) -> int:
     """The bytes a budget allows: the fraction of eager's simulated peak, or for ``"floor"``
-    the floor :class:`BudgetError` names (to 0.01 MiB) plus half its rounding, so at least
-    the true floor."""
+    the floor itself (:func:`floor_bytes`)."""
     if setting == "floor":
-        return _floor(prepared) + FLOOR_ROUNDING // 2
+        return _floor(prepared)
     return int(float(setting) * prepared.eager_simulated)
 
 
-FLOOR_ROUNDING = int(0.01 * 2**20)  # BudgetError names its floor in MiB to two decimals
-_FLOOR = re.compile(r"smallest simulated peak is ([0-9.]+) MiB")
-
-
-def floor_from_error(error: BudgetError) -> int | None:
-    """The smallest simulated peak a :class:`BudgetError` names (to 0.01 MiB), if it names one."""
-    match = _FLOOR.search(str(error))
-    return int(float(match.group(1)) * 2**20) if match else None
-
-
 def floor_bytes(prepared: Prepared) -> int | None:
-    """The smallest simulated peak any plan reaches (to 0.01 MiB): what ``rewrite`` names
-    when asked for one byte; None if its error does not say."""
+    """The smallest simulated peak any plan reaches: what ``rewrite``'s :class:`BudgetError`
+    says (``smallest_peak_bytes``) when asked for one byte; None if it does not say."""
     try:
         plan_cost_graph(prepared.cost_graph, budget=1)
     except BudgetError as error:
-        return floor_from_error(error)
+        return error.smallest_peak_bytes
     return 0
 
 

@@ -1,0 +1,129 @@
+"""The heuristic strategies: few segments placed by rules of thumb, fast on any graph.
+
+* :func:`sqrt_plan` — Chen et al. 2016: about √n segments of equal bytes, cut wherever
+  the execution order allows.
+* :func:`articulation_plan` — boundaries only at articulation points (one value every
+  input-to-output path goes through), chosen √n-style; falls back to min-cut when a graph
+  has too few (U-Net skips, dense blocks).
+* :func:`mincut_plan` — at each balanced position, the minimum-bytes vertex cut in the
+  window around it, so a boundary may be several tensors.
+* :func:`auto_plan` — runs the three and keeps the lowest simulated peak.
+
+Each ``*_candidate`` function returns segments not yet simulated (the budget search prices
+many of them, :mod:`passes.budget`); each ``*_plan`` function is a
+:class:`passes.strategies.Strategy` of the registry there, next to ``optimal``.
+
+Every segment except the last is recomputed: the last one's backward runs right after
+forward, so recomputing it would save nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import accumulate
+
+import networkx as nx
+
+from passes.costgraph import op_nodes
+from passes.cuts import (
+    INF,
+    articulation_points,
+    balanced_targets,
+    last_reader,
+    min_cut_between,
+    nearest_positions,
+    op_positions,
+    op_weights,
+    prefix_costs,
+    sqrt_segment_count,
+)
+from passes.plan import Candidate, Plan, Progress, from_positions, groups_from_cuts, plan_of_segments, simulated
+from passes.segments import make_segments
+from passes.simulate import eager_segments
+
+
+def sqrt_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
+    """About √n segments balanced by bytes, each boundary at an allowed prefix cut."""
+    ops = op_nodes(graph)
+    count = segments or sqrt_segment_count(graph)
+    costs = prefix_costs(graph)
+    cumulative = list(accumulate(op_weights(graph, ops)))
+    allowed = [i for i, cost in enumerate(costs[:-1]) if cost < INF]
+    positions = nearest_positions(cumulative, allowed, balanced_targets(op_weights(graph, ops), count))
+    return from_positions(graph, "sqrt", positions)
+
+
+def articulation_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
+    """√n-style boundaries chosen among articulation points; min-cut when there are none."""
+    ops, position = op_positions(graph)
+    count = segments or sqrt_segment_count(graph)
+    costs = prefix_costs(graph)
+    candidates = [position[n] for n in articulation_points(graph)
+                  if position[n] < len(ops) - 1 and costs[position[n]] < INF]
+    if len(candidates) < min(count - 1, 2):
+        fallback = mincut_candidate(graph, segments)
+        note = (f"articulation: only {len(candidates)} articulation point(s); "
+                "used min-cut boundaries instead")
+        return replace(fallback, notes=(note, *fallback.notes))
+    cumulative = list(accumulate(op_weights(graph, ops)))
+    targets = balanced_targets(op_weights(graph, ops), count)
+    return from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
+
+
+def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
+    """Minimum-bytes vertex cuts, one per window between balanced positions."""
+    ops, position = op_positions(graph)
+    last = last_reader(graph, position)
+    count = segments or sqrt_segment_count(graph)
+    weights = op_weights(graph, ops)
+    cumulative = list(accumulate(weights))
+    marks = nearest_positions(cumulative, list(range(len(ops))), balanced_targets(weights, count))
+    reach = max(1, len(ops) // (4 * count))
+    befores, notes, previous_high = [], [], 0
+    for mark in marks:
+        low, high = max(previous_high, mark - reach + 1), min(mark + reach + 1, len(ops) - 1)
+        if high <= low:
+            continue
+        previous_high = high
+        found = min_cut_between(graph, ops, position, last, low, high, mark)
+        if found is None:
+            notes.append(f"mincut: no allowed boundary between {ops[low]} and {ops[high - 1]}")
+            continue
+        befores.append(set(ops[:low]) | found[1])
+    return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
+
+
+def no_worse_than_eager(graph: nx.DiGraph, plan: Plan) -> Plan:
+    """``plan``, or eager execution when ``plan`` would peak higher than doing nothing
+    (tiny segments whose kept boundaries outweigh what they free): a strategy never hands
+    back a plan worse than no checkpointing. The notes say what happened. A graph costed
+    without example inputs counts nodes, not bytes, and keeps the strategy's plan."""
+    if plan.peak_bytes <= plan.eager_peak_bytes or not graph.graph.get("measured", False):
+        return plan
+    ratio = plan.peak_bytes / max(plan.eager_peak_bytes, 1)
+    note = (f"{plan.strategy}: its plan simulated {ratio:.2f}x eager's peak, above doing nothing; "
+            "kept eager execution (try strategy='optimal' or a budget)")
+    return plan_of_segments(graph, plan.strategy, eager_segments(graph), (*plan.notes, note))
+
+
+def sqrt_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """:func:`sqrt_candidate`, simulated (eager if that is no better); fast, so no ``progress``."""
+    return no_worse_than_eager(graph, simulated(graph, sqrt_candidate(graph, segments)))
+
+
+def articulation_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """:func:`articulation_candidate`, simulated (eager if that is no better)."""
+    return no_worse_than_eager(graph, simulated(graph, articulation_candidate(graph, segments)))
+
+
+def mincut_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """:func:`mincut_candidate`, simulated (eager if that is no better)."""
+    return no_worse_than_eager(graph, simulated(graph, mincut_candidate(graph, segments)))
+
+
+def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """The plan of lowest simulated peak among sqrt, articulation and mincut (less
+    recompute breaks ties); its ``strategy`` names the winner."""
+    plans = [strategy(graph, segments=segments) for strategy in (mincut_plan, articulation_plan, sqrt_plan)]
+    best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
+    return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))

@@ -1,0 +1,300 @@
+"""Segments: the op nodes of a cost graph run together, and what backward recomputes of them.
+
+A plan (:class:`passes.plan.Plan`) partitions the op nodes of a cost graph into
+:class:`Segment` s run one after another. A segment with ``recompute=True`` keeps only its
+inputs and outputs after forward; everything inside it is recomputed during backward. A
+segment with ``recompute=False`` runs like eager code.
+
+A recomputed segment may itself be split into ``children`` (nesting, Chen et al.'s
+recursive variant): when backward recomputes it, its children run like a plan of their
+own, so a recomputed child again keeps only its edges and is recomputed once more when
+backward reaches it. Less memory, more recompute.
+
+This module is what the simulator needs of segments (making, checking and nesting them,
+what a recompute runs); :mod:`passes.plan` turns segments into a simulated plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+
+from passes.costgraph import boundary_bytes, draws_random, in_order, is_activation, keeps_order, op_nodes
+
+
+class PlanError(ValueError):
+    """A plan does not fit its cost graph (a value used before it exists, ...)."""
+
+
+@dataclass(frozen=True)
+class RecomputeFacts:
+    """What running a recomputed segment needs from the cost graph, so that codegen builds
+    it from the plan alone (:func:`with_facts`).
+
+    ``kept_bytes``: bytes its inputs keep alive from forward (each storage once).
+    ``draws_random``: whether it may draw random numbers, so its recompute replays the
+    generator's state. ``reruns``: the nodes one recompute runs (:func:`rerun_nodes`).
+    ``state_inputs``: positions in ``inputs`` of ``state`` values (buffers it updates in
+    place), which a recompute gets scratch copies of.
+    """
+
+    kept_bytes: float
+    draws_random: bool
+    reruns: tuple[str, ...]
+    state_inputs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Op nodes run together, in execution order, with the values crossing their edges.
+
+    ``saved_inside`` (recomputed segments only) are values kept from forward instead of
+    recomputed: selective checkpointing of matmul and convolution outputs.
+    ``children`` (recomputed segments only) split ``nodes`` into segments run when the
+    segment is recomputed; empty means the recompute keeps everything it computes.
+    ``facts`` (recomputed segments of a :class:`passes.plan.Plan`) say what codegen needs
+    to know of the cost graph; they follow from the fields above and the graph, so they
+    take no part in comparing segments.
+    """
+
+    nodes: tuple[str, ...]
+    recompute: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    saved_inside: tuple[str, ...] = ()
+    children: tuple[Segment, ...] = ()
+    facts: RecomputeFacts | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def depth(self) -> int:
+        """Levels of recomputation inside this segment: 0 when nothing is recomputed, 1
+        for a flat recomputed segment, 2 when a child is recomputed again, ..."""
+        if not self.recompute:
+            return 0
+        return 1 + max((child.depth for child in self.children), default=0)
+
+
+Step = str | Segment  # one step of a recompute: an op, or a recomputed child run as a whole
+
+
+def recompute_steps(graph: nx.DiGraph, segment: Segment) -> tuple[list[Step], Step | None]:
+    """What backward's recompute of ``segment`` runs, in order, and the step it stops at.
+
+    torch's checkpoint stops recomputing as soon as it has every tensor backward saved in
+    forward: ops after the last one that saves anything never run again, nor that one when
+    all it saves are its inputs (its saves are taken, it is not run: the returned stop). A
+    recomputed child saves its inputs before its body runs, so a child that is the last to
+    save is not run either. For example, a recomputed ``Linear -> GELU -> Linear`` segment
+    reruns only its first Linear and the GELU: the last Linear saves only its input.
+    """
+    steps: list[tuple[Step, str]] = []
+    for child in segment.children or (segment,):
+        if child is not segment and child.recompute:
+            steps.append((child, "inputs"))
+        else:
+            steps.extend((n, graph.nodes[n]["saves_from"]) for n in child.nodes)
+    last = max((i for i, (_, saves) in enumerate(steps) if saves != "nothing"), default=-1)
+    if last < 0:
+        return [], None
+    if steps[last][1] == "outputs":
+        return [step for step, _ in steps[: last + 1]], None
+    return [step for step, _ in steps[:last]], steps[last][0]
+
+
+def step_nodes(steps: Iterable[Step]) -> list[str]:
+    """The op nodes computed by ``steps`` (a recomputed child's forward computes all of it)."""
+    return [n for step in steps for n in (step.nodes if isinstance(step, Segment) else (step,))]
+
+
+def rerun_nodes(graph: nx.DiGraph, segment: Segment, cached: bool = True) -> list[str]:
+    """The nodes one recompute of ``segment`` computes (its recomputed children's bodies
+    included, their own later recomputes not); ``saved_inside`` excluded when ``cached``."""
+    return _without_kept(step_nodes(recompute_steps(graph, segment)[0]), segment, cached)
+
+
+def with_facts(graph: nx.DiGraph, segment: Segment) -> Segment:
+    """``segment`` (and its children) with the :class:`RecomputeFacts` of ``graph`` that
+    codegen reads; a kept segment has none."""
+    if not segment.recompute:
+        return segment
+    facts = RecomputeFacts(
+        kept_bytes=boundary_bytes(graph, segment.inputs),
+        draws_random=draws_random(graph, segment.nodes),
+        reruns=tuple(rerun_nodes(graph, segment)),
+        state_inputs=tuple(i for i, name in enumerate(segment.inputs) if graph.nodes[name]["state"]),
+    )
+    return replace(segment, children=tuple(with_facts(graph, c) for c in segment.children), facts=facts)
+
+
+def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True) -> list[str]:
+    """Every node backward computes again, once per time it is recomputed (a node in a
+    recomputed child of a recomputed segment appears twice), as :func:`recompute_steps` runs
+    them; ``saved_inside`` excluded when ``cached`` (a nested child's are only cached when
+    its enclosing segment's recompute ran it)."""
+    again: list[str] = []
+    for segment in segments:
+        if not segment.recompute:
+            continue
+        ran, _ = recompute_steps(graph, segment)
+        again.extend(_without_kept(step_nodes(ran), segment, cached))
+        for child in segment.children:
+            again.extend(recomputed_nodes(graph, [child], cached=child in ran))
+    return again
+
+
+def recompute_totals(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[int, int]:
+    """FLOPs and bytes written by everything backward recomputes (:func:`recomputed_nodes`)."""
+    again = recomputed_nodes(graph, segments)
+    return sum(graph.nodes[n]["flops"] for n in again), sum(graph.nodes[n]["bytes"] for n in again)
+
+
+def cost_key(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[int, int, int]:
+    """:attr:`Plan.cost_key` of segments not yet simulated: what they recompute is known
+    without simulating them."""
+    return *recompute_totals(graph, segments), recomputed_count(segments)
+
+
+def _without_kept(nodes: list[str], segment: Segment, cached: bool) -> list[str]:
+    kept = set(segment.saved_inside) if cached else set()
+    return [n for n in nodes if n not in kept]
+
+
+def recomputed_count(segments: Iterable[Segment]) -> int:
+    """Recomputed segments, nested ones included: the checkpoint calls a step makes."""
+    return sum(s.recompute + recomputed_count(s.children) for s in segments)
+
+
+def segment_edges(graph: nx.DiGraph, nodes: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The values a group of nodes reads from outside and the ones read after it.
+
+    Parameters are inputs too (recomputation needs them); the output sink is not a node of
+    any segment, so values it reads are outputs.
+    """
+    inside = set(nodes)
+    inputs = {u for v in nodes for u in graph.predecessors(v) if u not in inside}
+    outputs = {v for v in nodes if any(w not in inside for w in graph.successors(v))}
+    return tuple(in_order(graph, inputs)), tuple(in_order(graph, outputs))
+
+
+def make_segments(graph: nx.DiGraph, groups: Iterable[tuple[Iterable[str], bool]]) -> tuple[Segment, ...]:
+    """Segments from ``(nodes, recompute)`` groups; empty groups dropped, neighbours of
+    the same kind with nothing recomputed merged, non-recomputable nodes split out."""
+    pieces: list[tuple[list[str], bool]] = []
+    for nodes, recompute in groups:
+        for piece, flag in _split_unrecomputable(graph, in_order(graph, nodes), recompute):
+            flag = flag and _edges_cuttable(graph, piece)
+            if pieces and not flag and not pieces[-1][1]:
+                pieces[-1][0].extend(piece)
+            else:
+                pieces.append((list(piece), flag))
+    return tuple(Segment(tuple(nodes), flag, *segment_edges(graph, nodes))
+                 for nodes, flag in pieces if nodes)
+
+
+def _edges_cuttable(graph: nx.DiGraph, nodes: Sequence[str]) -> bool:
+    """Whether every value crossing the edge of ``nodes`` may be kept at a boundary."""
+    inputs, outputs = segment_edges(graph, nodes)
+    return all(graph.nodes[v]["cuttable"] for v in (*inputs, *outputs))
+
+
+def _split_unrecomputable(graph: nx.DiGraph, nodes: list[str], recompute: bool):
+    """Yield runs of ``nodes``: nodes that may not be recomputed become kept runs."""
+    if not recompute:
+        yield nodes, False
+        return
+    run: list[str] = []
+    for name in nodes:
+        if graph.nodes[name]["recomputable"]:
+            run.append(name)
+            continue
+        if run:
+            yield run, True
+            run = []
+        yield [name], False
+    if run:
+        yield run, True
+
+
+def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str, ...]:
+    """Activations kept at the edges of recomputed segments."""
+    kept = {v for s in segments if s.recompute for v in (*s.inputs, *s.outputs)
+            if is_activation(graph, v)}
+    return tuple(in_order(graph, kept))
+
+
+def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
+    """Raise :class:`PlanError` unless the segments are a runnable, safe partition.
+
+    Every op node sits in exactly one segment; a segment only reads values computed by an
+    earlier segment (or inputs and parameters); recomputed segments hold only recomputable
+    nodes and keep only cuttable values at their edges, so each recomputed value can be
+    computed again from kept ones; random ops and in-place writes run in their eager order.
+    """
+    done = {n for n, kind in graph.nodes(data="kind") if kind in ("input", "param")}
+    expected = set(op_nodes(graph))
+    ordered = [n for s in segments for n in s.nodes if keeps_order(graph, n)]
+    if ordered != in_order(graph, ordered):
+        raise PlanError(f"random ops or in-place writes run out of their eager order: {ordered}")
+    for index, segment in enumerate(segments):
+        for name in segment.nodes:
+            if name not in expected:
+                raise PlanError(f"segment {index}: {name!r} is not an op node, or is in two segments")
+            expected.discard(name)
+            missing = [u for u in graph.predecessors(name) if u not in done]
+            if missing:
+                raise PlanError(f"segment {index}: {name!r} reads {missing} before they are computed")
+            done.add(name)
+        _validate_shape(graph, segment, f"segment {index}")
+    if expected:
+        raise PlanError(f"op nodes in no segment: {in_order(graph, expected)}")
+
+
+def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:
+    """Check one segment's edges, recompute safety, selective values and children."""
+    if (segment.inputs, segment.outputs) != segment_edges(graph, segment.nodes):
+        raise PlanError(f"{where}: inputs/outputs do not match the graph")
+    if not segment.recompute:
+        if segment.saved_inside or segment.children:
+            raise PlanError(f"{where}: only recomputed segments have saved_inside or children")
+        return
+    bad = [n for n in segment.nodes if not graph.nodes[n]["recomputable"]]
+    if bad:
+        raise PlanError(f"{where} recomputes {bad}, which may not be recomputed")
+    edge_values = [*segment.inputs, *segment.outputs]
+    if boundary_bytes(graph, edge_values) == float("inf"):
+        stuck = [v for v in edge_values if not graph.nodes[v]["cuttable"]]
+        raise PlanError(f"{where} keeps {stuck}, which are written in place later")
+    if not set(segment.saved_inside) <= set(segment.nodes):
+        raise PlanError(f"{where}: saved_inside must be nodes of the segment")
+    if segment.children:
+        if segment.saved_inside:
+            raise PlanError(f"{where}: a segment with children keeps nothing from forward (saved_inside)")
+        if tuple(n for child in segment.children for n in child.nodes) != segment.nodes:
+            raise PlanError(f"{where}: children must split the segment's nodes in order")
+        for index, child in enumerate(segment.children):
+            _validate_shape(graph, child, f"{where}.{index}")
+
+
+def merge_kept(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[Segment, ...]:
+    """``segments`` with neighbouring kept segments joined into one."""
+    merged: list[Segment] = []
+    for segment in segments:
+        if merged and not segment.recompute and not merged[-1].recompute:
+            nodes = merged[-1].nodes + segment.nodes
+            merged[-1] = Segment(nodes, False, *segment_edges(graph, nodes))
+        else:
+            merged.append(segment)
+    return tuple(merged)
+
+
+def nested(graph: nx.DiGraph, children: Iterable[Segment]) -> Segment:
+    """The recomputed segment made of ``children`` (ready segments, in order): when backward
+    recomputes it, its recomputed children keep only their edges and are recomputed again
+    when backward reaches them. A parent whose children are all kept is a flat recomputed
+    segment."""
+    merged = merge_kept(graph, children)
+    nodes = tuple(n for child in merged for n in child.nodes)
+    kept_only = all(not child.recompute for child in merged)
+    return Segment(nodes, True, *segment_edges(graph, nodes), children=() if kept_only else merged)
