@@ -21,12 +21,13 @@ from tests.test_optimal import graphs_with_matmuls
 @pytest.mark.parametrize(("budget", "expected"), [
     (0.25, 250), (1.0, 1000), (4096, 4096), ("1KiB", 1024), ("2GiB", 2 * 2**30),
     ("1.5GB", 1_500_000_000), ("512 MiB", 512 * 2**20), ("25%", 250), ("100", 100),
+    ("0.3", 300), ("1", 1000),  # plain numbers up to 1 are fractions, as on the command line
 ])
 def test_parse_budget(budget, expected) -> None:
     assert parse_budget(budget, 1000) == expected
 
 
-@pytest.mark.parametrize("budget", [0.0, 1.5, -3, "lots", "12 parsecs", True, None])
+@pytest.mark.parametrize("budget", [0.0, 1.5, -3, "lots", "12 parsecs", "150%", "1.5", "0MiB", True, None])
 def test_unreadable_budgets_say_what_to_give(budget) -> None:
     with pytest.raises(BudgetError, match="budget"):
         parse_budget(budget, 1000)
@@ -118,8 +119,12 @@ def test_budget_plans_train_like_eager(fraction: float) -> None:
 
 def test_infeasible_budget_names_the_smallest_peak() -> None:
     model, inputs = zoo.make("mlp", depth=16, width=64)
-    with pytest.raises(BudgetError, match=r"smallest simulated peak is .* MiB .*kept values include"):
+    with pytest.raises(BudgetError, match=r"smallest simulated peak is .* MiB .*kept values include") as caught:
         graphckpt.rewrite(model, inputs, budget=0.05)
+    error = caught.value
+    assert error.budget_bytes < error.smallest_peak_bytes < error.eager_peak_bytes
+    assert error.kept_values and error.strategy and error.segment_count
+    assert error.reason in str(error) and "kept values" not in error.reason
 
 
 def test_budget_with_a_strategy_is_refused() -> None:
