@@ -10,9 +10,6 @@ holds each one by name:
 :func:`plan_graph` is what the torch side calls: a strategy by name, or with a ``budget``
 the optimal pass within it (:func:`passes.budget.fit_budget`); both are checked by
 :func:`check_request` first.
-
-Every segment except the last is recomputed: the last one's backward runs right after
-forward, so recomputing it would save nothing.
 """
 
 from __future__ import annotations
