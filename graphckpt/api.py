@@ -5,7 +5,7 @@ Both run the pipeline capture -> costs -> pass (and simulate); :func:`rewrite` a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +13,7 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
-from graphckpt.capture import Captured, CaptureError, capture
+from graphckpt.capture import Captured, CaptureError, block_paths, capture, node_blocks
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
@@ -67,9 +67,13 @@ def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: in
 
 
 def cost_model(model: nn.Module, example_inputs: Any = None, *,
-               example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> tuple[Captured, nx.DiGraph]:
+               example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
+               blocks: Sequence[str] | None = None) -> tuple[Captured, nx.DiGraph]:
     """Capture ``model`` and build its cost graph: everything a plan is chosen from, so several
-    plans (strategies, budgets) can share one capture."""
+    plans (strategies, budgets) can share one capture. ``blocks`` names the modules
+    per-block checkpointing wraps (default: the repeated layers of the model's
+    ``ModuleList``/``Sequential`` containers, :func:`graphckpt.capture.find_blocks`)."""
+    paths = block_paths(model, blocks)
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {list(COSTS)}")
     if cost == "time" and example_inputs is None and not example_kwargs:
@@ -81,17 +85,20 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
     profile = prepare(captured.graph_module, args, example_kwargs, cost)
-    return captured, build_cost_graph(captured.graph_module, profile)
+    node_block = node_blocks(captured.graph_module, paths)
+    return captured, build_cost_graph(captured.graph_module, profile, node_block)
 
 
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
-            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Analysis:
+            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
+            blocks: Sequence[str] | None = None) -> Analysis:
     """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
     check_options(strategy, segments, budget)
     if budget is not None and example_inputs is None and not example_kwargs:
         raise ValueError("a memory budget needs example_inputs: sizes come from running them")
-    captured, cost_graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost)
+    captured, cost_graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost,
+                                      blocks=blocks)
     return Analysis(captured, cost_graph, plan_cost_graph(cost_graph, strategy, segments, budget))
 
 
@@ -103,25 +110,30 @@ def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
 
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
          segments: int | None = None, budget: Budget | None = None,
-         example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Plan:
+         example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
+         blocks: Sequence[str] | None = None) -> Plan:
     """The checkpointing plan for ``model`` without rewriting it (``print(plan)`` shows it).
 
     Without ``example_inputs`` every op costs one unit (node counting).
     """
     return analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
-                   example_kwargs=example_kwargs, cost=cost).plan
+                   example_kwargs=example_kwargs, cost=cost, blocks=blocks).plan
 
 
 def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
-            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> RewrittenModule:
+            example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
+            blocks: Sequence[str] | None = None) -> RewrittenModule:
     """A module computing what ``model`` computes, recomputing planned segments in backward.
 
     It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
     so an optimizer over ``model.parameters()`` trains it. ``strategy`` is one of
-    ``"auto"``, ``"sqrt"``, ``"articulation"``, ``"mincut"``, ``"optimal"`` (least
+    ``"auto"``, ``"sqrt"``, ``"articulation"``, ``"mincut"``, ``"blocks"`` (every repeated
+    layer recomputed, as ``gradient_checkpointing_enable()`` does), ``"optimal"`` (least
     recompute at auto's peak, nested segments allowed); ``segments`` overrides the √n
-    segment count of the heuristics. ``budget`` (a fraction of eager's simulated peak,
+    segment count of the heuristics. ``blocks`` names the modules that count as blocks
+    (default: the repeated layers of the model's ``ModuleList``/``Sequential``
+    containers); a budget search always has per-block checkpointing among its candidates. ``budget`` (a fraction of eager's simulated peak,
     bytes, or a string like ``"2GiB"``) runs the optimal pass: the plan of least recompute
     whose simulated peak fits, or :class:`passes.budget.BudgetError` saying the smallest
     peak reachable. ``cost="time"`` measures each op's forward time on the example inputs
@@ -129,5 +141,5 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
-                       example_kwargs=example_kwargs, cost=cost)
+                       example_kwargs=example_kwargs, cost=cost, blocks=blocks)
     return generate_rewrite(model, analysis)

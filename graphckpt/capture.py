@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,3 +111,74 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
             "Data-dependent control flow (an `if` on a tensor's values) cannot be captured: "
             "use torch.where / torch.cond, or checkpoint that model by hand."
         ) from export_error
+
+
+def _has_own_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward and not isinstance(module, nn.ModuleList)
+
+
+def _is_block(child: nn.Module) -> bool:
+    """A callable, parametrised module with insides of its own: a layer a user checkpoints."""
+    return (_has_own_forward(child) and any(True for _ in child.children())
+            and any(True for _ in child.parameters()))
+
+
+def find_blocks(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """``(container, name)`` of each block a user would checkpoint: the :func:`_is_block`
+    children of ``nn.Sequential``/``nn.ModuleList`` containers, outermost first (a block's
+    own insides are not searched)."""
+    container = isinstance(module, (nn.Sequential, nn.ModuleList))
+    for name, child in module.named_children():
+        if container and _is_block(child):
+            yield module, name
+        else:
+            yield from find_blocks(child)
+
+
+def block_paths(model: nn.Module, names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Qualified names (as ``model.named_modules()`` gives them) of the blocks per-block
+    checkpointing wraps: the repeated layers :func:`find_blocks` finds, or the modules
+    ``names`` lists (a name of a ``ModuleList``/``Sequential`` stands for its children).
+
+    >>> block_paths(nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU())))
+    ('0',)
+    """
+    modules = dict(model.named_modules())
+    if names is None:
+        path_of = {id(module): name for name, module in modules.items()}
+        return tuple(_join(path_of[id(container)], child) for container, child in find_blocks(model))
+    unknown = [name for name in names if name not in modules]
+    if unknown:
+        raise CaptureError(f"blocks {unknown} are not modules of {type(model).__name__}; "
+                           f"some of its modules: {list(modules)[1:8]}")
+    found: list[str] = []
+    for name in names:
+        module = modules[name]
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            found += [_join(name, child) for child, _ in module.named_children()]
+        else:
+            found.append(name)
+    return tuple(found)
+
+
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def node_blocks(graph_module: fx.GraphModule, paths: Sequence[str]) -> dict[str, str]:
+    """The block (one of ``paths``) each node of the graph runs in, by the module stack fx
+    and torch.export record on every node (``nn_module_stack``); ``""`` outside every block.
+    A node without a recorded stack (one graphckpt inserted) sits in the block of the nodes
+    on both sides of it when they agree."""
+    wanted = set(paths)
+    found = {}
+    for node in graph_module.graph.nodes:
+        stack = [entry[0] for entry in (node.meta.get("nn_module_stack") or {}).values()]
+        found[node.name] = next((path for path in stack if path in wanted), None)
+    names = list(found)
+    for index, name in enumerate(names):
+        if found[name] is None:
+            before = next((found[n] for n in reversed(names[:index]) if found[n] is not None), "")
+            after = next((found[n] for n in names[index + 1:] if found[n] is not None), "")
+            found[name] = before if before == after else ""
+    return found

@@ -97,9 +97,13 @@ def returned_loss(graph_module: fx.GraphModule, profile: Profile) -> str | None:
     return scalars.pop() if len(scalars) == 1 else None
 
 
-def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGraph:
-    """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs."""
+def build_cost_graph(graph_module: fx.GraphModule, profile: Profile,
+                     blocks: Mapping[str, str] | None = None) -> nx.DiGraph:
+    """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs;
+    ``blocks`` names the repeated module each node runs in
+    (:func:`graphckpt.capture.node_blocks`)."""
     costs = profile.costs
+    blocks = blocks or {}
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile))
@@ -124,6 +128,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile) -> nx.DiGra
             ordered=node.name in ordered,
             state=node.name in state,
             expensive=cost.expensive,
+            block=blocks.get(node.name, "") if node.op not in _KIND else "",
             param_grad_bytes=cost.param_grad_bytes,
             backward_extra_bytes=cost.backward_extra_bytes,
             grad_views=cost.grad_views,

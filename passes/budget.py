@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import networkx as nx
 
+from passes.blocks import block_segments
 from passes.costgraph import op_nodes
 from passes.heuristics import articulation_candidate, auto_plan, mincut_candidate, sqrt_candidate
 from passes.optimal import DynamicProgram, plan_for_budget
@@ -142,7 +143,8 @@ THOROUGH_UP_TO = 400  # ops; larger graphs try fewer flat plans (the dynamic pro
 
 def candidates(graph: nx.DiGraph) -> list[Candidate]:
     """Flat plans of every heuristic strategy over a range of segment counts (their default
-    √n count included), their partially recomputed variants, and selective variants of all
+    √n count included), per-block checkpointing when the module tree names blocks
+    (:mod:`passes.blocks`), their partially recomputed variants, and selective variants of all
     of these that keep matmul/convolution outputs; not yet simulated. Graphs over
     ``THOROUGH_UP_TO`` ops get only the default count of the two fast strategies."""
     if len(op_nodes(graph)) > THOROUGH_UP_TO:
@@ -151,6 +153,10 @@ def candidates(graph: nx.DiGraph) -> list[Candidate]:
         heuristics = (sqrt_candidate, articulation_candidate, mincut_candidate)
         found = [strategy(graph, count) for count in [*segment_counts(graph)[1:], None] for strategy in heuristics]
         found += [v for c in found if len(c.segments) <= 9 for v in partially_recomputed(graph, c)]
+    per_block = block_segments(graph)
+    if per_block is not None:
+        blocks = Candidate("blocks", per_block)
+        found += [blocks, *partially_recomputed(graph, blocks)]
     if any(graph.nodes[n]["expensive"] for n in graph):
         found += [selective(graph, c) for c in found if any(s.recompute for s in c.segments)]
     return found

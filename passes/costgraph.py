@@ -105,6 +105,11 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     until the last of them is used.
 ``requires_grad``: ``bool``
     Whether the value takes part in backward (its gradient is computed).
+``block``: ``str`` (default ``""``)
+    The repeated module the op runs in (a layer of a ``ModuleList``/``Sequential``, such as
+    ``"transformer.h.3"``), as ``model.named_modules()`` names it; ``""`` outside every
+    block. Per-block checkpointing (:mod:`passes.blocks`) recomputes each block whole, as
+    ``gradient_checkpointing_enable()`` does.
 ``label``: ``str``
     What to show a person (``"linear"``, ``"layers.0"``, ``"relu_"``).
 
@@ -142,6 +147,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "state": bool,
     "grad_views": bool,
     "expensive": bool,
+    "block": str,
     "selective_extra_bytes": int,
     "param_grad_bytes": int,
     "backward_extra_bytes": int,
@@ -160,6 +166,7 @@ DEFAULTS: Mapping[str, Any] = {
     "state": False,
     "grad_views": False,
     "expensive": False,
+    "block": "",
     "selective_extra_bytes": 0,
     "param_grad_bytes": 0,
     "backward_extra_bytes": 0,

@@ -7,7 +7,9 @@
   has too few (U-Net skips, dense blocks).
 * :func:`mincut_plan` — at each balanced position, the minimum-bytes vertex cut in the
   window around it, so a boundary may be several tensors.
-* :func:`auto_plan` — runs the three and keeps the lowest simulated peak.
+* :func:`blocks_plan` — per-block checkpointing from the module tree, as
+  ``gradient_checkpointing_enable()`` does (:mod:`passes.blocks`).
+* :func:`auto_plan` — runs sqrt, articulation and mincut and keeps the lowest simulated peak.
 
 Each ``*_candidate`` function returns segments not yet simulated (the budget search prices
 many of them, :mod:`passes.budget`); each ``*_plan`` function is a
@@ -24,6 +26,7 @@ from itertools import accumulate
 
 import networkx as nx
 
+from passes.blocks import block_segments
 from passes.costgraph import op_nodes
 from passes.cuts import (
     INF,
@@ -93,6 +96,17 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
     return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
 
 
+def blocks_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
+    """Every block of the module tree recomputed (:func:`passes.blocks.block_segments`);
+    :func:`sqrt_candidate` with a note when the graph names no blocks."""
+    found = block_segments(graph)
+    if found is None:
+        fallback = sqrt_candidate(graph, segments)
+        note = "blocks: no repeated blocks in the module tree to recompute; used sqrt segments instead"
+        return replace(fallback, notes=(note, *fallback.notes))
+    return Candidate("blocks", found)
+
+
 def no_worse_than_eager(graph: nx.DiGraph, plan: Plan) -> Plan:
     """``plan``, or eager execution when ``plan`` would peak higher than doing nothing
     (tiny segments whose kept boundaries outweigh what they free): a strategy never hands
@@ -119,6 +133,11 @@ def articulation_plan(graph: nx.DiGraph, *, segments: int | None = None, progres
 def mincut_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
     """:func:`mincut_candidate`, simulated (eager if that is no better)."""
     return no_worse_than_eager(graph, simulated(graph, mincut_candidate(graph, segments)))
+
+
+def blocks_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """:func:`blocks_candidate`, simulated (eager if that is no better)."""
+    return no_worse_than_eager(graph, simulated(graph, blocks_candidate(graph, segments)))
 
 
 def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:

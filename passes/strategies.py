@@ -3,7 +3,8 @@
 A :class:`Strategy` turns a cost graph into a :class:`passes.plan.Plan`; :data:`STRATEGIES`
 holds each one by name:
 
-* ``sqrt``, ``articulation``, ``mincut``, ``auto``: the heuristics of :mod:`passes.heuristics`;
+* ``sqrt``, ``articulation``, ``mincut``, ``blocks``, ``auto``: the heuristics of
+  :mod:`passes.heuristics` (``blocks``: per-block checkpointing from the module tree);
 * ``optimal``: least recompute at auto's peak, nested segments allowed
   (:func:`passes.budget.optimal_plan`).
 
@@ -19,7 +20,7 @@ from typing import Protocol
 import networkx as nx
 
 from passes.budget import Budget, fit_budget, optimal_plan, parse_budget
-from passes.heuristics import articulation_plan, auto_plan, mincut_plan, sqrt_plan
+from passes.heuristics import articulation_plan, auto_plan, blocks_plan, mincut_plan, sqrt_plan
 from passes.plan import Plan, Progress
 from passes.simulate import eager_peak
 
@@ -37,6 +38,7 @@ STRATEGIES: dict[str, Strategy] = {
     "sqrt": sqrt_plan,
     "articulation": articulation_plan,
     "mincut": mincut_plan,
+    "blocks": blocks_plan,
     "auto": auto_plan,
     "optimal": optimal_plan,
 }

@@ -30,11 +30,16 @@ def _tuples(value: Any) -> Any:
 
 
 def graph_from_data(data: dict[str, Any]) -> nx.DiGraph:
-    """The cost graph of :func:`graph_to_data`, with its tuple attributes restored."""
+    """The cost graph of :func:`graph_to_data`, with its tuple attributes restored and
+    attributes the contract gained since the snapshot at their defaults."""
+    from passes.costgraph import DEFAULTS
+
     graph = nx.node_link_graph(data, directed=True, edges="edges")
     for _, attrs in graph.nodes(data=True):
         for key, value in attrs.items():
             attrs[key] = _tuples(value)
+        for key, value in DEFAULTS.items():
+            attrs.setdefault(key, value)
     graph.graph.update({k: _tuples(v) for k, v in graph.graph.items()})
     return graph
 

@@ -18,7 +18,7 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from graphckpt.capture import find_blocks
 from graphckpt.tools.measure import training_step
 from passes.plan import Plan
 
@@ -133,28 +134,6 @@ class CheckpointedBlock(nn.Module):
         if not torch.is_grad_enabled():
             return self.block(*args, **kwargs)
         return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
-def _has_own_forward(module: nn.Module) -> bool:
-    return type(module).forward is not nn.Module.forward and not isinstance(module, nn.ModuleList)
-
-
-def _is_block(child: nn.Module) -> bool:
-    """A callable, parametrised module with insides of its own: a layer a user checkpoints."""
-    return (_has_own_forward(child) and any(True for _ in child.children())
-            and any(True for _ in child.parameters()))
-
-
-def find_blocks(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
-    """``(container, name)`` of each block a user would checkpoint: the :func:`_is_block`
-    children of ``nn.Sequential``/``nn.ModuleList`` containers, outermost first (a block's
-    own insides are not searched)."""
-    container = isinstance(module, (nn.Sequential, nn.ModuleList))
-    for name, child in module.named_children():
-        if container and _is_block(child):
-            yield module, name
-        else:
-            yield from find_blocks(child)
 
 
 def _hf_model(model: nn.Module) -> nn.Module | None:

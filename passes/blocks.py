@@ -1,0 +1,54 @@
+"""Per-block checkpointing found from the model's module tree: the plan that
+``model.gradient_checkpointing_enable()`` stands for, made without editing the model.
+
+Each op's cost-graph attribute ``block`` names the repeated layer it runs in
+(``"transformer.h.3"``). Every run of ops inside one block becomes a recomputed segment;
+ops outside every block (embeddings, the final norm, the head, the loss) run as in eager
+mode, as they do under Hugging Face's per-block checkpointing. The budget search offers this
+plan and its selective variant as candidates, so at per-block's memory it never picks a plan
+its own cost model rates worse.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import networkx as nx
+
+from passes.costgraph import op_nodes
+from passes.plan import Segment
+from passes.segments import make_segments
+
+
+def block_runs(graph: nx.DiGraph) -> list[tuple[str, list[str]]]:
+    """``(block, ops)`` for each maximal run of consecutive ops (execution order) in the
+    same block; ``block`` is ``""`` for a run outside every block.
+
+    >>> from passes.costgraph import add_value
+    >>> g = nx.DiGraph()
+    >>> for i, block in enumerate(["", "h.0", "h.0", "h.1", ""]):
+    ...     add_value(g, f"op{i}", kind="op", order=i, bytes=1, block=block)
+    >>> [(block, len(ops)) for block, ops in block_runs(g)]
+    [('', 1), ('h.0', 2), ('h.1', 1), ('', 1)]
+    """
+    ops = op_nodes(graph)
+    return [(block, list(run)) for block, run in groupby(ops, key=lambda n: graph.nodes[n].get("block", ""))]
+
+
+def block_names(graph: nx.DiGraph) -> list[str]:
+    """The blocks the graph's ops run in, in execution order (empty: no blocks known)."""
+    return list(dict.fromkeys(block for block, _ in block_runs(graph) if block))
+
+
+def block_segments(graph: nx.DiGraph) -> tuple[Segment, ...] | None:
+    """Segments recomputing every block run, the rest kept; ``None`` when the graph names no
+    blocks or no block can be recomputed (a boundary value written in place later, ...).
+    A block that ends the forward is kept: its backward runs right after forward, so
+    recomputing it would save nothing."""
+    runs = block_runs(graph)
+    if not any(block for block, _ in runs):
+        return None
+    groups = [(ops, bool(block)) for block, ops in runs]
+    groups[-1] = (groups[-1][0], False)
+    segments = make_segments(graph, groups)
+    return segments if any(s.recompute for s in segments) else None
