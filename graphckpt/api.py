@@ -132,12 +132,13 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     layer recomputed, as ``gradient_checkpointing_enable()`` does), ``"optimal"`` (least
     recompute at auto's peak, nested segments allowed); ``segments`` overrides the √n
     segment count of the heuristics. ``blocks`` names the modules that count as blocks
-    (default: the repeated layers of the model's ``ModuleList``/``Sequential``
-    containers); a budget search always has per-block checkpointing among its candidates. ``budget`` (a fraction of eager's simulated peak,
-    bytes, or a string like ``"2GiB"``) runs the optimal pass: the plan of least recompute
-    whose simulated peak fits, or :class:`passes.budget.BudgetError` saying the smallest
-    peak reachable. ``cost="time"`` measures each op's forward time on the example inputs
-    and minimises recomputed time instead of FLOPs (pointwise ops are not free).
+    (default: the repeated layers of the model's ``ModuleList``/``Sequential`` containers);
+    a budget search always has per-block checkpointing among its candidates. ``budget`` (a
+    fraction of eager's simulated peak, bytes, or a string like ``"2GiB"``) runs the optimal
+    pass: the plan of least recompute whose simulated peak fits, or
+    :class:`passes.budget.BudgetError` saying the smallest peak reachable. ``cost="time"``
+    measures each op's forward time on the example inputs and minimises recomputed time
+    instead of FLOPs (pointwise ops are not free).
     ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
