@@ -35,6 +35,7 @@ from graphckpt.tools import zoo
 from graphckpt.tools.bench import Result, bench_variants, measure_variants
 from graphckpt.tools.bench_report import Verdict, machine_line, never_above_eager, peak_and_time_target, results_table
 from graphckpt.tools.console import quiet_profiler
+from graphckpt.tools.hf_zoo import hf_gpt2
 from graphckpt.tools.plots import plot_pareto
 from passes.strategies import STRATEGIES
 
@@ -48,33 +49,6 @@ class Case:
     name: str
     description: str
     build: Callable[[], tuple[nn.Module, tuple, Loss]]
-
-
-class CausalLMLoss(nn.Module):
-    """A Hugging Face causal LM's loss on its own input ids: what one training step computes."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, labels=ids).loss
-
-
-def _the_loss(loss: torch.Tensor) -> torch.Tensor:
-    return loss
-
-
-def hf_gpt2(layers: int, d: int, seq: int, batch: int, vocab: int = 50257) -> tuple[nn.Module, tuple, Loss]:
-    """GPT-2 LM (random weights, no download) under its own causal-LM loss, dropout 0."""
-    import transformers
-
-    config = transformers.GPT2Config(n_layer=layers, n_embd=d, n_head=max(1, d // 64), n_positions=seq,
-                                     vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     use_cache=False, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = CausalLMLoss(transformers.GPT2LMHeadModel(config).train())
-    return model, (torch.randint(0, vocab, (batch, seq)),), _the_loss
 
 
 def _zoo(name: str, **kwargs: Any) -> Callable[[], tuple[nn.Module, tuple, Loss]]:

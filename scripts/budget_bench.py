@@ -16,41 +16,15 @@ theirs with a bootstrap interval (this VM's speed drifts by tens of percent betw
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 
 import torch
 
 from graphckpt.tools import zoo
 from graphckpt.tools.anchors import Variant, sequential_anchor
-from graphckpt.tools.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant, training_step
+from graphckpt.tools.bench import eager_variant, measure_variants, measured_peak, model_costs, planned_variant
+from graphckpt.tools.measure import training_step
+from graphckpt.tools.pairs import head_to_head, rerun_with_retaining_allocator
 from passes.units import format_bytes
-
-
-def head_to_head(ours: torch.nn.Module, anchor: torch.nn.Module, inputs: tuple, rounds: int) -> list[float]:
-    """Our step time over the anchor's, one pair of back-to-back steps per round (who goes
-    first alternates): on a shared VM whose speed drifts by tens of percent, only steps
-    taken moments apart compare."""
-    steps = [training_step(ours, inputs, zoo.scalar_loss), training_step(anchor, inputs, zoo.scalar_loss)]
-    for step in steps:
-        step()
-    ratios = []
-    for round_index in range(rounds):
-        seconds = [0.0, 0.0]
-        for index in (0, 1) if round_index % 2 else (1, 0):
-            start = time.perf_counter()
-            steps[index]()
-            seconds[index] = time.perf_counter() - start
-        ratios.append(seconds[0] / seconds[1])
-    return ratios
-
-
-def bootstrap_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
-    """95% bootstrap interval of the median of ``ratios``."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def main() -> None:
@@ -62,7 +36,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60, help="head-to-head rounds against checkpoint_sequential")
     parser.add_argument("--cost", choices=("flops", "time"), default="flops",
                         help="what the optimal pass minimises: recomputed FLOPs or measured op time")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="time with glibc's default allocator (freed memory goes back to the OS)")
     options = parser.parse_args()
+    if not options.default_allocator:
+        rerun_with_retaining_allocator()
     torch.manual_seed(0)
     model, inputs = zoo.make("mlp", depth=32, width=256, batch=options.batch)
     modelled = model_costs(model, inputs, options.cost)  # one capture for both plans
@@ -85,11 +63,10 @@ def main() -> None:
         simulated = format_bytes(result.simulated_peak_bytes, "MiB") if result.simulated_peak_bytes else ""
         print(f"| {result.name} | {format_bytes(result.peak_bytes, 'MiB')} | {result.peak_ratio:.2f}x | {simulated} | "
               f"{result.step_seconds * 1e3:.0f} ms | {result.time_ratio:.2f}x |")
-    ratios = head_to_head(variants[1].module, anchor.module, inputs, options.rounds)
-    low, high = bootstrap_interval(ratios)
-    print(f"\nHead to head, {len(ratios)} rounds of one step each, order alternating: {variants[1].name} over "
-          f"{anchor.name}: median {statistics.median(ratios):.3f}x (95% bootstrap interval {low:.3f}-{high:.3f}); "
-          f"faster in {sum(r < 1 for r in ratios)} of {len(ratios)} rounds")
+    pair = head_to_head(training_step(variants[1].module, inputs, zoo.scalar_loss),
+                        training_step(anchor.module, inputs, zoo.scalar_loss), options.rounds)
+    print(f"\nHead to head, {len(pair.ratios)} rounds of one step each, order alternating: "
+          f"{pair.summary(variants[1].name, anchor.name)}")
     plan = variants[1].plan
     print(f"\n{plan}")
 
