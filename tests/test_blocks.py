@@ -12,7 +12,7 @@ from graphckpt.api import cost_model, plan_cost_graph
 from graphckpt.capture import CaptureError, block_paths
 from graphckpt.tools import zoo
 from passes.blocks import block_names, block_runs
-from passes.plan import cost_key
+from passes.segments import cost_key
 from tests.corpus import ENTRIES
 from tests.corpus import harness as h
 from tests.equivalence import assert_trains_like
