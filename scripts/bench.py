@@ -36,6 +36,7 @@ from graphckpt.tools.bench import Result, bench_variants, measure_variants
 from graphckpt.tools.bench_report import Verdict, machine_line, never_above_eager, peak_and_time_target, results_table
 from graphckpt.tools.console import quiet_profiler
 from graphckpt.tools.hf_zoo import hf_gpt2
+from graphckpt.tools.pairs import rerun_with_retaining_allocator
 from graphckpt.tools.plots import plot_pareto
 from passes.strategies import STRATEGIES
 
@@ -155,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inductor", action="store_true", help="also measure torch.compile with inductor")
     parser.add_argument("--cost", choices=("flops", "time"), default="time", help="what graphckpt minimises")
     parser.add_argument("--out", type=Path, help="write the markdown here and a Pareto PNG per model beside it")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="time with glibc's default allocator (freed memory goes back to the OS)")
     options = parser.parse_args(argv)
+    if argv is None and not options.default_allocator:  # run as a script, not called from a test
+        rerun_with_retaining_allocator()
     # A cold inductor cache, so its build column is a first compile as a user sees it.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="graphckpt-bench-inductor-"))
     cases = TINY if options.tiny else FULL
