@@ -22,11 +22,11 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from graphckpt.api import check_options, plan_cost_graph
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.torch_compat import FakeTensor, symbolic_hint
 from passes.budget import Budget, BudgetError
 from passes.plan import Plan
 from passes.strategies import choose_plan
@@ -41,10 +41,8 @@ def _concrete(value: Any) -> Any:
     the example value) and, under some wrappers, fake tensors: those become real tensors of
     the same layout (filled with zeros), since the profiler makes fakes of its own.
     """
-    if isinstance(value, torch.SymInt):
-        return value.node.hint if value.node.hint is not None else value.node.require_hint()
-    if isinstance(value, (torch.SymFloat, torch.SymBool)):
-        return value.node.hint
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return symbolic_hint(value)
     if isinstance(value, FakeTensor):
         shape = [_concrete(s) for s in value.shape]
         stride = [_concrete(s) for s in value.stride()]

@@ -14,7 +14,6 @@ becomes a :class:`graphckpt.runtime.Segment` called from forward, e.g.::
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.runtime import Segment
+from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
 from passes.segments import RecomputeFacts
 from passes.segments import Segment as PlannedSegment
@@ -64,17 +64,18 @@ def _walk_segments(owner: nn.Module) -> Iterator[tuple[str, Segment]]:
 def adopt_structure(target: nn.Module, source: nn.Module) -> None:
     """Give ``target`` the top-level modules, parameters and buffers of ``source`` (same
     objects, same persistence), so both have the same ``state_dict`` keys."""
-    for name, child in source._modules.items():
-        if target._modules.get(name) is not child:
+    modules, parameters, buffers = module_registries(source)
+    for name, child in modules.items():
+        if module_registries(target)[0].get(name) is not child:
             setattr(target, name, child)
-    for name, parameter in source._parameters.items():
+    for name, parameter in parameters.items():
         if parameter is not None:
             target.register_parameter(name, parameter)
-    for name, buffer in source._buffers.items():
+    not_persistent = non_persistent_buffers(source)
+    for name, buffer in buffers.items():
         if buffer is not None:
-            target.register_buffer(name, buffer, persistent=name not in source._non_persistent_buffers_set)
-    for own, theirs in ((target._modules, source._modules), (target._parameters, source._parameters),
-                        (target._buffers, source._buffers)):
+            target.register_buffer(name, buffer, persistent=name not in not_persistent)
+    for own, theirs in zip(module_registries(target), (modules, parameters, buffers), strict=True):
         _order_like(own, theirs)
 
 
@@ -180,7 +181,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     :attr:`passes.plan.Plan.checkpoint_details`)."""
     originals = {n.name: n for n in source.graph.nodes}
     top = fx.Graph()
-    top._codegen = copy.deepcopy(source.graph._codegen)
+    copy_graph_codegen(source.graph, top)
     env: dict[str, fx.Node] = {}
 
     def lookup(node: fx.Node) -> fx.Node:

@@ -18,6 +18,7 @@ from torch import fx
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
 from graphckpt.profile import NodeCost, fake_copy, node_costs
 from graphckpt.timing import node_nanoseconds
+from graphckpt.torch_compat import OpOverload
 from passes.costgraph import add_value, check_cost_graph
 
 _KIND = {"placeholder": "input", "get_attr": "param", "output": "output"}
@@ -31,7 +32,7 @@ def node_label(node: fx.Node) -> str:
         return f".{node.target}()"
     if node.op == "call_function":
         target = node.target
-        return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+        return str(target) if isinstance(target, OpOverload) else getattr(target, "__name__", str(target))
     return node.op
 
 

@@ -24,6 +24,7 @@ from torch import fx
 
 from graphckpt.profile import NodeCost
 from graphckpt.state import FUNCTIONAL_NORMS, NORMS_WRITING_RUNNING_STATS, state_keys, state_roots
+from graphckpt.torch_compat import OpOverload, op_schema
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
@@ -34,7 +35,7 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
 def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
     """Arguments an ATen op writes: those its schema marks ``(a!)``, plus the running
     statistics of a training-mode batch norm (which its schema does not mark)."""
-    schema = node.target._schema
+    schema = op_schema(node.target)
     bound = {argument.name: node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
              for i, argument in enumerate(schema.arguments)}
     written = [bound[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -72,7 +73,7 @@ def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
         return first if name.endswith("_") and not name.endswith("__") else []
     if node.op != "call_function":
         return []
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         return _schema_written_arguments(node)
     if node.target in FUNCTIONAL_NORMS:
         return _functional_norm_written(node)

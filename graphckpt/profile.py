@@ -16,13 +16,18 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch, storage_key
+from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch
+from graphckpt.torch_compat import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    fake_module_copy,
+    is_accumulate_grad,
+    storage_key,
+    tree_leaves,
+)
 from passes.costgraph import saves_from
 
 PARAM = "<param>"
@@ -145,8 +150,8 @@ class _CostInterpreter(fx.Interpreter):
         stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         while stack:
             function = stack.pop()
-            if function is None or function in self.grad_fns or hasattr(function, "variable"):
-                continue  # hasattr(.., "variable"): a leaf's AccumulateGrad
+            if function is None or function in self.grad_fns or is_accumulate_grad(function):
+                continue
             self.grad_fns.add(function)
             function.register_prehook(enter)
             function.register_hook(leave)
@@ -262,10 +267,8 @@ def positional_inputs(graph_module: fx.GraphModule, args: tuple,
 def fake_copy(graph_module: fx.GraphModule) -> tuple[FakeTensorMode, fx.GraphModule]:
     """A copy of ``graph_module`` on fake tensors, and its mode: what :func:`node_costs`
     runs, made once for several runs of the same graph (copying parameters is slow)."""
-    from torch._dynamo.utils import deepcopy_to_fake_tensor  # slow import, only needed here
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return mode, deepcopy_to_fake_tensor(graph_module, mode)
+    return mode, fake_module_copy(graph_module, mode)
 
 
 def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,

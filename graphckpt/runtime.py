@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -36,10 +35,11 @@ from torch.utils.checkpoint import (
 
 from graphckpt.profile import EXPENSIVE_OPS
 from graphckpt.state import RUNNING_STATS
+from graphckpt.torch_compat import NormBase, clear_selective_cache
 
 
 @contextlib.contextmanager
-def frozen_running_stats(norms: Sequence[_NormBase]) -> Iterator[None]:
+def frozen_running_stats(norms: Sequence[NormBase]) -> Iterator[None]:
     """Norm layers run exactly as in forward, but their running statistics are updated on
     scratch copies that are dropped afterwards: a recompute must not count a batch twice.
 
@@ -122,7 +122,7 @@ class Segment(nn.Module):
         # Found once, not on every call: the body's modules do not change after codegen.
         called = list(self.called_modules())
         self.called_parameters = tuple(p for m in called for p in m.parameters(recurse=False))
-        self.norm_layers = [m for m in called if isinstance(m, _NormBase) and m.track_running_stats]
+        self.norm_layers = [m for m in called if isinstance(m, NormBase) and m.track_running_stats]
 
     def called_modules(self) -> Iterator[nn.Module]:
         """The modules the body calls, those of nested segments included."""
@@ -132,7 +132,7 @@ class Segment(nn.Module):
             else:
                 yield module
 
-    def norms(self) -> list[_NormBase]:
+    def norms(self) -> list[NormBase]:
         """Normalization layers the body (or a nested segment) calls that keep running statistics."""
         return self.norm_layers
 
@@ -279,7 +279,7 @@ class _Recomputing(_Running):
         super().__exit__(*exc_info)
         # Outputs kept for ops the recompute never reached (checkpoint stops once it has
         # what backward needs) would otherwise live until the segment's backward ends.
-        getattr(self.call.cached, "storage", {}).clear()
+        clear_selective_cache(self.call.cached)
 
 
 def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -9,29 +9,33 @@ grad_input in a blocked buffer before copying it out (``X + Y`` more bytes than 
 ``backward_extra_bytes``, the whole backward is run once on fake tensors under a dispatch
 mode that records the ATen calls each node's autograd functions make, and each distinct
 call of a node that ran more than views and pointwise ops (op, shapes, strides,
-dtypes, arguments) is then replayed once on real tensors and measured the way
-:mod:`graphckpt.tools.measure` measures a training step (the yardstick the simulator is checked
-against): its peak above the bytes of the outputs it returns. Replays are cached per process;
-they hold real memory for one call's arguments and results at a time (at most a few of the
-model's activations) and cost about two runs of each distinct backward kernel.
+dtypes, arguments) is then replayed once on real tensors and measured with the yardstick
+the simulator is checked against (:func:`peak_memory`, defined here so the pipeline and
+:mod:`graphckpt.tools.measure` count allocations one way): its peak above the bytes of the
+outputs it returns. Replays are cached per process; they hold real memory for one call's
+arguments and results at a time (at most a few of the model's activations) and cost about
+two runs of each distinct backward kernel.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identifies a tensor's storage (fake tensors included), shared by all its views."""
-    return tensor.untyped_storage()._cdata
-
+from graphckpt.torch_compat import (
+    TorchDispatchMode,
+    allocations_under,
+    memory_timeline_allocations,
+    profiled_event_tree,
+    profiler_enabled,
+    storage_key,
+    tree_leaves,
+    tree_map,
+)
 
 RELEASED = object()  # the token of an event: saved bytes released (negative)
 
@@ -188,36 +192,111 @@ def _realize(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
     return real_args, real_kwargs
 
 
+# ---------------------------------------------------------------- the yardstick
+
+
+def allocation_peak(events: Iterable[tuple[Hashable | None, int]]) -> tuple[int, int]:
+    """``(peak, net)`` bytes of the storages allocated during a window, from its allocation
+    events in time order: ``(key, +bytes)`` allocates, ``(key, -bytes)`` frees.
+
+    Only what is allocated inside the window counts: freeing a storage that existed before
+    it lowers nothing. A ``None`` key is an allocation that cannot be matched to its free;
+    those are pooled, and their frees capped at the pooled bytes still live.
+    """
+    live: dict[Hashable, int] = {}
+    untracked = current = peak = 0
+    for key, size in events:
+        if size > 0:
+            if key is None:
+                untracked += size
+            else:
+                live[key] = size
+            current += size
+        elif key is None:
+            freed = min(-size, untracked)
+            untracked -= freed
+            current -= freed
+        elif key in live:
+            current -= live.pop(key)
+        peak = max(peak, current)
+    return peak, current
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The device :func:`peak_memory` measures on (a CUDA device with its index); an error
+    saying what to do for one it cannot measure."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"peak_memory: device {dev} requested but CUDA is not available; "
+                "measure on device='cpu' or run on a machine with a CUDA build of torch."
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(
+            f"peak_memory: unsupported device {dev}; only 'cpu' (profiler timeline) "
+            "and 'cuda' (allocator statistics) can be measured."
+        )
+    return dev
+
+
+def cpu_peak_and_net(fn: Callable[[], object]) -> tuple[int, int]:
+    """Run ``fn()`` under the CPU memory profiler; return ``(peak, net)`` bytes of the
+    storages it creates (:func:`allocation_peak` over the profiler's memory timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if profiler_enabled():
+        raise RuntimeError(
+            "peak_memory: a torch profiler session is already active; nested "
+            "profilers corrupt each other's results. Call peak_memory outside it."
+        )
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False) as prof:
+        fn()
+    try:
+        events = memory_timeline_allocations(prof, torch.device("cpu"))
+    except RuntimeError as error:
+        raise RuntimeError(f"peak_memory: {error}") from None
+    return allocation_peak(events)
+
+
+def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu") -> int:
+    """Run ``fn()`` once; return the peak bytes of storages created during it: the yardstick
+    of every memory claim (:mod:`graphckpt.tools.measure` says how it is defined and checked).
+
+    Storages alive before the call are not counted, and freeing them inside the
+    call does not lower the result (it is never negative). On CUDA this is
+    ``max_memory_allocated - memory_allocated`` around the call (includes
+    allocator rounding, typically to 512 bytes); on CPU it is computed from the
+    profiler's memory timeline, which slows ``fn`` down, so do not time it here.
+    """
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        return cpu_peak_and_net(fn)[0]
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return max(0, torch.cuda.max_memory_allocated(dev) - before)
+
+
+# ---------------------------------------------------------------- replaying kernels
+
+
 _REPLAY_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
 
 
 def _scratch_in(event: Any) -> int:
     """Peak bytes of the storages allocated under a profiler event, less those still alive
     at its end (the outputs): the scratch of the kernel it wraps."""
-    from torch._C._profiler import _EventType
-
-    allocations, stack = [], [event]
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    live: dict[int, int] = {}
-    current = peak = 0
-    for _, pointer, size in sorted(allocations, key=lambda a: a[0]):
-        if size > 0:
-            live[pointer] = size
-            current += size
-        elif pointer in live:  # frees of storages from before the call do not count
-            current -= live.pop(pointer)
-        peak = max(peak, current)
-    return peak - current
+    peak, net = allocation_peak((pointer, size) for _, pointer, size in allocations_under(event))
+    return peak - net
 
 
 def _cuda_scratch(func: Any, args: tuple, kwargs: dict, device: torch.device) -> int:
     """A call's peak above the storages it returns, from the CUDA allocator's statistics."""
-    from graphckpt.tools.measure import peak_memory
-
     outputs: list[Any] = []
     with torch.no_grad():
         func(*args, **kwargs)
@@ -233,7 +312,7 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     like its fake arguments and store in ``KERNEL_EXTRA`` the bytes it allocates for a
     moment beyond the outputs it returns.
 
-    The yardstick is :mod:`graphckpt.tools.measure`'s: on CPU the profiler's allocation events (one
+    The yardstick is :func:`peak_memory`'s: on CPU the profiler's allocation events (one
     profiler session for all the calls, each call marked by a ``record_function``), on CUDA
     the allocator's peak. Each call runs once untimed first (oneDNN builds and caches its
     primitives then). A call that cannot be replayed (a kernel that rejects the stand-in
@@ -250,7 +329,7 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
                 KERNEL_EXTRA[key] = _cuda_scratch(func, *_realize(args, kwargs), device)
             except _REPLAY_ERRORS:
                 continue
-    if not cpu or torch.autograd.profiler._is_profiler_enabled:
+    if not cpu or profiler_enabled():
         return
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -266,7 +345,6 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
                 continue
             marks[f"graphckpt.replay.{index}"] = key
             del result, real_args, real_kwargs
-    results = prof.profiler.kineto_results if prof.profiler is not None else None
-    for event in results.experimental_event_tree() if results is not None else ():
+    for event in profiled_event_tree(prof):
         if event.name in marks:
             KERNEL_EXTRA[marks[event.name]] = _scratch_in(event)

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import fx
-from torch.nn.modules.batchnorm import _NormBase
+
+from graphckpt.torch_compat import NormBase, OpOverload, op_schema
 
 RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 # ATen norms that write the running statistics they are passed (in training mode).
@@ -42,8 +43,8 @@ def _updates_running_stats(node: fx.Node) -> bool:
     it writes (training mode: it normalizes with the batch's own statistics)."""
     if node.op != "call_function":
         return False
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.name.split("::")[-1] in NORMS_WRITING_RUNNING_STATS
+    if isinstance(node.target, OpOverload):
+        return op_schema(node.target).name.split("::")[-1] in NORMS_WRITING_RUNNING_STATS
     return node.target in FUNCTIONAL_NORMS
 
 
@@ -92,7 +93,7 @@ def norm_layer_keys(graph_module: fx.GraphModule, node: fx.Node) -> list[str]:
     if node.op != "call_module":
         return []
     layer = graph_module.get_submodule(node.target)
-    if not isinstance(layer, _NormBase) or not layer.track_running_stats:
+    if not isinstance(layer, NormBase) or not layer.track_running_stats:
         return []
     return [f"{node.target}.{name}" for name in RUNNING_STATS if getattr(layer, name, None) is not None]
 

@@ -16,9 +16,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from graphckpt.scratch import cpu_peak_and_net
 from graphckpt.tools.measure import (
     StepMeasurement,
-    _cpu_peak_and_net,
     measure_step,
     peak_memory,
     training_step,
@@ -150,8 +150,8 @@ def test_linear_chain_matches_hand_count() -> None:
     """
     chain, x = _linear_chain()
     step = training_step(chain, (x,), lambda out: out.sum())
-    first_peak, first_net = _cpu_peak_and_net(step)
-    second_peak, second_net = _cpu_peak_and_net(step)
+    first_peak, first_net = cpu_peak_and_net(step)
+    second_peak, second_net = cpu_peak_and_net(step)
     param_bytes = sum(p.numel() * p.element_size() for p in chain.parameters())
 
     assert second_peak == pytest.approx(10 * MiB, rel=0.02)

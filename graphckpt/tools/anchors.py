@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from graphckpt.capture import find_blocks
 from graphckpt.tools.measure import training_step
+from graphckpt.torch_compat import activation_memory_budget
 from passes.plan import Plan
 
 
@@ -166,7 +167,7 @@ def block_anchor(model: nn.Module, inputs: tuple) -> Variant | Skipped:
     blocks = list(find_blocks(clone))
     if blocks:
         for container, child in blocks:
-            container._modules[child] = CheckpointedBlock(container._modules[child])
+            container.register_module(child, CheckpointedBlock(container.get_submodule(child)))
         return Variant(name, clone, name, f"{len(blocks)} blocks")
     chain = _plain_chain(clone, inputs)
     if isinstance(chain, Skipped):
@@ -197,11 +198,9 @@ def compile_anchor(model: nn.Module, inputs: tuple, budget: float, loss_fn: Call
     (forward and backward) right here, while the budget is in force."""
     name = f"torch.compile {backend} {budget:g}"
     try:
-        from torch._functorch import config as functorch_config
-
         start = time.perf_counter()
         compiled = torch.compile(_fresh_forward(model), backend=backend)
-        with functorch_config.patch(activation_memory_budget=budget):
+        with activation_memory_budget(budget):
             training_step(compiled, inputs, loss_fn)()
         seconds = time.perf_counter() - start
     except Exception as error:  # any compile failure: note it and measure the rest

@@ -1,0 +1,218 @@
+"""The one door to torch's private internals: every private torch name graphckpt uses.
+
+graphckpt needs a few things torch offers only privately: fake tensors and dispatch modes
+(to cost a graph without running it), the profiler's allocation events and memory timeline
+(to measure peaks on CPU), a storage's identity, the registries behind ``nn.Module``'s
+attributes, an fx graph's code generator, a ``SymInt``'s example value. Each is reached
+here, and only here (``tests/test_torch_compat.py`` fails naming the file and line of any
+other module that touches a private torch name), so a torch release that moves one breaks
+this module alone, and the fix is a shim here.
+
+Torch versions tested: 2.13 (CI, ``.ci/run``). The comment beside each name says where it
+lives and the versions it was checked on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Hashable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import fx, nn
+
+# torch._ops.OpOverload: an ATen op with its overload chosen (``aten.add.Tensor``), what
+# export and dynamo graphs call. Checked on 2.13.
+from torch._ops import OpOverload
+
+# torch._subclasses.fake_tensor: tensors with shapes, dtypes and storages but no data.
+# Checked on 2.13.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+# torch.nn.modules.batchnorm._NormBase: the base of BatchNorm*d and InstanceNorm*d, the
+# layers keeping running statistics. Checked on 2.13.
+from torch.nn.modules.batchnorm import _NormBase as NormBase
+
+# torch.utils._python_dispatch: the base class of a dispatch mode (``__torch_dispatch__``
+# sees every ATen call made under it). Checked on 2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# torch.utils._pytree: flatten / map nested containers of tensors. Checked on 2.13.
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = [
+    "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode",
+    "activation_memory_budget", "allocations_under", "clear_selective_cache", "copy_graph_codegen",
+    "fake_module_copy", "is_accumulate_grad", "memory_timeline_allocations", "module_registries",
+    "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiler_enabled", "storage_key",
+    "symbolic_hint", "tree_leaves", "tree_map",
+]
+
+
+Module = TypeVar("Module", bound=nn.Module)
+
+
+# ---------------------------------------------------------------- tensors and ops
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identifies a tensor's storage (fake tensors included), shared by all its views.
+
+    ``untyped_storage()._cdata``: the address of the C++ storage object. Checked on 2.13.
+    """
+    return tensor.untyped_storage()._cdata
+
+
+def symbolic_hint(value: torch.SymInt | torch.SymFloat | torch.SymBool) -> int | float | bool:
+    """The example value behind a symbolic size dynamo passes for a dynamic dimension.
+
+    ``SymNode.hint`` (``require_hint()`` computes one an unbacked size lacks). Checked on 2.13.
+    """
+    node = value.node
+    if node.hint is None and isinstance(value, torch.SymInt):
+        return node.require_hint()
+    return node.hint
+
+
+def fake_module_copy(module: Module, mode: FakeTensorMode) -> Module:
+    """A deep copy of ``module`` whose parameters and buffers are fake tensors of ``mode``.
+
+    ``torch._dynamo.utils.deepcopy_to_fake_tensor`` (imported here, when first needed: it
+    imports dynamo, which takes a second). Checked on 2.13.
+    """
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+    return deepcopy_to_fake_tensor(module, mode)
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The schema of an ATen op: its name and which arguments it writes (``(a!)``).
+
+    ``OpOverload._schema``. Checked on 2.13.
+    """
+    return op._schema
+
+
+def is_accumulate_grad(function: Any) -> bool:
+    """Whether an autograd graph node is a leaf's ``AccumulateGrad`` (the only kind with a
+    ``variable`` attribute, the leaf it accumulates into). Checked on 2.13."""
+    return hasattr(function, "variable")
+
+
+# ---------------------------------------------------------------- modules and graphs
+
+
+def module_registries(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The live dicts behind ``module``'s direct submodules, parameters and buffers, in
+    registration order (which ``parameters()`` and ``state_dict()`` follow): codegen reorders
+    them so a rewritten module lists tensors in the model's order.
+
+    ``nn.Module._modules``, ``._parameters``, ``._buffers``. Checked on 2.13.
+    """
+    return module._modules, module._parameters, module._buffers
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers left out of ``state_dict`` (``persistent=False``).
+
+    ``nn.Module._non_persistent_buffers_set``. Checked on 2.13.
+    """
+    return set(module._non_persistent_buffers_set)
+
+
+def copy_graph_codegen(source: fx.Graph, target: fx.Graph) -> None:
+    """Give ``target`` a copy of ``source``'s code generator, so the rewritten forward takes
+    and returns what the captured one does (export's pytree in/out specs included).
+
+    ``fx.Graph._codegen`` (read; ``set_codegen`` is public). Checked on 2.13.
+    """
+    target.set_codegen(copy.deepcopy(source._codegen))
+
+
+def clear_selective_cache(context: Any) -> None:
+    """Drop what a selective-checkpoint recompute context kept (the ``cached`` half returned
+    by ``torch.utils.checkpoint.create_selective_checkpoint_contexts``); nothing if the
+    context keeps nothing.
+
+    Its ``storage`` dict (``_CachedTorchDispatchMode.storage``). Checked on 2.13.
+    """
+    getattr(context, "storage", {}).clear()
+
+
+@contextlib.contextmanager
+def activation_memory_budget(budget: float) -> Iterator[None]:
+    """``torch.compile``'s min-cut partitioner keeps activations within ``budget`` (a
+    fraction of what it would save by default) for graphs compiled inside the block.
+
+    ``torch._functorch.config.activation_memory_budget``. Checked on 2.13.
+    """
+    from torch._functorch import config
+
+    with config.patch(activation_memory_budget=budget):
+        yield
+
+
+# ---------------------------------------------------------------- profiler
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler session is running (a second one would corrupt both).
+
+    ``torch.autograd.profiler._is_profiler_enabled``. Checked on 2.13.
+    """
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def profiled_event_tree(prof: torch.profiler.profile) -> list[Any]:
+    """The root events of a finished profiler session (each with ``name`` and ``children``).
+
+    ``prof.profiler.kineto_results.experimental_event_tree()``. Checked on 2.13.
+    """
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    return list(results.experimental_event_tree()) if results is not None else []
+
+
+def allocations_under(event: Any) -> list[tuple[int, Hashable, int]]:
+    """Every allocation and free under a profiler event, in time order: ``(time_ns,
+    address, bytes)``, bytes negative for a free.
+
+    Events tagged ``torch._C._profiler._EventType.Allocation`` and their ``extra_fields``
+    (``ptr``, ``alloc_size``). Checked on 2.13.
+    """
+    from torch._C._profiler import _EventType
+
+    allocations, stack = [], [event]
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    return sorted(allocations, key=lambda allocation: allocation[0])
+
+
+def memory_timeline_allocations(prof: torch.profiler.profile,
+                                device: torch.device) -> list[tuple[Hashable | None, int]]:
+    """The storages created and destroyed on ``device`` during a profiler session run with
+    ``profile_memory=True, record_shapes=True``, in time order: ``(key, +bytes)`` for a
+    creation, ``(key, -bytes)`` for a destruction. ``key`` names one storage, or is ``None``
+    when the profiler could not tie the allocation to a tensor (a creation and destruction
+    then cannot be matched). Rows for storages that existed before, and in-place writes,
+    are left out.
+
+    ``torch.profiler._memory_profiler.MemoryProfile(...).timeline`` rows ``(time, Action,
+    (key, version), bytes)``, a ``TensorKey`` or a bare ``Key``. (``prof._memory_profile()``
+    would insist on ``with_stack=True``, which only feeds category heuristics the timeline
+    does not need.) Checked on 2.13.
+    """
+    from torch.profiler._memory_profiler import Action, MemoryProfile, TensorKey
+
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        raise RuntimeError("the profiler returned no results; is another profiler (e.g. kineto/nsys) interfering?")
+    events: list[tuple[Hashable | None, int]] = []
+    for _time, action, (key, _version), size in MemoryProfile(results).timeline:
+        if key is None or key.device != device or action not in (Action.CREATE, Action.DESTROY):
+            continue
+        events.append((key if isinstance(key, TensorKey) else None, size if action == Action.CREATE else -size))
+    return events
