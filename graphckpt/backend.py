@@ -26,6 +26,7 @@ from torch import fx, nn
 from graphckpt.api import check_options, plan_cost_graph
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.scratch import Layout
 from graphckpt.torch_compat import FakeTensor, symbolic_hint
 from passes.budget import Budget, BudgetError
 from passes.plan import Plan
@@ -39,15 +40,14 @@ def _concrete(value: Any) -> Any:
 
     Dynamo usually passes real tensors, but a ``SymInt`` for each dynamic size (its hint is
     the example value) and, under some wrappers, fake tensors: those become real tensors of
-    the same layout (filled with zeros), since the profiler makes fakes of its own.
+    the same layout (their values never matter: the profiler makes fakes of its own).
     """
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return symbolic_hint(value)
     if isinstance(value, FakeTensor):
-        shape = [_concrete(s) for s in value.shape]
-        stride = [_concrete(s) for s in value.stride()]
-        real = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
-        return real.requires_grad_(value.requires_grad)
+        shape = tuple(_concrete(s) for s in value.shape)
+        stride = tuple(_concrete(s) for s in value.stride())
+        return Layout(shape, stride, value.dtype, value.device).real().requires_grad_(value.requires_grad)
     return value
 
 

@@ -134,6 +134,12 @@ class Layout:
     dtype: torch.dtype
     device: torch.device
 
+    def real(self) -> torch.Tensor:
+        """A real tensor of this layout, for measuring or costing (never for results): ones
+        for floating and complex dtypes, zeros otherwise (valid indices, masks)."""
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        return tensor.fill_(1 if tensor.is_floating_point() or tensor.is_complex() else 0)
+
 
 def layouts_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each tensor replaced by its :class:`Layout` (a tensor
@@ -184,8 +190,7 @@ def _realize(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
         if not isinstance(value, Layout):
             return value
         if id(value) not in made:
-            tensor = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=value.device)
-            made[id(value)] = tensor.fill_(1 if tensor.is_floating_point() or tensor.is_complex() else 0)
+            made[id(value)] = value.real()
         return made[id(value)]
 
     real_args, real_kwargs = tree_map(real, (tuple(args), dict(kwargs)))
