@@ -1,7 +1,7 @@
 """Emit the rewritten module: one ``GraphModule`` that runs a plan's segments.
 
 Kept segments are copied inline into the top-level forward. Each recomputed segment
-becomes a :class:`graphckpt.runtime.Segment` called from forward, e.g.::
+becomes a :class:`graphckpt.runtime.SegmentModule` called from forward, e.g.::
 
     def forward(self, x):
         gelu_5 = self.segment_0(x)          # recomputed in backward, keeps x
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphckpt.runtime import Segment
+from graphckpt.runtime import SegmentModule
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
 from passes.segments import RecomputeFacts
@@ -40,7 +40,7 @@ class RewrittenModule(fx.GraphModule):
             adopt_structure(self, root)
 
     @property
-    def segments(self) -> list[tuple[str, Segment]]:
+    def segments(self) -> list[tuple[str, SegmentModule]]:
         """Every recomputed segment by name, nested ones after their parent."""
         return list(_walk_segments(self))
 
@@ -54,9 +54,9 @@ class RewrittenModule(fx.GraphModule):
         return "\n".join([header + super().code, *bodies])
 
 
-def _walk_segments(owner: nn.Module) -> Iterator[tuple[str, Segment]]:
+def _walk_segments(owner: nn.Module) -> Iterator[tuple[str, SegmentModule]]:
     for name, child in owner.named_children():
-        if isinstance(child, Segment):
+        if isinstance(child, SegmentModule):
             yield name, child
             yield from _walk_segments(child.body)
 
@@ -110,7 +110,7 @@ def _facts(planned: PlannedSegment) -> RecomputeFacts:
     return planned.facts
 
 
-def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> Segment:
+def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> SegmentModule:
     """The runtime module of one recomputed segment. Its body takes the segment's inputs and
     returns its outputs; nested recomputed children become segments called from the body."""
     facts = _facts(planned)
@@ -127,9 +127,10 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
     results = [env[name] for name in planned.outputs]
     body.output(results[0] if len(results) == 1 else tuple(results))
     attributes = {**_attribute_table(body, source, skip=modules), **modules}
-    segment = Segment(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes, inputs=planned.inputs,
-                      outputs=planned.outputs, saved_inside=planned.saved_inside, kept_bytes=facts.kept_bytes,
-                      replays_rng=facts.draws_random, reruns=facts.reruns, state_inputs=facts.state_inputs)
+    segment = SegmentModule(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes,
+                            inputs=planned.inputs, outputs=planned.outputs, saved_inside=planned.saved_inside,
+                            kept_bytes=facts.kept_bytes, replays_rng=facts.draws_random, reruns=facts.reruns,
+                            state_inputs=facts.state_inputs)
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment
@@ -137,10 +138,10 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
 
 def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
                    segments: tuple[PlannedSegment, ...], env: dict[str, fx.Node],
-                   copy_node: Callable[[str], None], prefix: str) -> dict[str, Segment]:
+                   copy_node: Callable[[str], None], prefix: str) -> dict[str, SegmentModule]:
     """Emit a sequence of planned segments into ``target_graph``: kept ones inline, each
-    recomputed one as a call of a new :class:`Segment` (returned by name)."""
-    modules: dict[str, Segment] = {}
+    recomputed one as a call of a new :class:`SegmentModule` (returned by name)."""
+    modules: dict[str, SegmentModule] = {}
     for planned in segments:
         if not planned.recompute:
             for name in planned.nodes:

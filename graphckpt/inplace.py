@@ -62,7 +62,7 @@ def _functional_norm_written(node: fx.Node) -> list[fx.Node]:
 def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
     """The values ``node`` writes into in place (empty if it writes nothing).
 
-    ``call_module`` norm layers are not listed: :class:`graphckpt.runtime.Segment` keeps
+    ``call_module`` norm layers are not listed: :class:`graphckpt.runtime.SegmentModule` keeps
     their running statistics from being updated twice.
     """
     first = [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []

@@ -1,6 +1,6 @@
 """What a rewritten module runs: segments wired into autograd for recomputation.
 
-A :class:`Segment` runs its body through non-reentrant ``torch.utils.checkpoint``: forward
+A :class:`SegmentModule` runs its body through non-reentrant ``torch.utils.checkpoint``: forward
 keeps only the segment's inputs, backward runs the body again (same RNG state, same
 autocast state) until it has what it needs. While recomputing, state updates go to scratch
 copies, so the model's state moves once per step: normalization layers the body calls
@@ -96,7 +96,7 @@ def _wants_grad(args: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
-class Segment(nn.Module):
+class SegmentModule(nn.Module):
     """One recomputed segment of a rewritten module.
 
     The body (an fx ``GraphModule``) is held as a plain attribute, not a submodule: its
@@ -127,7 +127,7 @@ class Segment(nn.Module):
     def called_modules(self) -> Iterator[nn.Module]:
         """The modules the body calls, those of nested segments included."""
         for module in self.body.modules():
-            if isinstance(module, Segment):
+            if isinstance(module, SegmentModule):
                 yield from module.called_modules()
             else:
                 yield module
@@ -244,7 +244,7 @@ class _Running:
             self.refill.filled = True
 
 
-def _call_contexts(segment: Segment, call: _Call) -> tuple[_Running, _Recomputing]:
+def _call_contexts(segment: SegmentModule, call: _Call) -> tuple[_Running, _Recomputing]:
     """Forward and recompute contexts of a call backward will use."""
     return _Running(call, cache=segment.enclosing is None), _Recomputing(segment, call)
 
@@ -262,7 +262,7 @@ class _Recomputing(_Running):
     A nested segment whose enclosing recompute stopped before reaching it (checkpoint's early
     stop) has nothing kept and recomputes everything."""
 
-    def __init__(self, segment: Segment, call: _Call) -> None:
+    def __init__(self, segment: SegmentModule, call: _Call) -> None:
         super().__init__(call, recomputing=True)
         self.segment = segment
 

@@ -34,7 +34,7 @@ from graphckpt.tools.measure import peak_memory, training_step
 from passes.budget import BudgetError
 
 DEFAULT_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15)
-Progress = Callable[[str], None]
+ReportProgress = Callable[[str], None]  # told a message as each measurement step ends
 
 
 @dataclass
@@ -118,13 +118,13 @@ def work_units(variants: Sequence[Variant], steps: int) -> int:
     return len(variants) * (2 + steps)
 
 
-def _tick(progress: Progress | None, message: str) -> None:
+def _tick(progress: ReportProgress | None, message: str) -> None:
     if progress is not None:
         progress(message)
 
 
 def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callable[[Any], torch.Tensor],
-                     *, steps: int = 5, progress: Progress | None = None) -> list[Result]:
+                     *, steps: int = 5, progress: ReportProgress | None = None) -> list[Result]:
     """Warm up every variant, measure its peak once, then time ``steps`` interleaved rounds.
 
     The first variant is the baseline of the ratios (put eager first). Each round starts at
