@@ -86,7 +86,7 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
         _require_costs_for_inplace(captured.graph_module)
     profile = prepare(captured.graph_module, args, example_kwargs, cost)
     node_block = node_blocks(captured.graph_module, paths)
-    return captured, build_cost_graph(captured.graph_module, profile, node_block)
+    return captured, build_cost_graph(captured.graph_module, profile, blocks=node_block)
 
 
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",

@@ -59,26 +59,18 @@ def _needs_checkpointing(graph_module: fx.GraphModule, example_inputs: Sequence[
     return torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in tensors)
 
 
-def lifted_parameters_as_params(cost_graph: nx.DiGraph, graph_module: fx.GraphModule,
-                                example_inputs: Sequence[Any]) -> None:
-    """Cost the parameters dynamo passes as graph inputs like module parameters.
+def lifted_parameters(graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, int]:
+    """The graph inputs that are parameters, each with the bytes of its gradient (0 when frozen).
 
-    As ``input`` values, the simulator would keep each parameter's gradient alive to the end
-    of backward (an input's gradient goes back to the caller), so a graph of big weights
-    looks as if checkpointing saved nothing. They are ``param`` values instead (always
-    there, never activation memory), and the ops reading them get the bytes of the
-    gradients they make for them (``param_grad_bytes``), freed as autograd adds them into
-    ``.grad``, as for the ``get_attr`` parameters of a :func:`graphckpt.rewrite` capture.
+    Dynamo passes the parameters of the modules it inlines as graph inputs. Costed as
+    ``input`` values, the simulator would keep each parameter's gradient alive to the end of
+    backward (an input's gradient goes back to the caller), so a graph of big weights looks
+    as if checkpointing saved nothing; the cost graph makes them ``param`` values instead
+    (:func:`graphckpt.costs.build_cost_graph`'s ``lifted_params``).
     """
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs, strict=False):
-        if not isinstance(value, nn.Parameter):
-            continue
-        cost_graph.nodes[node.name].update(kind="param", bytes=0, alias_of=None)
-        if value.requires_grad:
-            cost_graph.nodes[node.name]["param_grad_bytes"] = value.untyped_storage().nbytes()
-            for reader in cost_graph.successors(node.name):
-                cost_graph.nodes[reader]["param_grad_bytes"] += value.untyped_storage().nbytes()
+    return {node.name: value.untyped_storage().nbytes() if value.requires_grad else 0
+            for node, value in zip(placeholders, example_inputs, strict=False) if isinstance(value, nn.Parameter)}
 
 
 def choose(cost_graph: nx.DiGraph, strategy: str, budget: Budget | None) -> Plan:
@@ -138,8 +130,7 @@ class GraphckptBackend:
         """Cost, plan and rewrite one dynamo graph at its example inputs."""
         args = tuple(_concrete(v) for v in example_inputs)
         profile = prepare(graph_module, args)
-        cost_graph = build_cost_graph(graph_module, profile)
-        lifted_parameters_as_params(cost_graph, graph_module, example_inputs)
+        cost_graph = build_cost_graph(graph_module, profile, lifted_params=lifted_parameters(graph_module, example_inputs))
         plan = choose(cost_graph, self.strategy, self.budget)
         with torch.no_grad():
             return generate(graph_module, graph_module, plan, "torch.compile (dynamo)")

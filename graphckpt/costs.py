@@ -98,21 +98,42 @@ def returned_loss(graph_module: fx.GraphModule, profile: Profile) -> str | None:
     return scalars.pop() if len(scalars) == 1 else None
 
 
-def build_cost_graph(graph_module: fx.GraphModule, profile: Profile,
-                     blocks: Mapping[str, str] | None = None) -> nx.DiGraph:
-    """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs;
+def _as_lifted(node: fx.Node, cost: NodeCost, lifted_params: Mapping[str, int]) -> NodeCost:
+    """``cost`` with the graph inputs that are parameters costed as parameters: no bytes of
+    their own (always there, never activation memory), and their gradients' bytes counted
+    in the node itself and in each node reading it (made by its backward, freed as autograd
+    adds them into ``.grad``), as for the ``get_attr`` parameters of a capture."""
+    if node.name in lifted_params:
+        cost = replace(cost, bytes=0, alias_of=None)
+    grads = sum(lifted_params.get(name, 0) for name in (node.name, *(n.name for n in node.all_input_nodes)))
+    return replace(cost, param_grad_bytes=cost.param_grad_bytes + grads) if grads else cost
+
+
+def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
+                     blocks: Mapping[str, str] | None = None,
+                     lifted_params: Mapping[str, int] | None = None) -> nx.DiGraph:
+    """The :mod:`passes.costgraph` graph of ``graph_module`` with the profiled node costs.
+
     ``blocks`` names the repeated module each node runs in
-    (:func:`graphckpt.capture.node_blocks`)."""
+    (:func:`graphckpt.capture.node_blocks`). ``lifted_params`` names the graph inputs that
+    are parameters (``torch.compile`` passes the parameters of the modules dynamo inlines as
+    inputs), each with the bytes of its gradient (0 when frozen): they become ``param``
+    values (:func:`_as_lifted`). The graph is complete when it is checked and returned;
+    nothing changes it afterwards (the passes cache facts per graph).
+    """
     costs = profile.costs
     blocks = blocks or {}
+    lifted = lifted_params or {}
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile))
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
+        if lifted:
+            cost = _as_lifted(node, cost, lifted)
         add_value(
             graph, node.name,
-            kind=_KIND.get(node.op, "op"),
+            kind="param" if node.name in lifted else _KIND.get(node.op, "op"),
             order=order,
             bytes=cost.bytes,
             reads=[n.name for n in node.all_input_nodes],

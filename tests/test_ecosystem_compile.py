@@ -4,8 +4,10 @@ rewritten, graph breaks and recompiles included, and trains exactly like eager."
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Iterator
 
+import networkx as nx
 import pytest
 import torch
 from torch import fx, nn
@@ -16,6 +18,8 @@ from graphckpt.backend import GraphckptBackend
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from tests.equivalence import ATOL, RTOL
+
+backend_module = importlib.import_module("graphckpt.backend")  # graphckpt.backend is also a function
 
 
 @pytest.fixture(autouse=True)
@@ -187,6 +191,35 @@ def test_fake_example_inputs_are_costed_at_their_layout() -> None:
     rewritten = GraphckptBackend(strategy="sqrt")(graph_module, [fake])
     assert rewritten.segments
     assert_same_step(reference, model, rewritten, x)
+
+
+def test_parameters_are_costed_as_parameters_and_the_graph_is_never_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo passes the parameters of the modules it inlines as graph inputs: the cost graph
+    is built with them as ``param`` values (no bytes, each trainable one's gradient counted
+    at the op reading it, a frozen one's not), and nothing changes it once planning starts
+    (the passes cache facts per graph)."""
+    width = 16
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.Tanh())])
+    model[2].weight.requires_grad_(False)
+    seen = []
+    choose = backend_module.choose
+
+    def recording_choose(graph: nx.DiGraph, strategy: str, budget: object) -> object:
+        seen.append((graph, copy.deepcopy(dict(graph.nodes(data=True)))))
+        return choose(graph, strategy, budget)
+
+    monkeypatch.setattr(backend_module, "choose", recording_choose)
+    x = torch.randn(4, width, requires_grad=True)
+    torch.compile(model, backend=graphckpt.backend(strategy="sqrt"))(x).sum().backward()
+    ((graph, at_planning),) = seen
+    assert dict(graph.nodes(data=True)) == at_planning
+    kinds = [graph.nodes[n]["kind"] for n in graph]
+    assert kinds.count("input") == 1 and kinds.count("param") == 6
+    assert all(graph.nodes[n]["bytes"] == 0 for n in graph if graph.nodes[n]["kind"] == "param")
+    weight, bias = width * width * 4, width * 4
+    readers = [graph.nodes[n]["param_grad_bytes"] for n in graph
+               if graph.nodes[n]["kind"] == "op" and graph.nodes[n]["param_grad_bytes"]]
+    assert readers == [weight + bias, bias, weight + bias]
 
 
 def test_unknown_strategy_and_bad_budget_fail_before_compiling() -> None:
