@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from graphckpt.scratch import cpu_peak_and_net
+from graphckpt.scratch import allocation_peak, cpu_peak_and_net
 from graphckpt.tools.measure import (
     StepMeasurement,
     measure_step,
@@ -110,6 +110,16 @@ def test_preexisting_storages_neither_count_nor_reduce() -> None:
 
     assert peak_memory(free_then_allocate) == 1 * MiB
     assert peak_memory(only_touch_preexisting) == 0
+
+
+def test_allocation_counting_by_hand() -> None:
+    """The one counting rule behind both yardsticks (a step's timeline, a kernel's events):
+    frees of what existed before do not count, and allocations the profiler could not tie
+    to a tensor (``None``) are freed from their own pool only."""
+    assert allocation_peak([("a", 4), ("b", 2), ("a", -4), ("c", 1)]) == (6, 3)
+    assert allocation_peak([("old", -8), ("a", 2), ("a", -2)]) == (2, 0)
+    assert allocation_peak([(None, 3), (None, -5), ("a", 1)]) == (3, 1)
+    assert allocation_peak([]) == (0, 0)
 
 
 def test_other_threads_are_invisible_on_cpu() -> None:
