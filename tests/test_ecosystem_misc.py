@@ -18,6 +18,7 @@ from torch import nn
 import graphckpt
 from graphckpt.tools import zoo
 from tests.equivalence import ATOL, RTOL, assert_trains_like, fresh_pair
+from tests.torch_features import FSDP2_ON_CPU, NO_FSDP2_ON_CPU
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ecosystem.md"
 
@@ -201,6 +202,8 @@ def test_docs_snippet_runs(title: str, tmp_path: Path, monkeypatch: pytest.Monke
         pytest.importorskip("transformers")
     if title.startswith("DDP") and not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
+    if title.startswith("DDP") and not FSDP2_ON_CPU:
+        pytest.skip(NO_FSDP2_ON_CPU)
     monkeypatch.chdir(tmp_path)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port())}.items():
