@@ -18,6 +18,8 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
+from graphckpt.torch_compat import export_training_graph
+
 CaptureMethod = Literal["fx", "export"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -78,8 +80,7 @@ def trace_fx(model: nn.Module, args: tuple | None = None,
 
 def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
     """``torch.export`` (non-strict) at the example inputs, unlifted back to a module."""
-    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-    return exported.module()
+    return export_training_graph(model, tuple(args), dict(kwargs))
 
 
 def capture(model: nn.Module, example_inputs: tuple | None = None,

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.flop_counter import FlopCounterMode
 
 from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch
 from graphckpt.torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
     fake_module_copy,
+    flop_counter,
     is_accumulate_grad,
     storage_key,
     tree_leaves,
@@ -124,8 +124,7 @@ class _CostInterpreter(fx.Interpreter):
             made_here.append(storage_key(tensor) not in self.owner)
             return tensor
 
-        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), FlopCounterMode(display=False) as flops, \
-                _OpKinds() as kinds:
+        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), flop_counter() as flops, _OpKinds() as kinds:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)

@@ -40,13 +40,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # torch.utils._pytree: flatten / map nested containers of tensors. Checked on 2.13.
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
-    "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode",
-    "activation_memory_budget", "allocations_under", "clear_selective_cache", "copy_graph_codegen",
-    "fake_module_copy", "is_accumulate_grad", "memory_timeline_allocations", "module_registries",
-    "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiler_enabled", "storage_key",
-    "symbolic_hint", "tree_leaves", "tree_map",
+    "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode", "activation_memory_budget",
+    "allocations_under", "clear_selective_cache", "copy_graph_codegen", "export_training_graph",
+    "fake_module_copy", "flop_counter", "is_accumulate_grad", "memory_timeline_allocations",
+    "module_registries", "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiler_enabled",
+    "storage_key", "symbolic_hint", "tree_leaves", "tree_map",
 ]
 
 
@@ -151,6 +152,60 @@ def activation_memory_budget(budget: float) -> Iterator[None]:
 
     with config.patch(activation_memory_budget=budget):
         yield
+
+
+# ---------------------------------------------------------------- shims for older releases
+
+
+def export_training_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> fx.GraphModule:
+    """``torch.export`` (non-strict) of ``model`` at the example inputs, unlifted back to a
+    module, in the training IR: ATen ops as the model calls them, in-place updates kept
+    (``aten.batch_norm`` writing its running statistics, ``add_`` on the batch counter).
+
+    ``torch.export.export`` from torch 2.6; on 2.5 that returns functionalized ATen
+    (``_native_batch_norm_legit_functional`` and ``copy_`` back into the buffers at the
+    end), so there it is ``torch.export.export_for_training`` (public, 2.5 only as the
+    way to this IR). Checked on 2.5, 2.13.
+    """
+    export = torch.export.export
+    if torch.__version__ < "2.6" and hasattr(torch.export, "export_for_training"):
+        export = torch.export.export_for_training
+    return export(model, args, kwargs, strict=False).module()
+
+
+@contextlib.contextmanager
+def flop_counter() -> Iterator[FlopCounterMode]:
+    """``torch.utils.flop_counter.FlopCounterMode`` (no display) that leaves nothing behind.
+
+    Its module tracker registers multi-grad hooks on the tensors of every module called
+    under it; torch 2.6 and later remove them when the mode exits, torch 2.5 leaves them,
+    and a later ``autograd.grad`` through those tensors then fails ("A leaf node was passed
+    to _will_engine_execute_node"). On 2.5 the hooks are collected here and removed on exit.
+    ``torch.utils.module_tracker.register_multi_grad_hook`` and ``ModuleTracker._hooks``
+    (2.6+). Checked on 2.5, 2.13.
+    """
+    from torch.utils import module_tracker
+
+    counter = FlopCounterMode(display=False)
+    if hasattr(module_tracker.ModuleTracker(), "_hooks"):
+        with counter:
+            yield counter
+        return
+    handles: list[Any] = []
+    register = module_tracker.register_multi_grad_hook
+
+    def registering(*args: Any, **kwargs: Any) -> Any:
+        handles.append(register(*args, **kwargs))
+        return handles[-1]
+
+    module_tracker.register_multi_grad_hook = registering
+    try:
+        with counter:
+            yield counter
+    finally:
+        module_tracker.register_multi_grad_hook = register
+        for handle in handles:
+            handle.remove()
 
 
 # ---------------------------------------------------------------- profiler
