@@ -8,8 +8,12 @@ here, and only here (``tests/test_torch_compat.py`` fails naming the file and li
 other module that touches a private torch name), so a torch release that moves one breaks
 this module alone, and the fix is a shim here.
 
-Torch versions tested: 2.13 (CI, ``.ci/run``). The comment beside each name says where it
-lives and the versions it was checked on.
+Torch versions tested: 2.13 in CI (``.ci/run``); 2.5 and 2.6 by hand (the whole default
+suite, when this module was written: 2.5 without transformers, whose releases now need torch
+2.6). pyproject's ``torch>=2.5`` says the same. 2.4 lacks the public selective-checkpoint API
+(``CheckpointPolicy``, ``create_selective_checkpoint_contexts``) that the runtime builds on.
+The comment beside each name says where it lives and the versions it was checked on; the
+shims for older releases say what they work around.
 """
 
 from __future__ import annotations
@@ -23,22 +27,22 @@ import torch
 from torch import fx, nn
 
 # torch._ops.OpOverload: an ATen op with its overload chosen (``aten.add.Tensor``), what
-# export and dynamo graphs call. Checked on 2.13.
+# export and dynamo graphs call. Checked on 2.5, 2.6, 2.13.
 from torch._ops import OpOverload
 
 # torch._subclasses.fake_tensor: tensors with shapes, dtypes and storages but no data.
-# Checked on 2.13.
+# Checked on 2.5, 2.6, 2.13.
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 # torch.nn.modules.batchnorm._NormBase: the base of BatchNorm*d and InstanceNorm*d, the
-# layers keeping running statistics. Checked on 2.13.
+# layers keeping running statistics. Checked on 2.5, 2.6, 2.13.
 from torch.nn.modules.batchnorm import _NormBase as NormBase
 
 # torch.utils._python_dispatch: the base class of a dispatch mode (``__torch_dispatch__``
-# sees every ATen call made under it). Checked on 2.13.
+# sees every ATen call made under it). Checked on 2.5, 2.6, 2.13.
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# torch.utils._pytree: flatten / map nested containers of tensors. Checked on 2.13.
+# torch.utils._pytree: flatten / map nested containers of tensors. Checked on 2.5, 2.6, 2.13.
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -60,7 +64,7 @@ Module = TypeVar("Module", bound=nn.Module)
 def storage_key(tensor: torch.Tensor) -> int:
     """Identifies a tensor's storage (fake tensors included), shared by all its views.
 
-    ``untyped_storage()._cdata``: the address of the C++ storage object. Checked on 2.13.
+    ``untyped_storage()._cdata``: the address of the C++ storage object. Checked on 2.5, 2.6, 2.13.
     """
     return tensor.untyped_storage()._cdata
 
@@ -68,7 +72,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 def symbolic_hint(value: torch.SymInt | torch.SymFloat | torch.SymBool) -> int | float | bool:
     """The example value behind a symbolic size dynamo passes for a dynamic dimension.
 
-    ``SymNode.hint`` (``require_hint()`` computes one an unbacked size lacks). Checked on 2.13.
+    ``SymNode.hint`` (``require_hint()`` computes one an unbacked size lacks). Checked on 2.5, 2.6, 2.13.
     """
     node = value.node
     if node.hint is None and isinstance(value, torch.SymInt):
@@ -80,7 +84,7 @@ def fake_module_copy(module: Module, mode: FakeTensorMode) -> Module:
     """A deep copy of ``module`` whose parameters and buffers are fake tensors of ``mode``.
 
     ``torch._dynamo.utils.deepcopy_to_fake_tensor`` (imported here, when first needed: it
-    imports dynamo, which takes a second). Checked on 2.13.
+    imports dynamo, which takes a second). Checked on 2.5, 2.6, 2.13.
     """
     from torch._dynamo.utils import deepcopy_to_fake_tensor
 
@@ -90,14 +94,14 @@ def fake_module_copy(module: Module, mode: FakeTensorMode) -> Module:
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
     """The schema of an ATen op: its name and which arguments it writes (``(a!)``).
 
-    ``OpOverload._schema``. Checked on 2.13.
+    ``OpOverload._schema``. Checked on 2.5, 2.6, 2.13.
     """
     return op._schema
 
 
 def is_accumulate_grad(function: Any) -> bool:
     """Whether an autograd graph node is a leaf's ``AccumulateGrad`` (the only kind with a
-    ``variable`` attribute, the leaf it accumulates into). Checked on 2.13."""
+    ``variable`` attribute, the leaf it accumulates into). Checked on 2.5, 2.6, 2.13."""
     return hasattr(function, "variable")
 
 
@@ -109,7 +113,7 @@ def module_registries(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]
     registration order (which ``parameters()`` and ``state_dict()`` follow): codegen reorders
     them so a rewritten module lists tensors in the model's order.
 
-    ``nn.Module._modules``, ``._parameters``, ``._buffers``. Checked on 2.13.
+    ``nn.Module._modules``, ``._parameters``, ``._buffers``. Checked on 2.5, 2.6, 2.13.
     """
     return module._modules, module._parameters, module._buffers
 
@@ -117,7 +121,7 @@ def module_registries(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]
 def non_persistent_buffers(module: nn.Module) -> set[str]:
     """Names of ``module``'s own buffers left out of ``state_dict`` (``persistent=False``).
 
-    ``nn.Module._non_persistent_buffers_set``. Checked on 2.13.
+    ``nn.Module._non_persistent_buffers_set``. Checked on 2.5, 2.6, 2.13.
     """
     return set(module._non_persistent_buffers_set)
 
@@ -126,7 +130,7 @@ def copy_graph_codegen(source: fx.Graph, target: fx.Graph) -> None:
     """Give ``target`` a copy of ``source``'s code generator, so the rewritten forward takes
     and returns what the captured one does (export's pytree in/out specs included).
 
-    ``fx.Graph._codegen`` (read; ``set_codegen`` is public). Checked on 2.13.
+    ``fx.Graph._codegen`` (read; ``set_codegen`` is public). Checked on 2.5, 2.6, 2.13.
     """
     target.set_codegen(copy.deepcopy(source._codegen))
 
@@ -136,7 +140,7 @@ def clear_selective_cache(context: Any) -> None:
     by ``torch.utils.checkpoint.create_selective_checkpoint_contexts``); nothing if the
     context keeps nothing.
 
-    Its ``storage`` dict (``_CachedTorchDispatchMode.storage``). Checked on 2.13.
+    Its ``storage`` dict (``_CachedTorchDispatchMode.storage``). Checked on 2.5, 2.6, 2.13.
     """
     getattr(context, "storage", {}).clear()
 
@@ -146,7 +150,7 @@ def activation_memory_budget(budget: float) -> Iterator[None]:
     """``torch.compile``'s min-cut partitioner keeps activations within ``budget`` (a
     fraction of what it would save by default) for graphs compiled inside the block.
 
-    ``torch._functorch.config.activation_memory_budget``. Checked on 2.13.
+    ``torch._functorch.config.activation_memory_budget``. Checked on 2.5, 2.6, 2.13.
     """
     from torch._functorch import config
 
@@ -165,7 +169,7 @@ def export_training_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any])
     ``torch.export.export`` from torch 2.6; on 2.5 that returns functionalized ATen
     (``_native_batch_norm_legit_functional`` and ``copy_`` back into the buffers at the
     end), so there it is ``torch.export.export_for_training`` (public, 2.5 only as the
-    way to this IR). Checked on 2.5, 2.13.
+    way to this IR). Checked on 2.5, 2.6, 2.13.
     """
     export = torch.export.export
     if torch.__version__ < "2.6" and hasattr(torch.export, "export_for_training"):
@@ -182,7 +186,7 @@ def flop_counter() -> Iterator[FlopCounterMode]:
     and a later ``autograd.grad`` through those tensors then fails ("A leaf node was passed
     to _will_engine_execute_node"). On 2.5 the hooks are collected here and removed on exit.
     ``torch.utils.module_tracker.register_multi_grad_hook`` and ``ModuleTracker._hooks``
-    (2.6+). Checked on 2.5, 2.13.
+    (2.6+). Checked on 2.5, 2.6, 2.13.
     """
     from torch.utils import module_tracker
 
@@ -214,7 +218,7 @@ def flop_counter() -> Iterator[FlopCounterMode]:
 def profiler_enabled() -> bool:
     """Whether a torch profiler session is running (a second one would corrupt both).
 
-    ``torch.autograd.profiler._is_profiler_enabled``. Checked on 2.13.
+    ``torch.autograd.profiler._is_profiler_enabled``. Checked on 2.5, 2.6, 2.13.
     """
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
@@ -222,7 +226,7 @@ def profiler_enabled() -> bool:
 def profiled_event_tree(prof: torch.profiler.profile) -> list[Any]:
     """The root events of a finished profiler session (each with ``name`` and ``children``).
 
-    ``prof.profiler.kineto_results.experimental_event_tree()``. Checked on 2.13.
+    ``prof.profiler.kineto_results.experimental_event_tree()``. Checked on 2.5, 2.6, 2.13.
     """
     results = prof.profiler.kineto_results if prof.profiler is not None else None
     return list(results.experimental_event_tree()) if results is not None else []
@@ -233,7 +237,7 @@ def allocations_under(event: Any) -> list[tuple[int, Hashable, int]]:
     address, bytes)``, bytes negative for a free.
 
     Events tagged ``torch._C._profiler._EventType.Allocation`` and their ``extra_fields``
-    (``ptr``, ``alloc_size``). Checked on 2.13.
+    (``ptr``, ``alloc_size``). Checked on 2.5, 2.6, 2.13.
     """
     from torch._C._profiler import _EventType
 
@@ -258,7 +262,7 @@ def memory_timeline_allocations(prof: torch.profiler.profile,
     ``torch.profiler._memory_profiler.MemoryProfile(...).timeline`` rows ``(time, Action,
     (key, version), bytes)``, a ``TensorKey`` or a bare ``Key``. (``prof._memory_profile()``
     would insist on ``with_stack=True``, which only feeds category heuristics the timeline
-    does not need.) Checked on 2.13.
+    does not need.) Checked on 2.5, 2.6, 2.13.
     """
     from torch.profiler._memory_profiler import Action, MemoryProfile, TensorKey
 
