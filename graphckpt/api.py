@@ -73,7 +73,6 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
     plans (strategies, budgets) can share one capture. ``blocks`` names the modules
     per-block checkpointing wraps (default: the repeated layers of the model's
     ``ModuleList``/``Sequential`` containers, :func:`graphckpt.capture.find_blocks`)."""
-    paths = block_paths(model, blocks)
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {list(COSTS)}")
     if cost == "time" and example_inputs is None and not example_kwargs:
@@ -82,6 +81,7 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
     if args is None and example_kwargs:
         args = ()  # keyword inputs alone are example inputs too
     captured = capture(model, args, example_kwargs)
+    paths = block_paths(model, blocks)  # a misspelt block name is refused before costing
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
     profile = prepare(captured.graph_module, args, example_kwargs, cost)
