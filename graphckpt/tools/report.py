@@ -26,8 +26,11 @@ from passes.units import format_bytes
 JSON_VERSION = 1
 
 
-def human_flops(flops: float) -> str:
-    """``4194304`` -> ``"4.19 MFLOP"``: decimal units as FLOP counters use."""
+def human_flops(flops: float, unit: str = "FLOPs") -> str:
+    """``4194304`` -> ``"4.19 MFLOP"``: decimal units as FLOP counters use. A graph costed in
+    measured time (``unit="ns"``) counts nanoseconds: ``4194304`` -> ``"4.19 ms"``."""
+    if unit == "ns":
+        return f"{flops / 1e6:.3g} ms"
     value = float(flops)
     for unit in ("", "k", "M", "G", "T"):
         if abs(value) < 1000 or unit == "T":
@@ -111,6 +114,7 @@ def plan_document(graph: nx.DiGraph, plan: Plan, *, target: str, capture: str, s
         "capture": capture,
         "strategy": strategy,
         "budget": budget,
+        "cost_unit": plan.cost_unit,
         **plan_summary(plan),
         "planning_seconds": planning_seconds,
         "graph": {"nodes": graph.number_of_nodes(), "op_nodes": len(op_nodes(graph)),
@@ -144,6 +148,7 @@ def compare_strategies(graph: nx.DiGraph, names: Iterable[str] | None = None) ->
 
 
 def _segment_table(document: Mapping[str, Any]) -> Table:
+    unit = document.get("cost_unit", "FLOPs")
     table = Table(title="segments (in execution order)", title_justify="left", title_style="bold")
     for header, justify in (("#", "right"), ("nodes", "right"), ("first .. last", "left"),
                             ("backward", "left"), ("kept at boundary", "right"), ("recomputed", "right")):
@@ -155,7 +160,7 @@ def _segment_table(document: Mapping[str, Any]) -> Table:
             what.append(f" ({len(row['saved_inside'])} kept inside)", style="dim")
         table.add_row(indent + row["index"], str(row["nodes"]), f"{indent}{row['first']} .. {row['last']}",
                       what, format_bytes(row["boundary_bytes"]) if row["recompute"] else "-",
-                      human_flops(row["recompute_flops"]) if row["recompute"] else "-")
+                      human_flops(row["recompute_flops"], unit) if row["recompute"] else "-")
     return table
 
 
@@ -182,8 +187,10 @@ def summary_text(document: Mapping[str, Any]) -> Text:
     text.append(format_bytes(document["peak_bytes"]), style="bold cyan")
     text.append(f" vs eager {format_bytes(document['eager_peak_bytes'])} ")
     text.append(f"({document['peak_ratio']:.2f}x)", style="bold")
-    text.append(f"; recompute {document['recompute_fraction']:.0%} of forward FLOPs "
-                f"({human_flops(document['recompute_flops'])} of {human_flops(document['forward_flops'])})")
+    unit = document.get("cost_unit", "FLOPs")
+    what = "forward time" if unit == "ns" else "forward FLOPs"
+    text.append(f"; recompute {document['recompute_fraction']:.0%} of {what} "
+                f"({human_flops(document['recompute_flops'], unit)} of {human_flops(document['forward_flops'], unit)})")
     if document.get("planning_seconds") is not None:
         text.append(f"; captured, costed and planned in {document['planning_seconds']:.2f} s")
     for note in document["notes"]:
