@@ -39,9 +39,10 @@ ABOVE_EAGER = {
                        "plain pointwise ops: the captured program's eager peak is 1.59x the model's",
 }
 BUDGET_MISSED = {
-    (name, setting): "measured 4-18% above a simulated peak at the budget: the simulator under-predicts "
-                     "this sub-MiB model's tightest plan (by 40-70 KiB)"
-    for name, setting in [("t5", "floor"), ("whisper", "floor"), ("inplace_dropout_mlp", "floor")]
+    (name, setting): "measured 3-19% above a simulated peak at the budget: the simulator under-predicts "
+                     "this sub-MiB model's tightest plan (by 20-70 KiB)"
+    for name, setting in [("t5", "floor"), ("whisper", "floor"), ("inplace_dropout_mlp", "floor"),
+                          ("roberta", "floor"), ("bart", "floor")]
 }
 
 
