@@ -172,14 +172,22 @@ def node_blocks(graph_module: fx.GraphModule, paths: Sequence[str]) -> dict[str,
     A node without a recorded stack (one graphckpt inserted) sits in the block of the nodes
     on both sides of it when they agree."""
     wanted = set(paths)
-    found = {}
+    recorded: dict[str, str | None] = {}
     for node in graph_module.graph.nodes:
         stack = [entry[0] for entry in (node.meta.get("nn_module_stack") or {}).values()]
-        found[node.name] = next((path for path in stack if path in wanted), None)
-    names = list(found)
-    for index, name in enumerate(names):
-        if found[name] is None:
-            before = next((found[n] for n in reversed(names[:index]) if found[n] is not None), "")
-            after = next((found[n] for n in names[index + 1:] if found[n] is not None), "")
-            found[name] = before if before == after else ""
-    return found
+        recorded[node.name] = next((path for path in stack if path in wanted), "") if stack else None
+    names = list(recorded)
+    before = _nearest_known([recorded[n] for n in names])
+    after = _nearest_known([recorded[n] for n in reversed(names)])[::-1]
+    return {name: recorded[name] if recorded[name] is not None else (before[i] if before[i] == after[i] else "")
+            for i, name in enumerate(names)}
+
+
+def _nearest_known(blocks: Sequence[str | None]) -> list[str]:
+    """For each position, the last recorded block at or before it (``""`` when none):
+    one sweep, so filling gaps stays linear on graphs of tens of thousands of nodes."""
+    known, last = [], ""
+    for block in blocks:
+        last = block if block is not None else last
+        known.append(last)
+    return known
