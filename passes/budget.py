@@ -12,9 +12,8 @@ from dataclasses import replace
 
 import networkx as nx
 
-from passes.blocks import block_segments
 from passes.costgraph import op_nodes
-from passes.heuristics import articulation_candidate, auto_plan, mincut_candidate, sqrt_candidate
+from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
 from passes.segments import cost_key, make_segments
@@ -153,9 +152,8 @@ def candidates(graph: nx.DiGraph) -> list[Candidate]:
         heuristics = (sqrt_candidate, articulation_candidate, mincut_candidate)
         found = [strategy(graph, count) for count in [*segment_counts(graph)[1:], None] for strategy in heuristics]
         found += [v for c in found if len(c.segments) <= 9 for v in partially_recomputed(graph, c)]
-    per_block = block_segments(graph)
-    if per_block is not None:
-        blocks = Candidate("blocks", per_block)
+    blocks = blocks_candidate(graph)
+    if blocks is not None:
         found += [blocks, *partially_recomputed(graph, blocks)]
     if any(graph.nodes[n]["expensive"] for n in graph):
         found += [selective(graph, c) for c in found if any(s.recompute for s in c.segments)]

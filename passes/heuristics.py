@@ -96,15 +96,11 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
     return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
 
 
-def blocks_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
+def blocks_candidate(graph: nx.DiGraph) -> Candidate | None:
     """Every block of the module tree recomputed (:func:`passes.blocks.block_segments`);
-    :func:`sqrt_candidate` with a note when the graph names no blocks."""
+    ``None`` when the graph names no blocks."""
     found = block_segments(graph)
-    if found is None:
-        fallback = sqrt_candidate(graph, segments)
-        note = "blocks: no repeated blocks in the module tree to recompute; used sqrt segments instead"
-        return replace(fallback, notes=(note, *fallback.notes))
-    return Candidate("blocks", found)
+    return None if found is None else Candidate("blocks", found)
 
 
 def no_worse_than_eager(graph: nx.DiGraph, plan: Plan) -> Plan:
@@ -136,8 +132,14 @@ def mincut_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Pro
 
 
 def blocks_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
-    """:func:`blocks_candidate`, simulated (eager if that is no better)."""
-    return no_worse_than_eager(graph, simulated(graph, blocks_candidate(graph, segments)))
+    """:func:`blocks_candidate`, simulated (eager if that is no better); :func:`sqrt_candidate`
+    with a note when the graph names no blocks."""
+    candidate = blocks_candidate(graph)
+    if candidate is None:
+        fallback = sqrt_candidate(graph, segments)
+        note = "blocks: no repeated blocks in the module tree to recompute; used sqrt segments instead"
+        candidate = replace(fallback, notes=(note, *fallback.notes))
+    return no_worse_than_eager(graph, simulated(graph, candidate))
 
 
 def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:

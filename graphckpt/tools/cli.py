@@ -94,11 +94,13 @@ def _timer() -> Iterator[list[float]]:
     box.append(time.perf_counter() - start)
 
 
-def _analyze(loaded: Any, strategy: str, budget: Any = None, segments: int | None = None) -> tuple[Any, float]:
+def _analyze(loaded: Any, strategy: str, budget: Any = None, segments: int | None = None,
+             cost: str = "flops") -> tuple[Any, float]:
     import graphckpt
 
     with _timer() as seconds, quiet_profiler():
-        analysis = graphckpt.analyze(loaded.model, loaded.inputs, strategy=strategy, budget=budget, segments=segments)
+        analysis = graphckpt.analyze(loaded.model, loaded.inputs, strategy=strategy, budget=budget, segments=segments,
+                                     cost=cost)
     return analysis, seconds[0]
 
 
@@ -342,10 +344,7 @@ def demo(
     loaded = _load(target, None)
     console = out()
     console.print(f"model: {loaded.description}")
-    import graphckpt
-
-    with quiet_profiler():  # recompute priced in measured op time: FLOPs call pointwise ops free
-        analysis = graphckpt.analyze(loaded.model, loaded.inputs, strategy="blocks", cost="time")
+    analysis, _ = _analyze(loaded, "blocks", cost="time")  # measured op time: FLOPs call pointwise ops free
     per_block_peak = analysis.plan.peak_bytes
     analysis = replace(analysis, plan=plan_cost_graph(analysis.cost_graph, budget=per_block_peak))
     console.print(f"budget: per-block checkpointing's simulated peak, {format_bytes(per_block_peak)}; "
@@ -353,16 +352,15 @@ def demo(
     console.print(inspect_view(plan_document(analysis.cost_graph, analysis.plan, target=target,
                                              capture=analysis.captured.method, strategy="optimal")))
     anchor = block_anchor(loaded.model, loaded.inputs)
-    rows = [("eager", loaded.model), ("graphckpt", None)]
-    if isinstance(anchor, Variant):
-        rows.insert(1, ("per-block checkpointing", anchor.module))
+    rewritten = generate_rewrite(loaded.model, analysis)  # the plan shown above, not a second capture
+    modules = {"eager": loaded.model, "per-block checkpointing": anchor.module if isinstance(anchor, Variant) else None,
+               "graphckpt": rewritten}
     table = Table(title=f"training step, median of {steps}", title_justify="left", title_style="bold")
     for header in ("", "measured peak", "step time"):
         table.add_column(header, justify="right" if header else "left")
     with quiet_profiler():
-        rewritten = generate_rewrite(loaded.model, analysis)  # the plan shown above, not a second capture
-        measured = {name: measure_step(module if module is not None else rewritten, loaded.inputs,
-                                       zoo.scalar_loss, repeats=steps) for name, module in rows}
+        measured = {name: measure_step(module, loaded.inputs, zoo.scalar_loss, repeats=steps)
+                    for name, module in modules.items() if module is not None}
     for name, result in measured.items():
         table.add_row(name, format_bytes(result.peak_bytes), f"{result.step_seconds * 1e3:.0f} ms")
     console.print(table)
