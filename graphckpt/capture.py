@@ -9,6 +9,7 @@ is the fallback: it traces real tensor operations, at the example inputs' shapes
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -79,8 +80,9 @@ def trace_fx(model: nn.Module, args: tuple | None = None,
 
 
 def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
-    """``torch.export`` (non-strict) at the example inputs, unlifted back to a module."""
-    return export_training_graph(model, tuple(args), dict(kwargs))
+    """``torch.export`` (non-strict) at the example inputs, unlifted back to a module, with
+    the attention masks that tracing materialised taken back out (:func:`fold_constant_masks`)."""
+    return fold_constant_masks(export_training_graph(model, tuple(args), dict(kwargs)))
 
 
 def capture(model: nn.Module, example_inputs: tuple | None = None,
@@ -191,3 +193,122 @@ def _nearest_known(blocks: Sequence[str | None]) -> list[str]:
         last = block if block is not None else last
         known.append(last)
     return known
+
+
+# ---------------------------------------------------------------- attention masks tracing made
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+MASK_ARGUMENT, CAUSAL_ARGUMENT = 3, 5  # query, key, value, attn_mask, dropout_p, is_causal
+
+
+def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """``graph_module`` with each attention mask that depends on no input folded away where
+    it says nothing: an all-true mask is dropped, a causal one becomes ``is_causal=True``.
+
+    Hugging Face models skip the mask in eager mode when there is no padding (``None``, or
+    ``is_causal=True``) but build it as a tensor when traced. On a GPU a mask changes which
+    fused attention kernel runs: more memory and time, and with attention dropout other
+    random draws than the model's own (ViT on CUDA trained differently). Folding restores
+    the model's call. A mask computed from the inputs (padding) is left alone.
+    """
+    changed = False
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA or len(node.args) <= MASK_ARGUMENT:
+            continue
+        mask = node.args[MASK_ARGUMENT]
+        if not isinstance(mask, fx.Node) or _reads_an_input(mask):
+            continue
+        meaning = mask_meaning(_evaluate(graph_module, mask), node)
+        if meaning is None:
+            continue
+        args = [*node.args[:MASK_ARGUMENT], None, *node.args[MASK_ARGUMENT + 1:]]
+        if meaning == "causal" and len(args) > CAUSAL_ARGUMENT:
+            args[CAUSAL_ARGUMENT] = True
+        elif meaning == "causal":
+            node.kwargs = {**node.kwargs, "is_causal": True}
+        node.args = tuple(args)
+        _erase_unused(mask)
+        changed = True
+    if changed:
+        graph_module.recompile()
+    return graph_module
+
+
+def mask_meaning(mask: torch.Tensor, attention: fx.Node) -> str | None:
+    """``"none"`` for a mask that lets every query see every key, ``"causal"`` for the
+    lower-triangular one (square, not already causal, every batch and head alike), else
+    ``None``. Boolean masks allow where true; additive float masks where zero and block
+    with ``-inf`` or the dtype's lowest value.
+
+    >>> mask_meaning(torch.ones(2, 1, 3, 3, dtype=torch.bool), None)
+    'none'
+    >>> mask_meaning(torch.ones(3, 3, dtype=torch.bool).tril(), None)
+    'causal'
+    """
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        blocked = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | blocked).all()):
+            return None
+        allowed = mask == 0
+    else:
+        return None
+    if bool(allowed.all()):
+        return "none"
+    length = allowed.shape[-1]
+    already_causal = attention is not None and (attention.kwargs.get("is_causal", False) or (
+        len(attention.args) > CAUSAL_ARGUMENT and attention.args[CAUSAL_ARGUMENT]))
+    if allowed.dim() < 2 or allowed.shape[-2] != length or already_causal:
+        return None
+    causal = torch.ones(length, length, dtype=torch.bool, device=allowed.device).tril()
+    return "causal" if bool((allowed == causal).all()) else None
+
+
+def _reads_an_input(node: fx.Node) -> bool:
+    """Whether ``node`` depends on a graph input (or on something not a plain op)."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op not in ("call_function", "get_attr"):
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def _evaluate(graph_module: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    """The value of ``node``, which reads no input, computed from its ancestors."""
+    values: dict[fx.Node, Any] = {}
+    ancestors: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in ancestors:
+            ancestors.add(current)
+            stack.extend(current.all_input_nodes)
+    with torch.no_grad():
+        for current in graph_module.graph.nodes:  # in order: inputs before their users
+            if current not in ancestors:
+                continue
+            if current.op == "get_attr":
+                values[current] = operator.attrgetter(current.target)(graph_module)
+            else:
+                args, kwargs = fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
+                values[current] = current.target(*args, **kwargs)
+    return values[node]
+
+
+def _erase_unused(node: fx.Node) -> None:
+    """Erase ``node`` and then its inputs, each once nothing uses it any more."""
+    stack, erased = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in erased or current.users or current.op not in ("call_function", "get_attr"):
+            continue
+        inputs = current.all_input_nodes
+        current.graph.erase_node(current)
+        erased.add(current)
+        stack.extend(inputs)

@@ -22,6 +22,7 @@ from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_s
 from graphckpt.torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
+    argument_names,
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
@@ -67,6 +68,22 @@ EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_con
                            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"})
 
 
+def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a selective segment keeps this call's outputs from forward: matmuls,
+    convolutions and fused attention (:data:`EXPENSIVE_OPS`), except a call that draws random
+    numbers (fused attention with dropout). That one must run again in the recompute: a
+    cached result draws nothing, so every later random op of the segment would draw from
+    another place in the stream (T5 on CUDA got other dropout masks in backward, and
+    gradients 60% off). The profile and the runtime's policy both ask this one function.
+    """
+    if func.overloadpacket.__name__ not in EXPENSIVE_OPS:
+        return False
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return True
+    bound = {**dict(zip(argument_names(func), args, strict=False)), **kwargs}
+    return bound.get("dropout_p", 1.0) == 0
+
+
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
 
 
@@ -91,7 +108,7 @@ class _OpKinds(TorchDispatchMode):
         if func.namespace == "aten":  # not prim::device and other metadata queries
             self.last = func.overloadpacket.__name__
         self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
-        is_expensive = func.overloadpacket.__name__ in EXPENSIVE_OPS
+        is_expensive = kept_by_selective(func, args, kwargs or {})
         self.expensive = self.expensive or is_expensive
         self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)
         result = func(*args, **(kwargs or {}))

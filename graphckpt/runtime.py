@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from graphckpt.profile import EXPENSIVE_OPS
+from graphckpt.profile import kept_by_selective
 from graphckpt.state import RUNNING_STATS
 from graphckpt.torch_compat import NormBase, clear_selective_cache
 
@@ -283,5 +283,6 @@ class _Recomputing(_Running):
 
 
 def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpointing policy: keep matmul and convolution outputs from forward."""
-    return CheckpointPolicy.MUST_SAVE if op.overloadpacket.__name__ in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective checkpointing policy: keep matmul, convolution and attention outputs from
+    forward, unless the call draws random numbers (:func:`graphckpt.profile.kept_by_selective`)."""
+    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ import torch
 from graphckpt.torch_compat import (
     TorchDispatchMode,
     allocations_under,
+    argument_names,
     memory_timeline_allocations,
     profiled_event_tree,
     profiler_enabled,
@@ -300,6 +301,26 @@ def _scratch_in(event: Any) -> int:
     return peak - net
 
 
+RNG_STATE_ARGUMENTS = ("philox_seed", "philox_offset")
+
+
+def rng_state_on_host(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with the random-number state a fused attention backward reads
+    (philox seed and offset) laid out on the host, where the kernel reads it outside CUDA
+    graph capture: a stand-in on the GPU is read through a device pointer and crashes the
+    process (T5's attention backward did)."""
+    names = argument_names(func)
+
+    def on_host(name: str, value: Any) -> Any:
+        if name in RNG_STATE_ARGUMENTS and isinstance(value, Layout):
+            return replace(value, device=torch.device("cpu"))
+        return value
+
+    named = tuple(on_host(name, value) for name, value in zip(names, args, strict=False))
+    return (named + tuple(args[len(named):]),
+            {name: on_host(name, value) for name, value in kwargs.items()})
+
+
 def _cuda_scratch(func: Any, args: tuple, kwargs: dict, device: torch.device) -> int:
     """A call's peak above the storages it returns, from the CUDA allocator's statistics."""
     outputs: list[Any] = []
@@ -326,12 +347,12 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     cpu: dict[tuple, Call] = {}
     for key, (func, args, kwargs) in calls.items():
         devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Layout)}
-        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
         if device.type == "cpu":
             cpu[key] = (func, args, kwargs)
         elif device.type == "cuda":
             try:
-                KERNEL_EXTRA[key] = _cuda_scratch(func, *_realize(args, kwargs), device)
+                KERNEL_EXTRA[key] = _cuda_scratch(func, *_realize(*rng_state_on_host(func, args, kwargs)), device)
             except _REPLAY_ERRORS:
                 continue
     if not cpu or profiler_enabled():

@@ -24,15 +24,19 @@ REPEATS = 5
 
 
 class _Stopwatch(fx.Interpreter):
-    """Runs the graph, timing every node."""
+    """Runs the graph, timing every node; on CUDA each node's kernels are waited for, so a
+    node's time is its kernels' and not only their launch."""
 
-    def __init__(self, module: fx.GraphModule) -> None:
+    def __init__(self, module: fx.GraphModule, cuda: bool = False) -> None:
         super().__init__(module)
         self.seconds: dict[str, list[float]] = defaultdict(list)
+        self.wait = torch.cuda.synchronize if cuda else (lambda: None)
 
     def run_node(self, node: fx.Node) -> Any:
+        self.wait()
         start = time.perf_counter()
         result = super().run_node(node)
+        self.wait()
         self.seconds[node.name].append(time.perf_counter() - start)
         return result
 
@@ -45,8 +49,9 @@ def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[
     copies of the inputs (in-place ops may write into them) and a forked RNG.
     """
     module = copy.deepcopy(graph_module).train(graph_module.training)
-    stopwatch = _Stopwatch(module)
     inputs = positional_inputs(graph_module, args, kwargs or {})
+    tensors = [*inputs, *module.parameters()]
+    stopwatch = _Stopwatch(module, cuda=any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors))
     with torch.random.fork_rng(), torch.enable_grad():
         for _ in range(repeats + 1):
             stopwatch.run(*[v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v

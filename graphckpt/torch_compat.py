@@ -48,7 +48,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
     "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode", "activation_memory_budget",
-    "allocations_under", "clear_selective_cache", "copy_graph_codegen", "export_training_graph",
+    "allocations_under", "argument_names", "clear_selective_cache", "copy_graph_codegen", "export_training_graph",
     "fake_module_copy", "flop_counter", "is_accumulate_grad", "memory_timeline_allocations",
     "module_registries", "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiler_enabled",
     "storage_key", "symbolic_hint", "tree_leaves", "tree_map",
@@ -97,6 +97,12 @@ def op_schema(op: OpOverload) -> torch.FunctionSchema:
     ``OpOverload._schema``. Checked on 2.5, 2.6, 2.13.
     """
     return op._schema
+
+
+def argument_names(op: Any) -> list[str]:
+    """The names of an ATen op's arguments, in schema order (empty for anything else), to
+    read a call's arguments by name. Through :func:`op_schema`."""
+    return [argument.name for argument in op_schema(op).arguments] if isinstance(op, OpOverload) else []
 
 
 def is_accumulate_grad(function: Any) -> bool:

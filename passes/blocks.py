@@ -52,3 +52,10 @@ def block_segments(graph: nx.DiGraph) -> tuple[Segment, ...] | None:
     groups[-1] = (groups[-1][0], False)
     segments = make_segments(graph, groups)
     return segments if any(s.recompute for s in segments) else None
+
+
+def recomputed_blocks(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> tuple[str, ...]:
+    """The blocks whose runs ``segments`` recompute, in execution order (a block-aligned
+    plan such as :func:`passes.budget.block_plan`'s); ops outside every block are never among them."""
+    names = (graph.nodes[s.nodes[0]].get("block", "") for s in segments if s.recompute)
+    return tuple(dict.fromkeys(name for name in names if name))

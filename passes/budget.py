@@ -16,7 +16,7 @@ from passes.costgraph import op_nodes
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
-from passes.segments import cost_key, make_segments
+from passes.segments import PlanError, cost_key, make_segments
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
 
@@ -235,6 +235,30 @@ def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan]) -> Bud
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
                        segment_count=len(best.segments), kept_values=heaviest)
+
+
+def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
+    """Per-block checkpointing that a module tree can carry out in place: every block
+    recomputed, or for ``budget_bytes`` the plan of least recompute among recomputing the
+    first r blocks that fits it (eager when eager fits). Each recomputed segment is one
+    block's run, so ``graphckpt.enable`` can checkpoint the block's own ``forward``.
+
+    Raises :class:`passes.segments.PlanError` when the graph names no blocks, and
+    :class:`BudgetError` naming the smallest peak when no such plan fits.
+    """
+    every = blocks_candidate(graph)
+    if every is None:
+        raise PlanError("no blocks to checkpoint in place: the model has no repeated child modules "
+                        "(a ModuleList or Sequential of same-class layers); name them with blocks=[...]")
+    if budget_bytes is None:
+        return simulated(graph, every)
+    if eager_peak(graph) <= budget_bytes:
+        note = f"blocks: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
+        return build_plan(graph, "blocks", [(op_nodes(graph), False)], [note])
+    chosen, tried = cheapest_fitting(graph, [every, *partially_recomputed(graph, every)], budget_bytes, None)
+    if chosen is None:
+        raise _unreachable(graph, budget_bytes, tried)
+    return chosen
 
 
 def optimal_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:

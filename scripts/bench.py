@@ -36,6 +36,7 @@ from graphckpt.tools.bench import Result, bench_variants, measure_variants
 from graphckpt.tools.bench_report import Verdict, machine_line, never_above_eager, peak_and_time_target, results_table
 from graphckpt.tools.console import quiet_profiler
 from graphckpt.tools.hf_zoo import hf_gpt2
+from graphckpt.tools.measure import on_device
 from graphckpt.tools.pairs import rerun_with_retaining_allocator
 from graphckpt.tools.plots import plot_pareto
 from passes.strategies import STRATEGIES
@@ -85,6 +86,7 @@ TINY = [
 def run_case(case: Case, options: argparse.Namespace) -> tuple[list[Result], list[Any]]:
     """Build every variant of one model and measure them in one process."""
     model, inputs, loss = case.build()
+    model, inputs = model.to(options.device), on_device(inputs, options.device)
     backends = ("aot_eager", "inductor") if options.inductor else ("aot_eager",)
     with quiet_profiler():
         variants, skipped = bench_variants(model, inputs, loss, strategies=STRATEGIES, compile_backends=backends,
@@ -127,7 +129,7 @@ def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[
     """The whole markdown page: how it was made, the targets, then a section per model."""
     command = "python scripts/bench.py " + " ".join(sys.argv[1:])
     lines = ["# Benchmarks: graphckpt against what people use today", "",
-             f"Measured {datetime.date.today()} on {machine_line()}, by `{command.strip()}`. "
+             f"Measured {datetime.date.today()} on {machine_line(options.device)}, by `{command.strip()}`. "
              f"graphckpt's plans minimise recomputed {'measured op time' if options.cost == 'time' else 'FLOPs'} "
              f"(`cost={options.cost!r}`). Peak is the profiler's memory timeline of one training step after a "
              f"warm-up (activations and temporaries, not parameters); step time is the median of {options.steps} "
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the markdown here and a Pareto PNG per model beside it")
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default allocator (freed memory goes back to the OS)")
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda")
     options = parser.parse_args(argv)
     if argv is None and not options.default_allocator:  # run as a script, not called from a test
         rerun_with_retaining_allocator()

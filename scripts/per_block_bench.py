@@ -23,7 +23,7 @@ from graphckpt.tools.bench import measured_peak, model_costs, planned_variant
 from graphckpt.tools.bench_report import machine_line
 from graphckpt.tools.console import quiet_profiler
 from graphckpt.tools.hf_zoo import hf_gpt2, hf_llama
-from graphckpt.tools.measure import training_step
+from graphckpt.tools.measure import on_device, training_step
 from graphckpt.tools.pairs import allocator_retains, head_to_head, rerun_with_retaining_allocator
 
 MODELS: dict[str, tuple[str, Callable[[], tuple]]] = {
@@ -31,6 +31,11 @@ MODELS: dict[str, tuple[str, Callable[[], tuple]]] = {
              lambda: hf_gpt2(layers=12, d=256, seq=256, batch=8, vocab=8192)),
     "llama": ("HF LLaMA, 8 layers, d=256, GQA 8/4, seq 256, batch 8, vocab 8192",
               lambda: hf_llama(layers=8, d=256, seq=256, batch=8)),
+    # GPU sizes: at d=256 a GPU step waits on Python, not on kernels.
+    "gpt2-small": ("HF GPT-2 small, 12 layers, d=768, seq 1024, batch 8, vocab 50257",
+                   lambda: hf_gpt2(layers=12, d=768, seq=1024, batch=8)),
+    "llama-1k": ("HF LLaMA, 8 layers, d=1024, GQA 16/4, seq 1024, batch 4, vocab 32000",
+                 lambda: hf_llama(layers=8, d=1024, seq=1024, batch=4, heads=16, kv_heads=4, vocab=32000)),
 }
 
 
@@ -39,10 +44,11 @@ def _say(message: str) -> None:
     print(f"  {time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
-def compare(name: str, rounds: int) -> list[str]:
-    """Table rows for one model: each graphckpt variant against per-block, same process."""
+def compare(name: str, rounds: int, device: str = "cpu") -> list[str]:
+    """Table rows for one model on ``device``: each graphckpt variant against per-block, same process."""
     description, build = MODELS[name]
     model, inputs, loss = build()
+    model, inputs = model.to(device), on_device(inputs, device)
     anchor = block_anchor(model, inputs)
     if not isinstance(anchor, Variant):
         raise SystemExit(f"{name}: per-block checkpointing unavailable: {anchor.reason}")
@@ -78,6 +84,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama", help=f"comma-separated, from {list(MODELS)}")
     parser.add_argument("--rounds", type=int, default=40, help="head-to-head rounds per variant")
     parser.add_argument("--out", type=Path, help="write the markdown table here as well")
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu, or cuda")
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default allocator (freed memory goes back to the OS)")
     options = parser.parse_args()
@@ -87,9 +94,9 @@ def main() -> None:
             "| minor faults per step (ours / per-block) |", "|---|---|---:|---:|---:|---:|---:|"]
     with quiet_profiler():
         for name in options.models.split(","):
-            rows += compare(name, options.rounds)
+            rows += compare(name, options.rounds, options.device)
     allocator = "retaining allocator" if allocator_retains() else "default allocator"
-    text = "\n".join([f"{machine_line()}; {allocator}; "
+    text = "\n".join([f"{machine_line(options.device)}; {allocator}; "
                       f"{options.rounds} paired rounds per row", "", *rows])
     print(text)
     if options.out:

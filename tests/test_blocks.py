@@ -82,3 +82,23 @@ def test_a_budget_at_per_blocks_peak_recomputes_no_more_than_per_block(name: str
     chosen = plan_cost_graph(graph, budget=per_block.peak_bytes)
     assert chosen.peak_bytes <= per_block.peak_bytes
     assert cost_key(graph, chosen.segments) <= cost_key(graph, per_block.segments)
+
+
+def test_block_plans_recompute_whole_blocks_and_as_few_as_a_budget_needs() -> None:
+    from passes.blocks import recomputed_blocks
+    from passes.budget import BudgetError, block_plan
+    from passes.simulate import eager_peak
+
+    model, inputs = zoo.make("gpt", layers=6, batch=4)
+    _, graph = cost_model(model, inputs)
+    every = block_plan(graph)
+    assert recomputed_blocks(graph, every.segments) == tuple(f"blocks.{i}" for i in range(6))
+    eager = eager_peak(graph)
+    halfway = (every.peak_bytes + eager) // 2
+    fewer = block_plan(graph, halfway)
+    assert fewer.peak_bytes <= halfway and 0 < len(recomputed_blocks(graph, fewer.segments)) < 6
+    assert cost_key(graph, fewer.segments) < cost_key(graph, every.segments)
+    assert not recomputed_blocks(graph, block_plan(graph, eager).segments)
+    with pytest.raises(BudgetError) as refused:
+        block_plan(graph, every.peak_bytes - 1)
+    assert refused.value.smallest_peak_bytes == every.peak_bytes

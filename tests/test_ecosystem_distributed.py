@@ -61,6 +61,55 @@ def _mlp() -> tuple[nn.Module, nn.Module, torch.Tensor]:
     return model, graphckpt.rewrite(model, strategy="sqrt"), x
 
 
+def _tiny_lms() -> list[tuple[nn.Module, str]]:
+    """A tiny LLaMA and a tiny GPT-2 (dropout on), each with the path of its decoder layers."""
+    import transformers
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, use_cache=False)
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64, use_cache=False)
+    return [(transformers.LlamaForCausalLM(llama).train(), "model.layers"),
+            (transformers.GPT2LMHeadModel(gpt2).train(), "transformer.h")]
+
+
+def run_enable_fsdp2(rank: int) -> str:
+    """``graphckpt.enable`` on tiny Hugging Face LMs, then FSDP2 per decoder layer and at the
+    root, as the standard recipe shards them: two steps at two sequence lengths, loss and
+    full gradients equal to FSDP2 on the untouched model. Returns ``"ok"`` or raises."""
+    from torch.distributed.fsdp import fully_shard
+
+    import graphckpt
+    from graphckpt.enable import CheckpointedForward
+
+    for model, layers in _tiny_lms():
+        kind, reference = type(model), copy.deepcopy(model)
+        ids = torch.randint(0, 97, (2, 16))
+        graphckpt.enable(model, example_kwargs={"input_ids": ids, "labels": ids})
+        for each in (reference, model):
+            for layer in each.get_submodule(layers):
+                fully_shard(layer)
+            fully_shard(each)
+        assert isinstance(model, kind), type(model)  # fully_shard subclasses it
+        generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        for step, length in enumerate((16, 9)):
+            batch = torch.randint(0, 97, (2, length), generator=generator)
+            losses = []
+            for each in (reference, model):
+                torch.manual_seed(step)  # the same dropout draws for both
+                losses.append(each(input_ids=batch, labels=batch).loss)
+                losses[-1].backward()
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, msg=f"{kind.__name__} step {step}")
+            for (name, mine), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+                torch.testing.assert_close(_full(mine.grad), _full(theirs.grad), rtol=1e-5, atol=1e-6,
+                                           msg=f"{kind.__name__} step {step}, grad of {name}")
+        wrapped = [layer.__dict__["forward"] for layer in model.get_submodule(layers)]
+        assert all(isinstance(w, CheckpointedForward) and w.recomputations == 2 for w in wrapped), \
+            [getattr(w, "recomputations", w) for w in wrapped]
+        assert type(next(model.parameters())).__name__ == "DTensor", "fully_shard did not shard the parameters"
+    return "ok"
+
+
 def run_scenario(rank: int, scenario: str) -> str:
     """Two steps under ``scenario`` (``[hf_]ddp`` or ``[hf_]fsdp2``), rewritten and not, on
     this rank's own batch; gradients compared after each step. Returns ``"ok"`` or raises.
@@ -70,6 +119,8 @@ def run_scenario(rank: int, scenario: str) -> str:
     """
     from graphckpt.tools import zoo
 
+    if scenario == "enable_fsdp2":
+        return run_enable_fsdp2(rank)
     model, rewritten, example = (_hf_gpt2 if scenario.startswith("hf_") else _mlp)()
     reference = copy.deepcopy(model)
     if scenario.endswith("ddp"):
@@ -150,6 +201,15 @@ def test_rewritten_module_under_fsdp2_matches_fsdp2(results: dict[str, list[str]
     if not FSDP2_ON_CPU:
         pytest.skip(NO_FSDP2_ON_CPU)
     for rank, outcome in enumerate(results["fsdp2"]):
+        assert outcome == "ok", f"rank {rank}:\n{outcome}"
+
+
+def test_enable_then_fsdp2_per_layer_matches_fsdp2(tmp_path: Path) -> None:
+    """issue 17: graphckpt.enable, then fully_shard on each decoder layer and the root."""
+    pytest.importorskip("transformers")
+    if not FSDP2_ON_CPU:
+        pytest.skip(NO_FSDP2_ON_CPU)
+    for rank, outcome in enumerate(spawn(tmp_path, ("enable_fsdp2",))["enable_fsdp2"]):
         assert outcome == "ok", f"rank {rank}:\n{outcome}"
 
 

@@ -190,16 +190,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_docs_have_the_three_snippets() -> None:
-    assert list(snippets()) == ["Hugging Face transformers", "torch.compile", "DDP and FSDP2"]
+def test_docs_have_every_snippet() -> None:
+    assert list(snippets()) == SNIPPETS
 
 
-@pytest.mark.parametrize("title", ["Hugging Face transformers", "torch.compile", "DDP and FSDP2"])
+SNIPPETS = ["Hugging Face transformers", "Hugging Face Trainer", "torch.compile", "DDP and FSDP2"]
+
+
+@pytest.mark.parametrize("title", SNIPPETS)
 def test_docs_snippet_runs(title: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each snippet runs as written: in a scratch directory, the DDP one as rank 0 of a
     world of one (the environment torchrun would set)."""
     if title.startswith("Hugging Face"):
         pytest.importorskip("transformers")
+    if title == "Hugging Face Trainer":
+        pytest.importorskip("accelerate")  # what transformers' Trainer needs
     if title.startswith("DDP") and not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     if title.startswith("DDP") and not FSDP2_ON_CPU:
@@ -215,5 +220,6 @@ def test_docs_snippet_runs(title: str, tmp_path: Path, monkeypatch: pytest.Monke
         torch._dynamo.reset()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    if title.startswith("Hugging Face"):
-        assert (tmp_path / "gpt2-trained").is_dir() and os.listdir(tmp_path / "gpt2-trained")
+    saved = {"Hugging Face transformers": "gpt2-trained", "Hugging Face Trainer": "llama-trained"}.get(title)
+    if saved:
+        assert (tmp_path / saved).is_dir() and os.listdir(tmp_path / saved)

@@ -67,3 +67,30 @@ def test_saves_from_tells_when_backward_has_what_it_saves() -> None:
     _, graph = cost_model(Ops(), (torch.randn(4, 8, requires_grad=True),))
     saves = {graph.nodes[n]["label"]: graph.nodes[n]["saves_from"] for n in op_nodes(graph)}
     assert saves == {"linear": "inputs", "gelu": "inputs", "relu": "outputs", "add": "nothing", "dropout": "outputs"}
+
+
+def test_fused_attention_rng_state_is_replayed_on_the_host() -> None:
+    """Replaying a fused attention backward with its philox seed and offset stood in on the
+    GPU crashed the process (T5 on CUDA): the kernel reads them through a host pointer."""
+    from graphckpt.scratch import Layout, rng_state_on_host
+
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    names = [argument.name for argument in op._schema.arguments]
+    layout = Layout((2, 2, 4, 8), (64, 32, 8, 1), torch.float32, torch.device("cuda"))
+    state = Layout((), (), torch.int64, torch.device("cuda"))
+    args = tuple(state if name.startswith("philox") else layout for name in names[:9])
+    moved, _ = rng_state_on_host(op, args, {})
+    assert [t.device.type for t in moved] == ["cuda"] * 7 + ["cpu"] * 2
+
+
+def test_selective_segments_recompute_calls_that_draw_random_numbers() -> None:
+    """A fused attention with dropout is recomputed, not kept: a kept result draws nothing
+    in the recompute, and every later random op of the segment then drew other numbers."""
+    from graphckpt.profile import kept_by_selective
+
+    attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.zeros(1, 1, 2, 2)
+    assert kept_by_selective(attention, (q, q, q, None, False, 0.0), {})
+    assert not kept_by_selective(attention, (q, q, q, None, False), {"dropout_p": 0.1})
+    assert kept_by_selective(torch.ops.aten.mm.default, (q, q), {})
+    assert not kept_by_selective(torch.ops.aten.relu.default, (q,), {})

@@ -30,7 +30,7 @@ from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_grap
 from graphckpt.capture import Captured
 from graphckpt.tools.anchors import Skipped, Variant, block_anchor, compile_anchor, find_sequential, sequential_anchor
 from graphckpt.tools.console import quiet_profiler
-from graphckpt.tools.measure import peak_memory, training_step
+from graphckpt.tools.measure import infer_device, peak_memory, training_step
 from passes.budget import BudgetError
 
 DEFAULT_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15)
@@ -142,7 +142,7 @@ def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callab
     peaks = []
     for variant, run in zip(variants, runs, strict=True):
         with quiet_profiler():
-            peaks.append(peak_memory(run))
+            peaks.append(peak_memory(run, device=infer_device(variant.module, inputs)))
         _tick(progress, f"peak {variant.name}")
     times: list[list[float]] = [[] for _ in variants]
     for round_index in range(steps):
@@ -188,11 +188,12 @@ SIMULATOR_MARGIN = 0.99  # plan 1% under a measured peak to be matched: the simu
 
 
 def measured_peak(module: Callable[..., Any], inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> int:
-    """The measured peak of one training step of ``module``, after a warm-up step."""
+    """The measured peak of one training step of ``module``, after a warm-up step, on the
+    device its inputs live on."""
     step = training_step(module, inputs, loss_fn)
     step()
     with quiet_profiler():
-        return peak_memory(step)
+        return peak_memory(step, device=infer_device(module, inputs))
 
 
 def _sort(found: Iterable[Variant | Skipped], variants: list[Variant], skipped: list[Skipped]) -> None:

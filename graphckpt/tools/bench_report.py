@@ -31,9 +31,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_line() -> str:
-    """Where the numbers come from: CPU, cores, threads, OS, Python and torch versions."""
-    return (f"{_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+def machine_line(device: str | torch.device = "cpu") -> str:
+    """Where the numbers come from: the GPU when ``device`` is one, CPU, cores, threads, OS,
+    Python and torch versions."""
+    on_gpu = torch.device(device).type == "cuda"
+    gpu = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}); " if on_gpu else ""
+    return (f"{gpu}{_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
             f"{platform.system()} {platform.release()}; Python {platform.python_version()}, "
             f"torch {torch.__version__}")
 

@@ -33,19 +33,20 @@ from torch import nn
 
 from graphckpt.scratch import peak_memory, resolve_device
 
-__all__ = ["StepMeasurement", "measure_step", "peak_memory", "training_step"]
+__all__ = ["StepMeasurement", "infer_device", "measure_step", "on_device", "peak_memory", "synchronize", "training_step"]
 
 
 def training_step(
     module: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]
 ) -> Callable[[], None]:
-    """Return a closure doing ``loss_fn(module(*inputs)).backward()``.
+    """Return a closure doing ``loss_fn(module(*inputs)).backward()``, waiting for the GPU.
 
     Gradients accumulate into existing ``.grad`` (no ``zero_grad`` inside), so
     after one warm-up call the ``.grad`` storages pre-exist and later calls
     measure activations and temporaries only. ``inputs`` may hold tensors that
     do not require grad (e.g. integer tokens). The module output stays alive
-    during backward, as in an ordinary training loop.
+    during backward, as in an ordinary training loop. On CUDA the closure returns
+    once the GPU has finished the step, so whoever times it times the kernels.
     """
     if not isinstance(inputs, tuple):
         raise TypeError(
@@ -69,8 +70,27 @@ def training_step(
                 "that grad mode is enabled."
             )
         loss.backward()
+        synchronize(device)
 
+    device = infer_device(module, inputs)
     return step
+
+
+def on_device(value: Any, device: str | torch.device) -> Any:
+    """``value`` with every tensor in it (through tuples, lists and dicts) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(on_device(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: on_device(item, device) for key, item in value.items()}
+    return value
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on ``device`` (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -81,8 +101,16 @@ class StepMeasurement:
     step_seconds: float
 
 
-def _infer_device(module: nn.Module, inputs: tuple) -> torch.device:
-    for tensor in (*module.parameters(), *inputs):
+def infer_device(module: Callable[..., Any], inputs: tuple) -> torch.device:
+    """The device a step of ``module`` on ``inputs`` runs on: that of the first tensor input,
+    else of the first parameter (``module`` may be a ``functools.partial`` of a module).
+
+    >>> infer_device(nn.Linear(2, 2), (torch.zeros(2),))
+    device(type='cpu')
+    """
+    owner = getattr(module, "func", module)
+    parameters = owner.parameters() if isinstance(owner, nn.Module) else ()
+    for tensor in (*inputs, *parameters):
         if isinstance(tensor, torch.Tensor):
             return tensor.device
     return torch.device("cpu")
@@ -110,23 +138,16 @@ def measure_step(
             f"repeats={repeats}."
         )
     dev = resolve_device(
-        device if device is not None else _infer_device(module, inputs)
+        device if device is not None else infer_device(module, inputs)
     )
     step = training_step(module, inputs, loss_fn)
 
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     for _ in range(warmup):
         step()
-    sync()
     peak = peak_memory(step, device=dev)
     times = []
     for _ in range(repeats):
-        sync()
         start = time.perf_counter()
         step()
-        sync()
         times.append(time.perf_counter() - start)
     return StepMeasurement(peak_bytes=peak, step_seconds=statistics.median(times))

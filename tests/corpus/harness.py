@@ -23,10 +23,12 @@ from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_grap
 from graphckpt.capture import Captured
 from graphckpt.tools.anchors import Skipped, block_anchor
 from graphckpt.tools.bench import measured_peak
+from graphckpt.tools.measure import on_device
 from passes.budget import BudgetError
 from passes.plan import Plan
 from passes.simulate import eager_peak
 from tests.corpus.entries import Entry
+from tests.device import DEVICE, deterministic_kernels
 from tests.equivalence import default_loss
 
 Setting = str | float
@@ -55,9 +57,11 @@ class Prepared:
         return eager_peak(self.cost_graph)
 
 
-def prepare(entry: Entry, seed: int = 0) -> Prepared:
-    """Build ``entry`` (seeded) and capture and cost it as ``graphckpt.rewrite`` would."""
+def prepare(entry: Entry, seed: int = 0, device: str | torch.device = DEVICE) -> Prepared:
+    """Build ``entry`` (seeded) on ``device`` and capture and cost it as ``graphckpt.rewrite`` would."""
     model, args, kwargs = entry.build(seed)
+    deterministic_kernels(device)
+    model, args, kwargs = model.to(device), on_device(args, device), on_device(kwargs, device)
     captured, cost_graph = cost_model(model, args, example_kwargs=kwargs or None)
     return Prepared(entry, model, args, kwargs, captured, cost_graph)
 

@@ -1,0 +1,132 @@
+"""Checkpointing in place: the model keeps its class, its module tree and its hooks.
+
+    graphckpt.enable(model, (ids,), budget=0.5)   # returns model itself
+    loss = model(ids).loss; loss.backward()        # the training loop is unchanged
+    graphckpt.disable(model)
+
+:func:`enable` plans over the whole model as :func:`graphckpt.rewrite` does, but only among
+plans a module tree can carry out itself: recompute whole blocks (the repeated layers of a
+``ModuleList``/``Sequential``, or the modules named in ``blocks=``), all of them or, to fit a
+budget, as few as it needs (:func:`passes.budget.block_plan`). Each recomputed block's
+``forward`` is then wrapped in ``torch.utils.checkpoint`` on the instance, so
+
+* the model is still an instance of its class (``generate``, ``save_pretrained``, Trainer);
+* the block's own forward hooks run (FSDP2's ``fully_shard`` per block all-gathers its
+  parameters around it, as with ``checkpoint_wrapper``);
+* any batch size and sequence length runs (the model's own code runs, not a traced graph;
+  the plan was chosen at the example's shapes and says so);
+* ``eval()`` and ``torch.no_grad()`` run the original forward, with no checkpointing at all;
+* a recompute replays the random draws of forward and does not update BatchNorm's running
+  statistics a second time.
+
+Plans that recompute inside a block (selective or nested segments) need the rewritten graph:
+use :func:`graphckpt.rewrite` for those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphckpt.api import cost_model
+from graphckpt.runtime import frozen_running_stats
+from graphckpt.torch_compat import NormBase
+from passes.blocks import recomputed_blocks
+from passes.budget import Budget, block_plan, parse_budget
+from passes.plan import Plan
+from passes.simulate import eager_peak
+
+PLAN_ATTRIBUTE = "graphckpt_plan"
+
+
+def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapping[str, Any] | None = None,
+           budget: Budget | None = None, cost: str = "flops", blocks: Sequence[str] | None = None) -> nn.Module:
+    """Checkpoint ``model``'s blocks in place and return ``model``: every block, or for
+    ``budget`` (a fraction of eager's simulated peak, bytes, or ``"2GiB"``) the fewest
+    that fit it. ``model.graphckpt_plan`` holds the plan; :func:`disable` undoes it.
+
+    Raises :class:`passes.segments.PlanError` when the model has no blocks and
+    :class:`passes.budget.BudgetError` naming the smallest peak when the budget is too small.
+    """
+    if is_enabled(model):
+        disable(model)
+    _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
+    plan = block_plan(graph, None if budget is None else parse_budget(budget, eager_peak(graph)))
+    shapes = _shapes(example_inputs, example_kwargs)
+    if shapes:
+        note = f"enable: planned for inputs of shapes {shapes}; other shapes run the same blocks checkpointed"
+        plan = replace(plan, notes=(*plan.notes, note))
+    for name in recomputed_blocks(graph, plan.segments):
+        checkpoint_forward(model.get_submodule(name))
+    object.__setattr__(model, PLAN_ATTRIBUTE, plan)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Give every block of ``model`` the forward it had before :func:`enable`; returns ``model``."""
+    for module in model.modules():
+        wrapped = module.__dict__.get("forward")
+        if isinstance(wrapped, CheckpointedForward):
+            del module.__dict__["forward"]
+            if wrapped.replaced is not None:  # an instance forward someone else had set
+                module.__dict__["forward"] = wrapped.replaced
+    model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    return model
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether :func:`enable` has checkpointed blocks of ``model``."""
+    return PLAN_ATTRIBUTE in model.__dict__
+
+
+def enabled_plan(model: nn.Module) -> Plan | None:
+    """The plan :func:`enable` carried out on ``model``, or None."""
+    return model.__dict__.get(PLAN_ATTRIBUTE)
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Wrap ``module``'s forward, on the instance, in non-reentrant ``checkpoint`` while it
+    trains with gradients; its hooks (called by ``nn.Module.__call__``) stay outside."""
+    module.__dict__["forward"] = CheckpointedForward(module)
+
+
+class CheckpointedForward:
+    """A block's forward, recomputed in backward while the block trains with gradients, run
+    as it is otherwise (``eval()``, ``no_grad``). An object, not a closure, so that a deep copy
+    or a pickle of the model (EMA copies, ``torch.save``) carries it bound to the copy."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.replaced = module.__dict__.get("forward")  # an instance forward set before, if any
+        self.original = module.forward
+        self.recomputations = 0  # how often backward has rerun it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.original(*args, **kwargs)
+        return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._contexts, **kwargs)
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """Forward as it is; the recompute counted, with running statistics kept as forward
+        left them (a recompute must not count a batch twice)."""
+        return contextlib.nullcontext(), self._recomputing()
+
+    @contextlib.contextmanager
+    def _recomputing(self) -> Iterator[None]:
+        self.recomputations += 1
+        norms = [m for m in self.module.modules() if isinstance(m, NormBase) and m.track_running_stats]
+        with frozen_running_stats(norms):
+            yield
+
+
+def _shapes(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> list[tuple[int, ...]]:
+    values = list(example_inputs if isinstance(example_inputs, tuple | list) else [example_inputs])
+    values += list((example_kwargs or {}).values())
+    return [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]

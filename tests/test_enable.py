@@ -1,0 +1,130 @@
+"""``graphckpt.enable``: blocks checkpointed in place, the model kept (its class, its tree, its
+hooks), any input shape, ``eval()`` and ``no_grad`` running the original forward."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import graphckpt
+from graphckpt.enable import CheckpointedForward, enabled_plan
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step
+from passes.budget import BudgetError
+from passes.segments import PlanError
+from tests.equivalence import assert_trains_like
+
+
+def _gpt(**overrides: object) -> tuple[nn.Module, tuple]:
+    settings = {"layers": 4, "batch": 4, "dropout": 0.1, **overrides}
+    return zoo.make("gpt", **settings)
+
+
+def _checkpointed(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+
+
+def test_enable_keeps_the_model_and_trains_like_it() -> None:
+    model, inputs = _gpt()
+    reference, keys = copy.deepcopy(model), set(model.state_dict())
+    assert graphckpt.enable(model, inputs) is model
+    assert type(model) is type(reference) and set(model.state_dict()) == keys
+    assert _checkpointed(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert_trains_like(reference, model, model, inputs, {}, zoo.scalar_loss)  # dropout on, seeded
+
+
+def test_the_blocks_plan_measures_what_it_simulates() -> None:
+    model, inputs = _gpt()
+    eager = measure_step(copy.deepcopy(model), inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    graphckpt.enable(model, inputs)
+    plan = enabled_plan(model)
+    measured = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert measured < 0.5 * eager
+    assert abs(measured / plan.peak_bytes - 1) < 0.03, (measured, plan.peak_bytes)
+
+
+def test_a_budget_is_met_on_the_measured_peak_with_fewer_blocks() -> None:
+    model, inputs = _gpt(layers=6)
+    graphckpt.enable(model, inputs, budget=0.6)
+    plan = enabled_plan(model)
+    allowed = int(0.6 * plan.eager_peak_bytes)
+    assert 0 < len(_checkpointed(model)) < 6
+    measured = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert measured <= 1.03 * allowed, (measured, allowed)
+
+
+def test_a_budget_below_every_block_plan_names_the_floor() -> None:
+    model, inputs = _gpt()
+    with pytest.raises(BudgetError) as refused:
+        graphckpt.enable(model, inputs, budget=0.05)
+    assert refused.value.smallest_peak_bytes > refused.value.budget_bytes
+    assert not _checkpointed(model)
+
+
+def test_other_shapes_eval_and_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = _gpt()
+    reference = copy.deepcopy(model)
+    graphckpt.enable(model, inputs)
+    longer = (torch.randint(0, 64, (2, 24)),)  # another batch size and sequence length
+    assert_trains_like(reference, model, model, longer, {}, zoo.scalar_loss)
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(*longer), reference(*longer))  # dropout off: deterministic
+    calls = []
+    module = sys.modules["graphckpt.enable"]
+    monkeypatch.setattr(module, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
+    model.train()
+    with torch.no_grad():
+        model(*longer)
+    assert not calls, "no_grad ran the checkpointed forward"
+
+
+def test_batch_norm_statistics_are_updated_once() -> None:
+    model, inputs = zoo.make("resnet", batch=4)
+    reference = copy.deepcopy(model)
+    graphckpt.enable(model, inputs, blocks=[name for name, m in model.named_modules() if name.count(".") == 1
+                                            and any(isinstance(c, nn.BatchNorm2d) for c in m.modules())])
+    assert _checkpointed(model)
+    assert_trains_like(reference, model, model, inputs, {}, zoo.scalar_loss)  # buffers compared too
+
+
+def test_disable_deepcopy_and_pickle() -> None:
+    model, inputs = _gpt()
+    graphckpt.enable(model, inputs)
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].forward.module is twin.blocks[0]  # bound to the copy, not to the original
+    assert pickle.loads(pickle.dumps(model)).blocks[0].forward.module is not None
+    graphckpt.disable(model)
+    assert not _checkpointed(model) and enabled_plan(model) is None
+    assert "forward" not in model.blocks[0].__dict__
+
+
+def test_a_model_without_blocks_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(PlanError, match="no blocks"):
+        graphckpt.enable(model, (torch.randn(2, 4),))
+
+
+def test_hugging_face_llama_keeps_its_class_and_any_length() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+                                      use_cache=False, attention_dropout=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 16))
+    graphckpt.enable(model, example_kwargs={"input_ids": ids, "labels": ids})
+    assert isinstance(model, transformers.LlamaForCausalLM)
+    assert _checkpointed(model) == [f"model.layers.{i}" for i in range(3)]
+    for length in (16, 11):
+        other = torch.randint(0, 97, (3, length))
+        model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+        assert_trains_like(reference, model, model, (), {"input_ids": other, "labels": other},
+                           loss_fn=lambda output: output.loss)
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
