@@ -53,6 +53,7 @@ class NodeCost:
     grad_views: bool = False
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
+    param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
 
 
 def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
@@ -131,6 +132,7 @@ class _CostInterpreter(fx.Interpreter):
         self.costs: dict[str, NodeCost] = {}
         for tensor in (*module.parameters(), *module.buffers()):
             self.owner[storage_key(tensor)] = PARAM
+        self.param_names = {id(p): name for name, p in module.named_parameters()}  # a tied one: its first name
 
     def run_node(self, node: fx.Node) -> Any:
         saved: list[torch.Tensor] = []
@@ -219,6 +221,19 @@ class _CostInterpreter(fx.Interpreter):
             return _trainable_bytes([self.fetch_attr(node.target)])
         return _trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
 
+    def _param_grads(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
+        """The cost graph's ``param_grads``: the trained parameters inside a ``call_module``
+        node, or the one a ``get_attr`` node is, under the model's (first) name for each, so
+        that a module called twice, or tied to another, is seen to share its gradients."""
+        if node.op == "call_module":
+            params = list(self.module.get_submodule(node.target).parameters())
+        elif node.op == "get_attr":
+            params = [self.fetch_attr(node.target)]
+        else:
+            return ()
+        return tuple((self.param_names[id(p)], _trainable_bytes([p])) for p in params
+                     if id(p) in self.param_names and _trainable_bytes([p]))
+
     def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: _OpKinds) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         fresh, aliased = 0, []
@@ -255,6 +270,7 @@ class _CostInterpreter(fx.Interpreter):
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
             selective_extra_bytes=sum(nbytes for key, nbytes in inner.items() if key not in own),
             param_grad_bytes=self._param_grad_bytes(node),
+            param_grads=self._param_grads(node),
             shape=shape,
             dtype=dtype,
         )

@@ -91,6 +91,14 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     of its gradient (0 when it is not trained). A parameter read by several ops (tied
     embeddings) has one accumulator, which holds the first gradient until the last reader's
     backward has run (:func:`shared_parameters`).
+``param_grads``: ``tuple[tuple[str, int], ...]`` (default ``()``)
+    The trained parameters behind an op's ``param_grad_bytes`` that are no values of the
+    graph (those inside an op that is a whole module, an fx ``call_module``), as ``(name,
+    gradient bytes)`` under the model's name for each (``"out.weight"``; for a tied
+    parameter, the first name torch gives it). On a ``param``: the model's name for it,
+    when known. A parameter named by several ops (a module called twice, a module tied to
+    another one or to a ``param`` value) keeps one summed gradient like a ``param`` read by
+    several ops (:func:`shared_parameters`).
 ``backward_extra_bytes``: ``int``
     Bytes the node's backward allocates for a moment beyond the gradients it returns
     (kernel scratch: on CPU, oneDNN's ``convolution_backward`` reorders grad_output and the
@@ -150,6 +158,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "block": str,
     "selective_extra_bytes": int,
     "param_grad_bytes": int,
+    "param_grads": tuple,
     "backward_extra_bytes": int,
     "label": str,
 }
@@ -169,6 +178,7 @@ DEFAULTS: Mapping[str, Any] = {
     "block": "",
     "selective_extra_bytes": 0,
     "param_grad_bytes": 0,
+    "param_grads": (),
     "backward_extra_bytes": 0,
 }
 
@@ -268,19 +278,41 @@ def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
     return graph.nodes[storage_root(graph, name)]["bytes"]
 
 
+def _parameter_readers(graph: nx.DiGraph) -> dict[str, tuple[int, list[str]]]:
+    """Every trained parameter, as ``name -> (gradient bytes, the ops that take part in
+    backward and make a gradient for it)``: the ops reading a ``param`` value and those naming
+    the parameter in ``param_grads``. A ``param`` goes by the model's name for it when it has
+    one, so a module's own weight read elsewhere as a value is one parameter."""
+    readers: dict[str, tuple[int, list[str]]] = {}
+    for name in in_order(graph):
+        attributes = graph.nodes[name]
+        if attributes["kind"] == "param" and attributes["param_grad_bytes"]:
+            key, nbytes = (*attributes["param_grads"], (name, attributes["param_grad_bytes"]))[0]
+            ops = [r for r in graph.successors(name) if _in_backward(graph, r)]
+            readers.setdefault(key, (nbytes, []))[1].extend(ops)
+        elif _in_backward(graph, name):
+            for key, nbytes in attributes["param_grads"]:
+                readers.setdefault(key, (nbytes, []))[1].append(name)
+    return readers
+
+
+def _in_backward(graph: nx.DiGraph, name: str) -> bool:
+    """Whether ``name`` is an op whose backward runs (it takes part in backward)."""
+    return graph.nodes[name]["kind"] == "op" and graph.nodes[name]["requires_grad"]
+
+
 @per_graph
 def shared_parameters(graph: nx.DiGraph) -> list[tuple[str, int, tuple[str, ...]]]:
-    """Trained parameters read by several ops that take part in backward, as
+    """Trained parameters several ops that take part in backward make gradients for, as
     ``(param, gradient bytes, readers)``: autograd sums their gradients in one buffer that
-    lives from the first reader's backward to the last one's, not one reader's moment."""
+    lives from the first reader's backward to the last one's, not one reader's moment. The
+    readers of a ``param`` value, and the ops naming one parameter in ``param_grads``: in an
+    fx capture a module called twice is two ops holding the same weights."""
     shared = []
-    for name, attributes in graph.nodes(data=True):
-        if attributes["kind"] != "param" or not attributes["param_grad_bytes"]:
-            continue
-        readers = tuple(r for r in graph.successors(name)
-                        if graph.nodes[r]["kind"] == "op" and graph.nodes[r]["requires_grad"])
+    for param, (nbytes, ops) in _parameter_readers(graph).items():
+        readers = tuple(dict.fromkeys(ops))
         if len(readers) > 1:
-            shared.append((name, attributes["param_grad_bytes"], readers))
+            shared.append((param, nbytes, readers))
     return shared
 
 
