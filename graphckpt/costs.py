@@ -17,7 +17,7 @@ from torch import fx
 
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
 from graphckpt.profile import NodeCost, fake_copy, node_costs
-from graphckpt.timing import node_nanoseconds
+from graphckpt.timing import checkpoint_overheads, node_nanoseconds
 from graphckpt.torch_compat import OpOverload
 from passes.costgraph import add_value, check_cost_graph
 
@@ -52,6 +52,8 @@ class Profile:
     measured: bool = True  # False: unit costs, nothing was run
     cost_unit: str = "FLOPs"  # what NodeCost.flops counts: "FLOPs", or "ns" of measured time
     rng_state_bytes: int = 0  # what a checkpoint keeps to replay random draws, in the model's memory
+    checkpoint_call_cost: int = 0  # in cost_unit: one checkpoint call's own cost (measured for "ns")
+    selective_op_cost: int = 0  # in cost_unit: each op of a selective segment, beyond its work
 
 
 COSTS = ("flops", "time")
@@ -73,7 +75,9 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)
         costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
-        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng)
+        call, per_op = checkpoint_overheads(str(_device_of(graph_module, args, kwargs)))
+        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, checkpoint_call_cost=call,
+                       selective_op_cost=per_op)
     return Profile(costs, parents, rng_state_bytes=rng)
 
 
@@ -81,9 +85,15 @@ def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[s
     """Bytes of generator state ``torch.utils.checkpoint`` keeps per segment that replays
     random draws, in the memory the model runs in: the CPU generator's state for a CPU
     model; nothing on a GPU (``torch.cuda.get_rng_state`` is a host tensor)."""
-    tensors = [*graph_module.parameters(), *graph_module.buffers(), *args, *(kwargs or {}).values()]
-    on_cpu = all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
+    on_cpu = _device_of(graph_module, args, kwargs).type == "cpu"
     return torch.get_rng_state().nbytes if on_cpu else 0
+
+
+def _device_of(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> torch.device:
+    """Where the model runs: the first non-CPU device among its tensors and inputs, else the CPU."""
+    tensors = [*graph_module.parameters(), *graph_module.buffers(), *args, *(kwargs or {}).values()]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
+                torch.device("cpu"))
 
 
 def returned_loss(graph_module: fx.GraphModule, profile: Profile) -> str | None:
@@ -126,7 +136,8 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
     lifted = lifted_params or {}
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
-                       rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile))
+                       rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile),
+                       checkpoint_call_cost=profile.checkpoint_call_cost, selective_op_cost=profile.selective_op_cost)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         if lifted:

@@ -110,6 +110,9 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
             return self.original(*args, **kwargs)
+        if torch.compiler.is_compiling():  # a compiled block (regional compilation): the
+            # partitioner recomputes from the graph, so there is no recompute to count or guard
+            return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=self._contexts, **kwargs)
 

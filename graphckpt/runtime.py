@@ -282,6 +282,11 @@ class _Recomputing(_Running):
         clear_selective_cache(self.call.cached)
 
 
+def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective policy that keeps nothing: what the policy machinery costs by itself."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective checkpointing policy: keep matmul, convolution and attention outputs from
     forward, unless the call draws random numbers (:func:`graphckpt.profile.kept_by_selective`)."""

@@ -9,10 +9,11 @@ planner minimises recomputed nanoseconds.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,3 +58,52 @@ def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[
             stopwatch.run(*[v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
                             for v in inputs])
     return {name: int(statistics.median(times[1:]) * 1e9) for name, times in stopwatch.seconds.items()}
+
+
+OVERHEAD_OPS = 16  # pointwise ops in the probe that prices a selective segment's per-op cost
+OVERHEAD_ROUNDS = 41
+
+
+@functools.cache
+def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
+    """Nanoseconds that checkpointing itself adds to a training step on ``device``: one
+    checkpoint call (its recompute started and stopped, inputs and RNG state kept), and each
+    op run under a selective segment's policy, forward and recompute together.
+
+    Measured once per process and device on a probe of tiny pointwise ops, where the work is
+    nothing and the overhead is everything: the median of interleaved rounds of the probe
+    run plainly, checkpointed, and checkpointed selectively, forward and backward each.
+    """
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from graphckpt.runtime import recompute_everything
+
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def probe(value: torch.Tensor) -> torch.Tensor:
+        for _ in range(OVERHEAD_OPS):
+            value = value * 1.0
+        return value
+
+    def selective() -> tuple[Any, Any]:
+        return create_selective_checkpoint_contexts(recompute_everything)
+
+    steps: dict[str, Callable[[], torch.Tensor]] = {
+        "plain": lambda: probe(x),
+        "checkpoint": lambda: checkpoint(probe, x, use_reentrant=False),
+        "selective": lambda: checkpoint(probe, x, use_reentrant=False, context_fn=selective),
+    }
+    times: dict[str, list[float]] = defaultdict(list)
+    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for round_index in range(OVERHEAD_ROUNDS):
+        for name, step in steps.items():
+            wait()
+            start = time.perf_counter()
+            step().sum().backward()
+            wait()
+            if round_index:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    call = max(0.0, median["checkpoint"] - median["plain"])
+    per_op = max(0.0, median["selective"] - median["checkpoint"]) / OVERHEAD_OPS
+    return int(call * 1e9), int(per_op * 1e9)

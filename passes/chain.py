@@ -50,6 +50,8 @@ class Chain:
     op_prefix: dict[str, tuple[float, ...]]  # per op position: "flops", "written", "exp_flops", "exp_bytes"
     stage_working: tuple[float, ...]
     finish: float
+    call_cost: float = 0.0  # the graph's checkpoint_call_cost
+    selective_op_cost: float = 0.0  # the graph's selective_op_cost
 
     @property
     def stages(self) -> int:
@@ -89,6 +91,10 @@ class Chain:
 
     def recomputable(self, i: int, j: int) -> bool:
         return self.prefix_unrecomputable[j] == self.prefix_unrecomputable[i]
+
+    def op_count(self, i: int, j: int) -> int:
+        """Ops of stages ``i .. j-1``."""
+        return len(self.nodes(i, j))
 
     def working(self, i: int, j: int) -> float:
         return max(self.stage_working[i:j])
@@ -155,6 +161,8 @@ def build_chain(graph: nx.DiGraph, max_stages: int = 64) -> Chain:
         op_prefix={key: _prefix(values) for key, values in per_op.items()},
         stage_working=tuple(working),
         finish=loss_bytes(graph),
+        call_cost=graph.graph.get("checkpoint_call_cost", 0),
+        selective_op_cost=graph.graph.get("selective_op_cost", 0),
     )
 
 

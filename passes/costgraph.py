@@ -19,6 +19,13 @@ Graph attributes, all optional:
     Bytes of random-number-generator state a recompute boundary keeps from forward when its
     segment draws random numbers (:func:`draws_random`): about 5 KiB on CPU, none in a GPU's
     memory (the CUDA generator state is a host tensor).
+``checkpoint_call_cost`` (default 0)
+    What one recomputed segment's checkpoint call costs beyond the ops it reruns (saving its
+    inputs and RNG state, starting and stopping the recompute), in ``cost_unit``: measured
+    once per process and device when the graph is costed in ``"ns"``, 0 for FLOPs.
+``selective_op_cost`` (default 0)
+    What each op of a selective segment costs beyond its own work, forward and recompute
+    together (torch's selective-checkpoint policy sees every op), in ``cost_unit``.
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,

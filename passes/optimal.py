@@ -89,14 +89,16 @@ SEGMENT_COST = 1.0  # a recomputed segment's own cost: a tie-break, so none is m
 
 def recompute_cost(chain: Chain, i: int, j: int) -> float:
     """What recomputing stages ``i..j-1`` costs: FLOPs, plus a little per byte written so
-    pointwise work (which the FLOP counter calls free) is not free."""
-    return chain.rerun_flops(i, j) + BYTE_WEIGHT * chain.rerun_written(i, j) + SEGMENT_COST
+    pointwise work (which the FLOP counter calls free) is not free, plus the checkpoint
+    call's own cost where it was measured."""
+    return chain.rerun_flops(i, j) + BYTE_WEIGHT * chain.rerun_written(i, j) + max(SEGMENT_COST, chain.call_cost)
 
 
 def selective_cost(chain: Chain, i: int, j: int) -> float:
     """What recomputing stages ``i..j-1`` costs when their matmul/convolution outputs are
-    kept from forward: the pointwise work alone."""
-    return recompute_cost(chain, i, j) - chain.rerun_expensive_flops(i, j) - BYTE_WEIGHT * chain.rerun_expensive_bytes(i, j)
+    kept from forward: the pointwise work, and the selective policy's cost per op."""
+    kept = chain.rerun_expensive_flops(i, j) + BYTE_WEIGHT * chain.rerun_expensive_bytes(i, j)
+    return recompute_cost(chain, i, j) - kept + chain.selective_op_cost * chain.op_count(i, j)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,15 @@ from itertools import pairwise
 import networkx as nx
 
 from passes.costgraph import boundary_bytes, op_nodes
-from passes.segments import Segment, checkpoints_of, make_segments, recomputed_count, validate_plan, with_facts
+from passes.segments import (
+    Segment,
+    checkpoints_of,
+    make_segments,
+    overhead_cost,
+    recomputed_count,
+    validate_plan,
+    with_facts,
+)
 from passes.simulate import simulate
 from passes.units import format_bytes
 
@@ -55,6 +63,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     recompute_bytes: int = 0
     cost_unit: str = "FLOPs"  # what recompute_flops and forward_flops count ("ns": measured time)
+    overhead: int = 0  # checkpointing's own cost, in cost_unit (passes.segments.overhead_cost)
     checkpoint_details: tuple[Checkpoint, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -63,9 +72,10 @@ class Plan:
 
     @property
     def cost_key(self) -> tuple[int, int, int]:
-        """What "least recompute" compares: recomputed FLOPs, then bytes written by the
-        recompute, then checkpoint calls (recomputed segments, nested ones included)."""
-        return self.recompute_flops, self.recompute_bytes, recomputed_count(self.segments)
+        """What "least recompute" compares: recomputed FLOPs (plus checkpointing's own cost
+        where it was measured), then bytes written by the recompute, then checkpoint calls
+        (recomputed segments, nested ones included)."""
+        return self.recompute_flops + self.overhead, self.recompute_bytes, recomputed_count(self.segments)
 
     def __str__(self) -> str:
         lines = [
@@ -124,6 +134,7 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
         notes=tuple(notes),
         recompute_bytes=result.recompute_bytes,
         cost_unit=graph.graph.get("cost_unit", "FLOPs"),
+        overhead=overhead_cost(graph, segments),
         checkpoint_details=tuple(_checkpoint(graph, name) for name in checkpoints),
     )
 

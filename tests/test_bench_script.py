@@ -45,7 +45,8 @@ def test_tiny_benchmark_writes_one_table_per_model_with_every_variant(bench_scri
     for compiled in ("torch.compile aot_eager 0.5", "torch.compile aot_eager 0.1"):
         assert compiled in names or f"*{compiled}* not measured" in text
     for row in rows:
-        assert float(row[3]) > 0 and float(row[6]) > 0  # peak and step ratios
+        # peak and step ratios: numbers (a one-step timing on a loaded machine can round to 0.00)
+        assert float(row[3]) > 0 and float(row[6]) >= 0
         if row[0].startswith("graphckpt"):
             assert row[4] and row[7].endswith(" s")  # simulated peak and build time
     assert (tmp_path / "bench_mlp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -138,3 +138,30 @@ def test_a_budget_eager_already_fits_recomputes_nothing() -> None:
     plan = graphckpt.plan(model, inputs, budget=1.0)
     assert plan.recompute_flops == 0 and plan.recompute_bytes == 0
     assert not plan.recomputed_segments
+
+
+def test_a_priced_checkpoint_call_buys_fewer_segments() -> None:
+    """With each checkpoint call and each selective op priced (``cost="time"`` measures
+    them), the least-cost plan at a budget makes no more calls than with them free, and its
+    cost key counts them."""
+    from graphckpt.api import cost_model
+    from passes.segments import overhead_cost, recomputed_count
+
+    model, inputs = zoo.make("mlp", depth=16, width=64, batch=64)
+    _, graph = cost_model(model, inputs)
+    budget = int(0.5 * eager_peak(graph))
+    free = fit_budget(graph, budget)
+    assert free.overhead == 0
+    graph.graph["checkpoint_call_cost"] = 10 * max(graph.nodes[n]["flops"] for n in graph)
+    priced = fit_budget(graph, budget)
+    assert priced.peak_bytes <= budget
+    assert recomputed_count(priced.segments) <= recomputed_count(free.segments)
+    assert priced.overhead == overhead_cost(graph, priced.segments) == (
+        graph.graph["checkpoint_call_cost"] * recomputed_count(priced.segments))
+
+
+def test_checkpoint_overheads_are_measured_on_this_machine() -> None:
+    from graphckpt.timing import checkpoint_overheads
+
+    call, per_op = checkpoint_overheads("cpu")
+    assert call > 0 and per_op >= 0
