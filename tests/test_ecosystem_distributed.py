@@ -107,7 +107,28 @@ def run_enable_fsdp2(rank: int) -> str:
         assert all(isinstance(w, CheckpointedForward) and w.recomputations == 2 for w in wrapped), \
             [getattr(w, "recomputations", w) for w in wrapped]
         assert type(next(model.parameters())).__name__ == "DTensor", "fully_shard did not shard the parameters"
+    _enable_under_ddp(rank)
     return "ok"
+
+
+def _enable_under_ddp(rank: int) -> None:
+    """``graphckpt.enable`` then DDP on a tiny LLaMA: the same loss and gradients as DDP on the
+    untouched model, every layer recomputed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import graphckpt
+
+    model, layers = _tiny_lms()[0]
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 16))
+    graphckpt.enable(model, example_kwargs={"input_ids": ids, "labels": ids})
+    expected, actual = DistributedDataParallel(reference), DistributedDataParallel(model)
+    batch = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(200 + rank))
+    for each in (expected, actual):
+        each(input_ids=batch, labels=batch).loss.backward()
+    for (name, mine), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=f"DDP, grad of {name}")
+    assert all(layer.forward.recomputations == 1 for layer in model.get_submodule(layers))
 
 
 def run_scenario(rank: int, scenario: str) -> str:
@@ -205,7 +226,7 @@ def test_rewritten_module_under_fsdp2_matches_fsdp2(results: dict[str, list[str]
 
 
 def test_enable_then_fsdp2_per_layer_matches_fsdp2(tmp_path: Path) -> None:
-    """issue 17: graphckpt.enable, then fully_shard on each decoder layer and the root."""
+    """issue 17: graphckpt.enable, then fully_shard on each decoder layer and the root (and DDP)."""
     pytest.importorskip("transformers")
     if not FSDP2_ON_CPU:
         pytest.skip(NO_FSDP2_ON_CPU)
