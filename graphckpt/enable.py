@@ -26,6 +26,7 @@ use :func:`graphckpt.rewrite` for those.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -56,6 +57,9 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     """
     if is_enabled(model):
         disable(model)
+    if getattr(model, "is_gradient_checkpointing", False):  # Hugging Face's own, switched on
+        warnings.warn("the model already checkpoints its layers (gradient_checkpointing_enable()); layers would be "
+                      "recomputed twice: call model.gradient_checkpointing_disable() first", stacklevel=2)
     _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
     plan = block_plan(graph, None if budget is None else parse_budget(budget, eager_peak(graph)))
     shapes = _shapes(example_inputs, example_kwargs)

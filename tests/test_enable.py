@@ -159,3 +159,13 @@ def test_hugging_face_gpt2_budget_is_met_on_the_measured_peak() -> None:
     measured = measure_step(model, (ids,), loss, repeats=1).peak_bytes
     assert measured <= 1.03 * allowed and measured < eager, (measured, allowed, eager)
     assert abs(measured / plan.peak_bytes - 1) < 0.03, (measured, plan.peak_bytes)
+
+
+def test_enable_warns_when_hugging_face_checkpointing_is_on() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, 97, (2, 16))
+    with pytest.warns(UserWarning, match="gradient_checkpointing_disable"):
+        graphckpt.enable(model, example_kwargs={"input_ids": ids, "labels": ids})
