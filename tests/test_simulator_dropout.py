@@ -96,7 +96,10 @@ def test_each_random_segment_keeps_the_generator_state() -> None:
     step()
     measured = peak_memory(step)
     assert len(plan.recomputed_segments) >= 8
-    assert abs(measured - plan.peak_bytes) <= 0.02 * measured, (plan.peak_bytes, measured)
+    # Each recompute also forks the generator (one more state while it runs): that puts the
+    # simulated peak in the last recompute, which the simulator runs to the end of its
+    # dropout while torch stops once the mask is saved (a layer's output over, ~3%).
+    assert measured <= plan.peak_bytes <= 1.03 * measured, (plan.peak_bytes, measured)
 
 
 def _nested_random_plan(graph: nx.DiGraph) -> Plan:
