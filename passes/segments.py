@@ -103,6 +103,14 @@ def recompute_steps(graph: nx.DiGraph, segment: Segment) -> tuple[list[Step], St
     return [step for step, _ in steps[:last]], steps[last][0]
 
 
+def random_calls(graph: nx.DiGraph, segment: Segment) -> list[Segment]:
+    """``segment`` and the recomputed segments nested in it, at any depth, that draw random
+    numbers, in call order: running ``segment``'s body calls each of them, and every such
+    checkpoint call takes a copy of the generator's state (``rng_state_bytes``)."""
+    own = [segment] if segment.recompute and draws_random(graph, segment.nodes) else []
+    return own + [call for child in segment.children for call in random_calls(graph, child)]
+
+
 def step_nodes(steps: Iterable[Step]) -> list[str]:
     """The op nodes computed by ``steps`` (a recomputed child's forward computes all of it)."""
     return [n for step in steps for n in (step.nodes if isinstance(step, Segment) else (step,))]

@@ -42,7 +42,7 @@ from passes.costgraph import (
     shared_parameters,
     storage_root,
 )
-from passes.segments import Segment, Step, make_segments, recompute_steps, recompute_totals, step_nodes
+from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3
 
@@ -261,26 +261,32 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
         memory.free(("extra", name))
 
 
-def _rng_key(memory: _Memory, segment: Segment) -> tuple:
-    return ("rng", segment.nodes[0], len(memory.fresh))
-
-
-def _enter_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment) -> None:
-    """What a recomputed segment's forward keeps for its backward besides its values: its
-    inputs, and the generator state when it draws random numbers."""
+def _call_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, tag: tuple,
+                     within: set[str] | None = None) -> None:
+    """One checkpoint call of a recomputed segment, saving nothing: it holds the segment's
+    inputs, and each random call its body makes (:func:`random_calls`: itself and every
+    recomputed segment nested in it) copies the generator state, ``(*tag, id(call))``, when
+    the body reaches it. Called in forward (``tag`` ``("rng",)``: the copies live until each
+    call's backward) or rerun by an enclosing recompute (freed when that recompute ends)."""
     for value in segment.inputs:
         memory.hold(value)
-    if draws_random(graph, segment.nodes):
-        memory.allocate(_rng_key(memory, segment), graph.graph.get("rng_state_bytes", 0))
+    done = 0
+    for call in random_calls(graph, segment):  # in call order, so their first nodes in order
+        at = segment.nodes.index(call.nodes[0], done)
+        _run_forward(memory, graph, segment.nodes[done:at], save=False, within=within, keep=segment.saved_inside)
+        memory.allocate((*tag, id(call)), graph.graph.get("rng_state_bytes", 0))
+        done = at
+    _run_forward(memory, graph, segment.nodes[done:], save=False, within=within, keep=segment.saved_inside)
 
 
 def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
-    inputs (and their matmul outputs, when selective)."""
+    inputs and generator states (and their matmul outputs, when selective)."""
     for segment in segments:
         if segment.recompute:
-            _enter_recomputed(memory, graph, segment)
-        _run_forward(memory, graph, segment.nodes, save=not segment.recompute, keep=segment.saved_inside)
+            _call_recomputed(memory, graph, segment, ("rng",))
+        else:
+            _run_forward(memory, graph, segment.nodes, save=True)
 
 
 def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str],
@@ -295,7 +301,7 @@ def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Se
         _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
         for value in segment.inputs:
             memory.release(value)
-        memory.free(_rng_key(memory, segment))
+        memory.free(("rng", id(segment)))
 
 
 def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, grads: set[str],
@@ -309,16 +315,21 @@ def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, g
     within = set(computed)
     for value in stop.inputs if isinstance(stop, Segment) else graph.nodes[stop]["saved"] if stop else ():
         memory.hold(value)  # saved by the step the recompute stops at, which does not run
+    rerun = ("rng-rerun", len(memory.fresh))
+    if ran and draws_random(graph, segment.nodes):  # the recompute forks the generator while it runs
+        memory.allocate(("rng-fork", id(segment)), graph.graph.get("rng_state_bytes", 0))
     for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
         if not is_segment:
             _run_forward(memory, graph, tuple(steps), save=True, within=within)
             continue
         for child in steps:
-            _enter_recomputed(memory, graph, child)
-            _run_forward(memory, graph, child.nodes, save=False, within=within, keep=child.saved_inside)
+            _call_recomputed(memory, graph, child, rerun, within=within)
     for value in kept:
         memory.release(value)
         memory.free(("selective-extra", value))  # what the recompute did not reach is dropped
+    memory.free(("rng-fork", id(segment)))  # the recompute's own graph, and the states its calls took, go
+    for call in (call for step in ran if isinstance(step, Segment) for call in random_calls(graph, step)):
+        memory.free((*rerun, id(call)))
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
     _backward_sequence(memory, graph, children, grads, ran)
     memory.fresh.pop()

@@ -5,6 +5,7 @@ one tensor twice. Simulated peaks are checked against measured ones on this mach
 
 from __future__ import annotations
 
+import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,8 @@ from graphckpt.api import Analysis, analyze, cost_model, generate_rewrite
 from graphckpt.tools.measure import peak_memory
 from passes.costgraph import op_nodes, shared_parameters
 from passes.heuristics import sqrt_candidate
-from passes.plan import from_positions, selective, simulated
+from passes.plan import Plan, from_positions, plan_of_segments, selective, simulated
+from passes.segments import Segment, make_segments, nested
 from tests.equivalence import default_loss
 
 transformers = pytest.importorskip("transformers")
@@ -94,7 +96,44 @@ def test_each_random_segment_keeps_the_generator_state() -> None:
     step()
     measured = peak_memory(step)
     assert len(plan.recomputed_segments) >= 8
-    assert abs(measured - plan.peak_bytes) <= 0.02 * measured, (plan.peak_bytes, measured)
+    # Each recompute also forks the generator (one more state while it runs): that puts the
+    # simulated peak in the last recompute, which the simulator runs to the end of its
+    # dropout while torch stops once the mask is saved (a layer's output over, ~3%).
+    assert measured <= plan.peak_bytes <= 1.03 * measured, (plan.peak_bytes, measured)
+
+
+def _nested_random_plan(graph: nx.DiGraph) -> Plan:
+    """Two recomputed parents, each of three recomputed children that draw (a layer's
+    Linear, tanh and dropout each) and a kept tail, then the last layers kept."""
+    ops = op_nodes(graph)
+    per_layer = len(ops) // 12
+
+    def parent(first: int) -> Segment:
+        groups = [(ops[(first + i) * per_layer:(first + i + 1) * per_layer], i < 3) for i in range(4)]
+        return nested(graph, make_segments(graph, groups))
+
+    segments = [parent(0), parent(4), *make_segments(graph, [(ops[8 * per_layer:], False)])]
+    return plan_of_segments(graph, "test", segments)
+
+
+def test_nested_random_segments_keep_their_generator_state_from_forward() -> None:
+    """Each checkpoint call of a random segment copies the generator state, nested ones
+    too, and in forward: a child's copy lives from its parent's forward until its own
+    backward (Whisper's tightest plan, 14 nested random segments, measured 19% above a
+    simulation that charged a child's state only from its parent's recompute)."""
+    torch.manual_seed(0)
+    model, x = _DropoutChain(), torch.randn(8, 32)
+    captured, graph = cost_model(model, (x,))
+    plan = _nested_random_plan(graph)
+    assert sum(len(segment.children) for segment in plan.segments) >= 6
+    rewritten = generate_rewrite(model, Analysis(captured, graph, plan))
+
+    def step() -> None:
+        rewritten(x).pow(2).mean().backward()
+
+    step()
+    measured = peak_memory(step)
+    assert measured <= plan.peak_bytes <= 1.03 * measured, (plan.peak_bytes, measured)
 
 
 class _Classifier(nn.Module):
