@@ -24,20 +24,27 @@ from graphckpt.profile import positional_inputs
 REPEATS = 5
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on ``device`` (a no-op off CUDA): what a timer on a GPU
+    must do before it reads the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _Stopwatch(fx.Interpreter):
     """Runs the graph, timing every node; on CUDA each node's kernels are waited for, so a
     node's time is its kernels' and not only their launch."""
 
-    def __init__(self, module: fx.GraphModule, cuda: bool = False) -> None:
+    def __init__(self, module: fx.GraphModule, device: torch.device) -> None:
         super().__init__(module)
         self.seconds: dict[str, list[float]] = defaultdict(list)
-        self.wait = torch.cuda.synchronize if cuda else (lambda: None)
+        self.device = device
 
     def run_node(self, node: fx.Node) -> Any:
-        self.wait()
+        synchronize(self.device)
         start = time.perf_counter()
         result = super().run_node(node)
-        self.wait()
+        synchronize(self.device)
         self.seconds[node.name].append(time.perf_counter() - start)
         return result
 
@@ -51,8 +58,8 @@ def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[
     """
     module = copy.deepcopy(graph_module).train(graph_module.training)
     inputs = positional_inputs(graph_module, args, kwargs or {})
-    tensors = [*inputs, *module.parameters()]
-    stopwatch = _Stopwatch(module, cuda=any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors))
+    tensors = [t for t in (*inputs, *module.parameters()) if isinstance(t, torch.Tensor)]
+    stopwatch = _Stopwatch(module, next((t.device for t in tensors if t.is_cuda), torch.device("cpu")))
     with torch.random.fork_rng(), torch.enable_grad():
         for _ in range(repeats + 1):
             stopwatch.run(*[v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
@@ -79,6 +86,7 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
     from graphckpt.runtime import recompute_everything
 
     x = torch.ones(8, device=device, requires_grad=True)
+    where = x.device
 
     def probe(value: torch.Tensor) -> torch.Tensor:
         for _ in range(OVERHEAD_OPS):
@@ -94,13 +102,12 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
         "selective": lambda: checkpoint(probe, x, use_reentrant=False, context_fn=selective),
     }
     times: dict[str, list[float]] = defaultdict(list)
-    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for round_index in range(OVERHEAD_ROUNDS):
         for name, step in steps.items():
-            wait()
+            synchronize(where)
             start = time.perf_counter()
             step().sum().backward()
-            wait()
+            synchronize(where)
             if round_index:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(values) for name, values in times.items()}

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from graphckpt.scratch import peak_memory, resolve_device
+from graphckpt.timing import synchronize
 
 __all__ = ["StepMeasurement", "infer_device", "measure_step", "on_device", "peak_memory", "synchronize", "training_step"]
 
@@ -85,12 +86,6 @@ def on_device(value: Any, device: str | torch.device) -> Any:
     if isinstance(value, dict):
         return {key: on_device(item, device) for key, item in value.items()}
     return value
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the kernels queued on ``device`` (a no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
