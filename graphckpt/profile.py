@@ -2,7 +2,9 @@
 
 One fake-tensor pass (no real memory, no real compute) gives, per node: bytes of new
 storage, which earlier value it aliases (views), FLOPs (``torch.utils.flop_counter``),
-which values its backward saves (``saved_tensors_hooks``), shapes and dtypes.
+which values its backward saves (``saved_tensors_hooks``), shapes and dtypes, and the
+temporaries its forward makes and frees inside itself (``forward_extra_bytes``: the storages
+its ATen calls create, followed until the last tensor on each is dropped).
 
 Memory a kernel allocates *inside* itself, which fake tensors cannot show, comes from
 :mod:`graphckpt.scratch` (``backward_extra_bytes``).
@@ -10,6 +12,7 @@ Memory a kernel allocates *inside* itself, which fake tensors cannot show, comes
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,6 +53,7 @@ class NodeCost:
     shape: str
     dtype: str
     backward_extra_bytes: int = 0
+    forward_extra_bytes: int = 0
     grad_views: bool = False
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
@@ -92,7 +96,8 @@ class _OpKinds(TorchDispatchMode):
     """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
     ops that are neither views nor pointwise (``opaque``).
 
-    Only the backward of an opaque op can need scratch memory: views allocate nothing, and
+    It follows the storages those calls make (:meth:`forward_extra_bytes`). Only an opaque
+    op can need scratch memory in its backward: views allocate nothing, and
     the derivatives of pointwise ops are pointwise ops (and sums for broadcasting), kernels
     that write straight into their outputs (every one replayed on the zoo measured 0 bytes).
     """
@@ -104,6 +109,47 @@ class _OpKinds(TorchDispatchMode):
         self.opaque = False
         self.last = ""  # the last op: ``cat`` or ``stack`` hands its inputs views of its gradient
         self.expensive_outputs: list[torch.Tensor] = []  # what a selective checkpoint policy keeps
+        self.made: list[int] = []  # bytes of each storage a call made, in order
+        self.events: list[int] = []  # indices into ``made``: ``i`` made, ``-i - 1`` freed, in time order
+        self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
+        self.running = True
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.running = False  # what is freed after the node ran is no scratch of it
+        return super().__exit__(*exc)
+
+    def _follow(self, tensor: torch.Tensor, new: bool) -> None:
+        """Count ``tensor`` among those keeping its storage alive (one ``new`` to it makes
+        the storage an allocation of the node); the storage is freed with the last of them."""
+        key = storage_key(tensor)
+        if new:
+            self.tensors[key] = [len(self.made), 0]
+            self.events.append(len(self.made))
+            self.made.append(tensor.untyped_storage().nbytes())
+        elif key not in self.tensors:
+            return
+        self.tensors[key][1] += 1
+        weakref.finalize(tensor, self._dropped, key)
+
+    def _dropped(self, key: int) -> None:
+        entry = self.tensors[key]
+        entry[1] -= 1
+        if entry[1] == 0 and self.running:
+            self.events.append(-entry[0] - 1)
+            del self.tensors[key]
+
+    def forward_extra_bytes(self) -> int:
+        """Peak bytes of the storages the node's calls made, above those still alive when it
+        ended (what it returns and saves): the temporaries of an op run as a chain of ATen
+        calls (attention by the math kernel scales the query, builds a mask). 0 for a node of
+        only views and pointwise ops, whose steps eager runs one by one as well."""
+        if not self.opaque:
+            return 0
+        current = peak = 0
+        for event in self.events:
+            current += self.made[event] if event >= 0 else -self.made[-event - 1]
+            peak = max(peak, current)
+        return peak - current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
@@ -113,6 +159,10 @@ class _OpKinds(TorchDispatchMode):
         self.expensive = self.expensive or is_expensive
         self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)
         result = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(result):
+            if isinstance(tensor, torch.Tensor):
+                self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
         if is_expensive:
             self.expensive_outputs.extend(t for t in tree_leaves(result) if isinstance(t, torch.Tensor))
         return result
@@ -147,7 +197,8 @@ class _CostInterpreter(fx.Interpreter):
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
-        self.costs[node.name] = replace(cost, saves_from=saves_from(made_here))
+        self.costs[node.name] = replace(cost, saves_from=saves_from(made_here),
+                                        forward_extra_bytes=kinds.forward_extra_bytes())
         if self.backward and node.op.startswith("call_"):
             self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result

@@ -99,21 +99,21 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     embeddings) has one accumulator, which holds the first gradient until the last reader's
     backward has run (:func:`shared_parameters`).
 ``param_grads``: ``tuple[tuple[str, int], ...]`` (default ``()``)
-    The trained parameters behind an op's ``param_grad_bytes`` that are no values of the
-    graph (those inside an op that is a whole module, an fx ``call_module``), as ``(name,
-    gradient bytes)`` under the model's name for each (``"out.weight"``; for a tied
-    parameter, the first name torch gives it). On a ``param``: the model's name for it,
-    when known. A parameter named by several ops (a module called twice, a module tied to
-    another one or to a ``param`` value) keeps one summed gradient like a ``param`` read by
-    several ops (:func:`shared_parameters`).
+    The trained parameters inside an op that is a whole module (fx ``call_module``), as
+    ``(name, gradient bytes)`` under the model's (first) name for each; on a ``param``: the
+    model's name for it, when known. A parameter named by several ops (a module called twice
+    or tied) keeps one summed gradient like a ``param`` several ops read (:func:`shared_parameters`).
 ``backward_extra_bytes``: ``int``
     Bytes the node's backward allocates for a moment beyond the gradients it returns
-    (kernel scratch: on CPU, oneDNN's ``convolution_backward`` reorders grad_output and the
-    input to blocked layouts and builds grad_input in a blocked buffer, ``X + Y`` bytes
-    for a stride-1 convolution of input ``X`` and output ``Y`` bytes, ``2 X`` when strided;
-    ``native_batch_norm_backward`` holds an input-sized buffer). It lives while all of the
-    node's gradients exist, those added into existing buffers included, and is freed before
-    the next node's backward. ``0`` for nodes whose backward only allocates its gradients.
+    (kernel scratch, :mod:`graphckpt.scratch`: oneDNN's ``convolution_backward`` on CPU
+    reorders its tensors to blocked layouts). It lives while all of the node's gradients
+    exist, those added into existing buffers included, and is freed before the next node's
+    backward. ``0`` for nodes whose backward only allocates its gradients.
+``forward_extra_bytes``: ``int`` (default 0)
+    Bytes the node's forward allocates beyond its value and what it saves, alive at its
+    peak and freed before it returns: the temporaries of an op that runs as a chain of
+    kernels (attention by the math kernel scales the query and builds a float mask). Held
+    for the moment the node runs, in forward and in a recompute, on top of what it made.
 ``grad_views``: ``bool``
     The gradients the node's backward hands its inputs are views of its own output's
     gradient (``cat``, ``stack``): no new buffers, but the whole output gradient stays alive
@@ -167,6 +167,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "param_grad_bytes": int,
     "param_grads": tuple,
     "backward_extra_bytes": int,
+    "forward_extra_bytes": int,
     "label": str,
 }
 DEFAULTS: Mapping[str, Any] = {
@@ -187,6 +188,7 @@ DEFAULTS: Mapping[str, Any] = {
     "param_grad_bytes": 0,
     "param_grads": (),
     "backward_extra_bytes": 0,
+    "forward_extra_bytes": 0,
 }
 
 

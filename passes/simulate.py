@@ -2,7 +2,8 @@
 
 The model of memory (activations only: parameters and their ``.grad`` already exist):
 
-* forward: each op allocates its new bytes; a storage is freed once no later op reads it,
+* forward: each op allocates its new bytes (its temporaries, ``forward_extra_bytes``, for a
+  moment on top of them and what it saves); a storage is freed once no later op reads it,
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
@@ -201,6 +202,8 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
             for value in attributes["saved"]:
                 memory.hold(value)
             memory.allocate(("extra", name), attributes["saved_extra_bytes"])
+        memory.allocate(("forward-extra", name), attributes["forward_extra_bytes"])
+        memory.free(("forward-extra", name))
         for value in index.activation_reads[name]:
             if within is None or value in within:
                 memory.release(value)

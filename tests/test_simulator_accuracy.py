@@ -265,3 +265,54 @@ def test_a_weight_behind_several_ops_keeps_its_summed_gradient(model: type[nn.Mo
     # The simulator does not count the 4-byte scalar loss and its 4-byte gradient: where
     # nothing else is over-counted (the bias of a module called twice is), 8 bytes low.
     assert measured - LOSS_SCALARS <= simulated <= 1.03 * measured, (simulated, measured)
+
+
+# ---------------------------------------------------------------- forward temporaries
+
+
+class _Attention(nn.Module):
+    """Layers of masked attention with dropout, each from the model's input through frozen
+    projections (cross-attention to a frozen encoding): in training on CPU
+    ``scaled_dot_product_attention`` runs the math kernel, a chain of ATen calls inside one
+    node, and without gradients to compute every tensor it makes but its output (scores,
+    softmax, dropout mask, the scaled query, the float mask) is a temporary of its forward."""
+
+    def __init__(self, width: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.layers = nn.ModuleList(nn.ModuleList(nn.Linear(width, width) for _ in range(4)) for _ in range(layers))
+        for layer in self.layers:
+            layer[:3].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = x
+        for layer in self.layers:  # one call per layer: no local outlives its layer, as in the graph
+            y = y + self._attend(layer, x, mask)
+        return y
+
+    def _attend(self, layer: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (p(x).view(batch, length, self.heads, -1).transpose(1, 2) for p in layer[:3])
+        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+        return layer[3](a.transpose(1, 2).reshape(batch, length, width)).relu()
+
+
+def test_forward_temporaries_are_held_in_eager_and_in_a_recompute() -> None:
+    torch.manual_seed(0)
+    model = _Attention().to(DEVICE)
+    inputs = (torch.randn(4, 64, 64, device=DEVICE), torch.rand(64, 64, device=DEVICE) > 0.3)
+    graph = analyze(model, inputs).cost_graph
+    attention = [n for n in op_nodes(graph) if "scaled_dot_product_attention" in n]
+    if DEVICE == "cpu":
+        assert attention and all(graph.nodes[n]["forward_extra_bytes"] > 0 for n in attention)
+    measured = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    simulated = eager_peak(graph)
+    assert measured <= simulated <= 1.03 * measured, f"eager: simulated/measured {simulated / measured:.3f}"
+    with pytest.raises(BudgetError) as floor:
+        graphckpt.rewrite(model, inputs, budget=1)
+    rewritten = graphckpt.rewrite(model, inputs, budget=floor.value.smallest_peak_bytes)
+    plan = rewritten.meta["graphckpt_plan"]
+    assert any(s.recompute and set(s.nodes) & set(attention) for s in plan.segments)
+    measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    simulated = plan.peak_bytes
+    assert measured <= simulated <= 1.03 * measured, f"floor plan: simulated/measured {simulated / measured:.3f}"
