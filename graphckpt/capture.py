@@ -212,14 +212,19 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
     the model's call. A mask computed from the inputs (padding) is left alone.
     """
     changed = False
+    meanings: dict[fx.Node, str | None] = {}  # one mask serves every layer: evaluated once
     for node in list(graph_module.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or len(node.args) <= MASK_ARGUMENT:
             continue
         mask = node.args[MASK_ARGUMENT]
-        if not isinstance(mask, fx.Node) or _reads_an_input(mask):
+        if not isinstance(mask, fx.Node):
             continue
-        meaning = mask_meaning(_evaluate(graph_module, mask), node)
-        if meaning is None:
+        if mask not in meanings:
+            ancestors = _ancestors(mask)
+            reads_input = any(n.op not in ("call_function", "get_attr") for n in ancestors)
+            meanings[mask] = None if reads_input else mask_meaning(_evaluate(graph_module, mask, ancestors), None)
+        meaning = meanings[mask]
+        if meaning is None or (meaning == "causal" and _is_causal(node)):
             continue
         args = [*node.args[:MASK_ARGUMENT], None, *node.args[MASK_ARGUMENT + 1:]]
         if meaning == "causal" and len(args) > CAUSAL_ARGUMENT:
@@ -257,38 +262,34 @@ def mask_meaning(mask: torch.Tensor, attention: fx.Node) -> str | None:
     if bool(allowed.all()):
         return "none"
     length = allowed.shape[-1]
-    already_causal = attention is not None and (attention.kwargs.get("is_causal", False) or (
-        len(attention.args) > CAUSAL_ARGUMENT and attention.args[CAUSAL_ARGUMENT]))
+    already_causal = attention is not None and _is_causal(attention)
     if allowed.dim() < 2 or allowed.shape[-2] != length or already_causal:
         return None
     causal = torch.ones(length, length, dtype=torch.bool, device=allowed.device).tril()
     return "causal" if bool((allowed == causal).all()) else None
 
 
-def _reads_an_input(node: fx.Node) -> bool:
-    """Whether ``node`` depends on a graph input (or on something not a plain op)."""
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op not in ("call_function", "get_attr"):
-            return True
-        stack.extend(current.all_input_nodes)
-    return False
-
-
-def _evaluate(graph_module: fx.GraphModule, node: fx.Node) -> torch.Tensor:
-    """The value of ``node``, which reads no input, computed from its ancestors."""
-    values: dict[fx.Node, Any] = {}
-    ancestors: set[fx.Node] = set()
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it depends on."""
+    found: set[fx.Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
-        if current not in ancestors:
-            ancestors.add(current)
+        if current not in found:
+            found.add(current)
             stack.extend(current.all_input_nodes)
+    return found
+
+
+def _is_causal(attention: fx.Node) -> bool:
+    """Whether an attention call already asks for the causal mask itself."""
+    return bool(attention.kwargs.get("is_causal", False) or (
+        len(attention.args) > CAUSAL_ARGUMENT and attention.args[CAUSAL_ARGUMENT]))
+
+
+def _evaluate(graph_module: fx.GraphModule, node: fx.Node, ancestors: set[fx.Node]) -> torch.Tensor:
+    """The value of ``node``, computed from its ``ancestors`` (plain ops and attributes only)."""
+    values: dict[fx.Node, Any] = {}
     with torch.no_grad():
         for current in graph_module.graph.nodes:  # in order: inputs before their users
             if current not in ancestors:

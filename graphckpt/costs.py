@@ -17,7 +17,7 @@ from torch import fx
 
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
 from graphckpt.profile import NodeCost, fake_copy, node_costs
-from graphckpt.timing import checkpoint_overheads, node_nanoseconds
+from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds
 from graphckpt.torch_compat import OpOverload
 from passes.costgraph import add_value, check_cost_graph
 
@@ -75,7 +75,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)
         costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
-        call, per_op = checkpoint_overheads(str(_device_of(graph_module, args, kwargs)))
+        call, per_op = checkpoint_overheads(str(model_device(graph_module, args, kwargs)))
         return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, checkpoint_call_cost=call,
                        selective_op_cost=per_op)
     return Profile(costs, parents, rng_state_bytes=rng)
@@ -85,15 +85,8 @@ def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[s
     """Bytes of generator state ``torch.utils.checkpoint`` keeps per segment that replays
     random draws, in the memory the model runs in: the CPU generator's state for a CPU
     model; nothing on a GPU (``torch.cuda.get_rng_state`` is a host tensor)."""
-    on_cpu = _device_of(graph_module, args, kwargs).type == "cpu"
+    on_cpu = model_device(graph_module, args, kwargs).type == "cpu"
     return torch.get_rng_state().nbytes if on_cpu else 0
-
-
-def _device_of(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> torch.device:
-    """Where the model runs: the first non-CPU device among its tensors and inputs, else the CPU."""
-    tensors = [*graph_module.parameters(), *graph_module.buffers(), *args, *(kwargs or {}).values()]
-    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
-                torch.device("cpu"))
 
 
 def returned_loss(graph_module: fx.GraphModule, profile: Profile) -> str | None:

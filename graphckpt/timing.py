@@ -20,8 +20,24 @@ import torch
 from torch import fx
 
 from graphckpt.profile import positional_inputs
+from graphckpt.torch_compat import tree_leaves
 
 REPEATS = 5
+
+
+def model_device(module: torch.nn.Module | None, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> torch.device:
+    """Where a model runs: the first non-CPU device among the tensors of ``args`` and
+    ``kwargs`` (through tuples, lists and dicts) and ``module``'s parameters and buffers,
+    else the CPU.
+
+    >>> model_device(torch.nn.Linear(2, 2), (torch.zeros(2),))
+    device(type='cpu')
+    """
+    tensors = [*tree_leaves((args, dict(kwargs or {})))]
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
+                torch.device("cpu"))
 
 
 def synchronize(device: torch.device) -> None:
@@ -58,8 +74,7 @@ def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[
     """
     module = copy.deepcopy(graph_module).train(graph_module.training)
     inputs = positional_inputs(graph_module, args, kwargs or {})
-    tensors = [t for t in (*inputs, *module.parameters()) if isinstance(t, torch.Tensor)]
-    stopwatch = _Stopwatch(module, next((t.device for t in tensors if t.is_cuda), torch.device("cpu")))
+    stopwatch = _Stopwatch(module, model_device(module, inputs))
     with torch.random.fork_rng(), torch.enable_grad():
         for _ in range(repeats + 1):
             stopwatch.run(*[v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v

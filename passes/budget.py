@@ -200,6 +200,12 @@ def cheapest_fitting(graph: nx.DiGraph, flat: list[Candidate], budget_bytes: int
     return best, tried
 
 
+def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
+    """The plan that recomputes nothing, for a budget eager's peak already fits."""
+    note = f"{strategy}: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
+    return build_plan(graph, strategy, [(op_nodes(graph), False)], [note])
+
+
 def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
@@ -210,8 +216,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     its plan still keeps when none fits.
     """
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
-        note = f"optimal: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
-        return build_plan(graph, "optimal", [(op_nodes(graph), False)], [note])
+        return _eager_fits(graph, "optimal", budget_bytes)
     program = DynamicProgram(graph, progress=progress)
     found = plan_for_budget(program, budget_bytes)
     flat = candidates(graph)
@@ -253,8 +258,7 @@ def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
     if budget_bytes is None:
         return simulated(graph, every)
     if eager_peak(graph) <= budget_bytes:
-        note = f"blocks: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
-        return build_plan(graph, "blocks", [(op_nodes(graph), False)], [note])
+        return _eager_fits(graph, "blocks", budget_bytes)
     chosen, tried = cheapest_fitting(graph, [every, *partially_recomputed(graph, every)], budget_bytes, None)
     if chosen is None:
         raise _unreachable(graph, budget_bytes, tried)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from graphckpt.scratch import peak_memory, resolve_device
-from graphckpt.timing import synchronize
+from graphckpt.timing import model_device, synchronize
 
 __all__ = ["StepMeasurement", "infer_device", "measure_step", "on_device", "peak_memory", "synchronize", "training_step"]
 
@@ -97,18 +97,14 @@ class StepMeasurement:
 
 
 def infer_device(module: Callable[..., Any], inputs: tuple) -> torch.device:
-    """The device a step of ``module`` on ``inputs`` runs on: that of the first tensor input,
-    else of the first parameter (``module`` may be a ``functools.partial`` of a module).
+    """The device a step of ``module`` on ``inputs`` runs on (``module`` may be a
+    ``functools.partial`` of a module): :func:`graphckpt.timing.model_device`.
 
     >>> infer_device(nn.Linear(2, 2), (torch.zeros(2),))
     device(type='cpu')
     """
     owner = getattr(module, "func", module)
-    parameters = owner.parameters() if isinstance(owner, nn.Module) else ()
-    for tensor in (*inputs, *parameters):
-        if isinstance(tensor, torch.Tensor):
-            return tensor.device
-    return torch.device("cpu")
+    return model_device(owner if isinstance(owner, nn.Module) else None, inputs)
 
 
 def measure_step(
