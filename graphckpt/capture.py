@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
+from graphckpt.functions import functions_kept_whole
 from graphckpt.torch_compat import export_training_graph
 
 CaptureMethod = Literal["fx", "export"]
@@ -81,20 +82,33 @@ def trace_fx(model: nn.Module, args: tuple | None = None,
 
 def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
     """``torch.export`` (non-strict) at the example inputs, unlifted back to a module, with
-    the attention masks that tracing materialised taken back out (:func:`fold_constant_masks`)."""
-    return fold_constant_masks(export_training_graph(model, tuple(args), dict(kwargs)))
+    the model's own autograd Functions kept one node each (:mod:`graphckpt.functions`;
+    traced through when one of them draws random numbers) and the attention masks that
+    tracing materialised taken back out (:func:`fold_constant_masks`)."""
+    with functions_kept_whole() as seen:
+        graph_module = export_training_graph(model, tuple(args), dict(kwargs))
+    if seen.random:
+        graph_module = export_training_graph(model, tuple(args), dict(kwargs))
+    return fold_constant_masks(graph_module)
 
 
 def capture(model: nn.Module, example_inputs: tuple | None = None,
             example_kwargs: Mapping[str, Any] | None = None) -> Captured:
-    """Trace ``model`` with fx, falling back to ``torch.export`` when inputs are given.
+    """Trace ``model`` with fx, falling back to ``torch.export`` when inputs are given, and
+    preferring it for a model with its own autograd Functions, which export keeps whole
+    (:mod:`graphckpt.functions`) where fx traces through them.
 
     Raises :class:`CaptureError` naming the construct fx choked on and what to try.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    traced = None
     try:
-        return Captured(trace_fx(model, example_inputs, example_kwargs), "fx", model)
+        with functions_kept_whole() as seen:
+            traced = trace_fx(model, example_inputs, example_kwargs)
+        if not seen.traced_through or example_inputs is None:
+            return Captured(traced, "fx", model)
+        fx_reason = "fx traced through autograd.Function " + ", ".join(sorted(set(seen.traced_through)))
     except Exception as fx_error:
         fx_reason = f"{_first_line(fx_error)} (at {user_frame(fx_error)})"
         if example_inputs is None:
@@ -107,6 +121,8 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
     try:
         return Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
     except Exception as export_error:
+        if traced is not None:  # fx's trace, with the Functions inlined, is still a capture
+            return Captured(traced, "fx", model)
         raise CaptureError(
             f"neither torch.fx nor torch.export could capture {type(model).__name__}.\n"
             f"  torch.fx: {fx_reason}\n"
