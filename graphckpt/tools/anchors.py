@@ -48,6 +48,7 @@ class Variant:
     plan: Plan | None = None
     budget: float | None = None
     plan_seconds: float | None = None
+    predicted_extra_seconds: float | None = None  # graphckpt with measured op times: what its plan adds to a step
 
 
 @dataclass

@@ -31,7 +31,9 @@ from graphckpt.capture import Captured
 from graphckpt.tools.anchors import Skipped, Variant, block_anchor, compile_anchor, find_sequential, sequential_anchor
 from graphckpt.tools.console import quiet_profiler
 from graphckpt.tools.measure import infer_device, peak_memory, training_step
+from graphckpt.tools.pairs import minor_faults
 from passes.budget import BudgetError
+from passes.plan import Plan
 
 DEFAULT_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15)
 ReportProgress = Callable[[str], None]  # told a message as each measurement step ends
@@ -52,6 +54,10 @@ class Result:
     recompute_fraction: float | None = None
     budget: float | None = None
     plan_seconds: float | None = None
+    faults_per_step: float = 0.0  # minor page faults per timed step
+    extra_seconds: float = 0.0  # median over rounds of this step minus eager's
+    predicted_extra_seconds: float | None = None  # the plan's recompute and overhead, in measured op time
+    default_time_ratio: float | None = None  # time_ratio measured again with glibc's default allocator
     times: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -96,7 +102,16 @@ def planned_variant(modelled: Modelled, strategy: str = "auto", budget: float | 
     seconds = modelled.seconds + time.perf_counter() - start
     setting = plan.strategy if budget is not None or plan.strategy == strategy else f"-> {plan.strategy}"
     fraction = budget / plan.eager_peak_bytes if isinstance(budget, int) else budget
-    return Variant(name, module, "graphckpt", setting, plan, fraction, seconds)
+    return Variant(name, module, "graphckpt", setting, plan, fraction, seconds,
+                   predicted_extra_seconds=predicted_extra_seconds(modelled.cost_graph, plan))
+
+
+def predicted_extra_seconds(cost_graph: nx.DiGraph, plan: Plan) -> float | None:
+    """What the cost model says ``plan`` adds to a step (the ops it reruns and the checkpoint
+    calls' own cost), when the graph was costed in measured time; ``None`` for FLOPs."""
+    if cost_graph.graph.get("cost_unit") != "ns":
+        return None
+    return (plan.recompute_flops + plan.overhead) * 1e-9
 
 
 def eager_variant(model: nn.Module) -> Variant:
@@ -145,14 +160,16 @@ def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callab
             peaks.append(peak_memory(run, device=infer_device(variant.module, inputs)))
         _tick(progress, f"peak {variant.name}")
     times: list[list[float]] = [[] for _ in variants]
+    faults = [0] * len(variants)
     for round_index in range(steps):
         for offset in range(len(runs)):
             index = (round_index + offset) % len(runs)
-            start = time.perf_counter()
+            before, start = minor_faults(), time.perf_counter()
             runs[index]()
             times[index].append(time.perf_counter() - start)
+            faults[index] += minor_faults() - before
             _tick(progress, f"round {round_index + 1}/{steps}")
-    return _results(variants, peaks, times)
+    return _results(variants, peaks, times, [f / steps for f in faults])
 
 
 def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
@@ -164,10 +181,11 @@ def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, baseline, strict=True)) if all(baseline) else 0.0
 
 
-def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[list[float]]) -> list[Result]:
+def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[list[float]],
+             faults: Sequence[float]) -> list[Result]:
     base_peak = peaks[0]
     results = []
-    for variant, peak, seconds in zip(variants, peaks, times, strict=True):
+    for variant, peak, seconds, fault_count in zip(variants, peaks, times, faults, strict=True):
         median = statistics.median(seconds)
         plan = variant.plan
         results.append(Result(
@@ -176,14 +194,16 @@ def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[
             time_ratio=paired_ratio(seconds, times[0]),
             simulated_peak_bytes=plan.peak_bytes if plan else None,
             recompute_fraction=plan.recompute_flops / max(plan.forward_flops, 1) if plan else None,
-            budget=variant.budget, plan_seconds=variant.plan_seconds, times=seconds))
+            budget=variant.budget, plan_seconds=variant.plan_seconds, faults_per_step=fault_count,
+            extra_seconds=statistics.median(t - b for t, b in zip(seconds, times[0], strict=True)),
+            predicted_extra_seconds=variant.predicted_extra_seconds, times=seconds))
     return results
 
 
 # ---------------------------------------------------------------- what bench and pareto run
 
-BENCH_BUDGETS = (0.5, 0.25, 0.1)
-COMPILE_BUDGETS = (0.5, 0.1)
+BENCH_BUDGETS = (0.75, 0.5, 0.35, 0.25, 0.15)  # graphckpt's frontier
+COMPILE_BUDGETS = (0.5, 0.35)
 SIMULATOR_MARGIN = 0.99  # plan 1% under a measured peak to be matched: the simulator is within ~1% of it
 
 
@@ -216,9 +236,10 @@ def bench_variants(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], tor
                    strategies: Iterable[str], budgets: Sequence[float] = BENCH_BUDGETS,
                    compile_budgets: Sequence[float] = COMPILE_BUDGETS,
                    compile_backends: Sequence[str] = ("aot_eager",), cost: str = "flops",
-                   at_block_peak: bool = True) -> tuple[list[Variant], list[Skipped]]:
+                   at_anchor_peaks: bool = True) -> tuple[list[Variant], list[Skipped]]:
     """Eager, the anchors (:func:`anchor_variants`), graphckpt with each strategy and at each
-    budget, and graphckpt at the per-block anchor's measured peak (less 1%): equal memory, compare time.
+    budget, and graphckpt at each anchor's measured peak (less 1%; :func:`at_anchor_peak`):
+    equal memory, compare time.
 
     One capture serves every graphckpt plan; each plan's time includes it.
     """
@@ -229,12 +250,23 @@ def bench_variants(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], tor
     modelled = model_costs(model, inputs, cost)
     ours = [planned_variant(modelled, strategy) for strategy in strategies]
     ours += [planned_variant(modelled, budget=budget) for budget in budgets]
-    block = next((a for a in anchors if isinstance(a, Variant) and a.kind == "per-block"), None)
-    if block is not None and at_block_peak:
-        bytes_ = int(measured_peak(block.module, inputs, loss_fn) * SIMULATOR_MARGIN)
-        ours.append(planned_variant(modelled, budget=bytes_, name="graphckpt at per-block's peak"))
+    if at_anchor_peaks:
+        ours += [at_anchor_peak(modelled, anchor, inputs, loss_fn) for anchor in anchors if isinstance(anchor, Variant)]
     _sort([*anchors, *ours], variants, skipped)
     return variants, skipped
+
+
+def at_anchor_peak(modelled: Modelled, anchor: Variant, inputs: tuple,
+                   loss_fn: Callable[[Any], torch.Tensor]) -> Variant | Skipped:
+    """graphckpt's plan within ``anchor``'s measured peak (less 1%, the simulator's margin),
+    named ``graphckpt at <anchor>'s peak``: the two then compare on step time alone."""
+    bytes_ = int(measured_peak(anchor.module, inputs, loss_fn) * SIMULATOR_MARGIN)
+    return planned_variant(modelled, budget=bytes_, name=f"graphckpt at {anchor_label(anchor)}'s peak")
+
+
+def anchor_label(anchor: Variant | Result) -> str:
+    """How an anchor is named in a graphckpt variant's name (``per-block``, ``torch.compile aot_eager 0.5``)."""
+    return "per-block" if anchor.kind == "per-block" else anchor.name
 
 
 def _compile_sweep(model: nn.Module, inputs: tuple, budgets: Sequence[float],

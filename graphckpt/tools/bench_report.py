@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from graphckpt.tools.anchors import Skipped
-from graphckpt.tools.bench import Result
+from graphckpt.tools.bench import Result, anchor_label
+from graphckpt.tools.pairs import bootstrap_interval
 from passes.units import format_bytes
 
-COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager", "build")
+COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager",
+           "× eager, default allocator", "faults / step", "extra time: predicted / measured", "build")
 
 
 def _cpu_model() -> str:
@@ -46,9 +49,12 @@ def result_row(result: Result) -> str:
     ratio, and the time to build the variant (capture + plan + codegen, or compile)."""
     build = "" if result.plan_seconds is None else f"{result.plan_seconds:.1f} s"
     simulated = "" if result.simulated_peak_bytes is None else format_bytes(result.simulated_peak_bytes)
+    default = "" if result.default_time_ratio is None else f"{result.default_time_ratio:.2f}"
+    extra = ("" if result.predicted_extra_seconds is None else
+             f"{result.predicted_extra_seconds * 1e3:.0f} / {result.extra_seconds * 1e3:.0f} ms")
     cells = (result.name, result.setting, format_bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
-             simulated, f"{result.step_seconds * 1e3:.0f} ms",
-             f"{result.time_ratio:.2f}", build)
+             simulated, f"{result.step_seconds * 1e3:.0f} ms", f"{result.time_ratio:.2f}", default,
+             f"{result.faults_per_step:.0f}", extra, build)
     return "| " + " | ".join(cells) + " |"
 
 
@@ -92,6 +98,31 @@ def peak_and_time_target(results: Sequence[Result], target: str, peak_ratio: flo
     return Verdict(target, best.time_ratio <= time_ratio,
                    f"Fastest graphckpt variant at or below {ceiling}: *{best.name}*, peak "
                    f"{best.peak_ratio:.2f}×, step {best.time_ratio:.2f}× eager.")
+
+
+def versus_anchor(results: Sequence[Result], anchor: str, target: str) -> Verdict:
+    """Whether ``graphckpt at <anchor>'s peak`` steps at most as long as ``anchor`` at no more
+    measured peak (:func:`step_versus`)."""
+    theirs = next((r for r in results if r.name == anchor), None)
+    if theirs is None:
+        return Verdict(target, False, f"Not measured: {anchor} did not run.")
+    return step_versus(results, f"graphckpt at {anchor_label(theirs)}'s peak", anchor, target)
+
+
+def step_versus(results: Sequence[Result], ours: str, theirs: str, target: str) -> Verdict:
+    """Whether variant ``ours`` steps at most as long as ``theirs`` (median of the per-round
+    ratios, with a 95% bootstrap interval) at no more measured peak."""
+    by_name = {r.name: r for r in results}
+    if ours not in by_name or theirs not in by_name:
+        missing = ours if ours not in by_name else theirs
+        return Verdict(target, False, f"Not measured: *{missing}* (no plan fits, or it did not run).")
+    mine, other = by_name[ours], by_name[theirs]
+    ratios = [o / t for o, t in zip(mine.times, other.times, strict=True)]
+    low, high = bootstrap_interval(ratios)
+    median = statistics.median(ratios)
+    return Verdict(target, median <= 1.0 and mine.peak_bytes <= other.peak_bytes,
+                   f"*{ours}* over *{theirs}*: step {median:.3f}× (95% interval {low:.3f}–{high:.3f}, "
+                   f"{len(ratios)} rounds) at {mine.peak_bytes / max(other.peak_bytes, 1):.2f}× its measured peak.")
 
 
 def never_above_eager(results_by_model: dict[str, Sequence[Result]]) -> Verdict:
