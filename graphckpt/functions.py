@@ -45,7 +45,7 @@ class _Call:
 
     function: type
     template: tuple
-    single: list  # [True] when the Function returns one tensor, [False] a tuple; set on first run
+    returns: list  # [None] for one tensor, [(True, False, ...)] for a tuple: tensor or None per place; set on first run
     random: list  # [True] when its forward draws random numbers; set on the first run while capturing
 
 
@@ -91,6 +91,17 @@ def _arguments(call: _Call, tensors: Sequence[torch.Tensor]) -> list[Any]:
     return [next(values) if item is _TENSOR else item for item in call.template]
 
 
+def _tensors(function: type, result: Any) -> list[torch.Tensor]:
+    """The tensors a Function returned, in order (``None`` places left out)."""
+    outputs = [result] if isinstance(result, torch.Tensor) else list(result)
+    for output in outputs:
+        if output is not None and not isinstance(output, torch.Tensor):
+            raise TypeError(f"graphckpt keeps autograd.Function {function.__qualname__} whole, but it returned a "
+                            f"{type(output).__name__}; only tensors and None can be outputs of a graph node. "
+                            "Return the value as a tensor, or call the Function with gradients off")
+    return [o for o in outputs if o is not None]
+
+
 def _forward(key: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The Function's outputs as a list, none of them sharing storage with an input
     (a custom op may not return an alias of its arguments)."""
@@ -100,12 +111,12 @@ def _forward(key: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             f"graphckpt::autograd_function: {key!r} was kept whole when a model was captured "
             "in another process; rewrite the model in this process (graphckpt.rewrite) "
             "instead of loading a pickled rewrite")
-    watch = _DrawsRandom() if not call.single else contextlib.nullcontext()
+    watch = _DrawsRandom() if not call.returns else contextlib.nullcontext()
     with torch.no_grad(), watch:
         result = _apply(call.function, *_arguments(call, tensors))
-    outputs = [result] if isinstance(result, torch.Tensor) else list(result)
-    if not call.single:
-        call.single.append(isinstance(result, torch.Tensor))
+    outputs = _tensors(call.function, result)
+    if not call.returns:
+        call.returns.append(None if isinstance(result, torch.Tensor) else tuple(o is not None for o in result))
         call.random.append(watch.random)
     inputs = {storage_key(t) for t in tensors}
     return [t.clone() if storage_key(t) in inputs else t for t in outputs]
@@ -168,10 +179,13 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[None, list[to
             call.function.setup_context(own, tuple(arguments), outputs)
         else:
             outputs = call.function.forward(own, *arguments)
-    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    outputs = _tensors(call.function, outputs)
     if own.materialize_grads:
-        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(outputs, grads, strict=False)]
+        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(outputs, grads, strict=True)]
     del outputs
+    if call.returns != [None]:  # a tuple: None where the Function returned None
+        given = iter(grads)
+        grads = [next(given) if is_tensor else None for is_tensor in call.returns[0]]
     result = call.function.backward(own, *grads)
     result = (result,) if not isinstance(result, tuple) else result
     return None, [g for g, item in zip(result, call.template, strict=False) if item is _TENSOR]
@@ -214,7 +228,10 @@ def _kept_apply(function: type, *args: Any, **kwargs: Any) -> Any:
     call = _CALLS.setdefault(key, _Call(function, template, [], []))
     _SEEN[-1].kept.append(call)
     outputs = autograd_function(key, [a for a in args if isinstance(a, torch.Tensor)])
-    return outputs[0] if call.single == [True] else tuple(outputs)
+    if call.returns == [None]:
+        return outputs[0]
+    found = iter(outputs)
+    return tuple(next(found) if is_tensor else None for is_tensor in call.returns[0])
 
 
 @contextlib.contextmanager

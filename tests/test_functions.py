@@ -53,6 +53,18 @@ class ScaleShift(torch.autograd.Function):
         return grad_a * 2 + grad_b * x.cos(), None
 
 
+class Tripled(torch.autograd.Function):
+    """Returns a tensor and ``None``, as some Functions return an optional second value."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x * 3, None
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, nothing: None) -> torch.Tensor:
+        return grad * 3
+
+
 class NoisyGate(torch.autograd.Function):
     """Draws random numbers in forward: must be traced through, never run again."""
 
@@ -86,6 +98,9 @@ class Stack(nn.Module):
             elif self.function == "pair":
                 a, b = ScaleShift.apply(h, self.shift)
                 h = a * b
+            elif self.function == "tripled":
+                h, nothing = Tripled.apply(h)
+                assert nothing is None
             else:
                 h = NoisyGate.apply(h)
             x = x + down(h)
@@ -97,7 +112,7 @@ def _model(function: str) -> tuple[nn.Module, torch.Tensor]:
     return Stack(function), torch.randn(32, 64, requires_grad=True)
 
 
-@pytest.mark.parametrize("function", ["gate", "pair"])
+@pytest.mark.parametrize("function", ["gate", "pair", "tripled"])
 @pytest.mark.parametrize("strategy", ["sqrt", "articulation", "optimal"])
 def test_a_function_kept_whole_trains_like_the_model(function: str, strategy: str) -> None:
     model, x = _model(function)
