@@ -163,7 +163,9 @@ def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[
              "Time ratios are the median of each round's step over eager's step in that round; the targets "
              "compare two variants' steps round by round (median, 95% bootstrap interval). "
              "*× eager, default allocator* is the same ratio from a second process with glibc's default "
-             "allocator, where freed memory goes back to the OS and minor page faults decide step times; "
+             f"allocator ({options.default_allocator_steps} rounds; models "
+             f"{options.default_allocator_models.replace(',', ', ')}), where freed memory goes back to the OS "
+             "and minor page faults decide step times; "
              "*faults / step* are the minor page faults of a timed step in this run. "
              "*simulated* is graphckpt's own prediction of the peak; *extra time* is what graphckpt's cost model "
              "predicts its plan adds to eager's step (measured op times of what it reruns, and the checkpoint "
@@ -187,6 +189,7 @@ def default_allocator_ratios(options: argparse.Namespace, models: list[str]) -> 
     keeps glibc's default allocator (its own capture, plans and rounds)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "ratios.json"
+        models = [m for m in models if m in options.default_allocator_models.split(",")]
         command = [sys.executable, __file__, "--default-allocator", "--json", str(out), "--models", ",".join(models),
                    "--steps", str(options.default_allocator_steps), "--cost", options.cost, "--device", options.device,
                    *(["--tiny"] if options.tiny else []), *(["--inductor"] if options.inductor else [])]
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--default-allocator-steps", type=int, default=0,
                         help="also time every variant this many rounds in a second process with glibc's "
                              "default allocator, for its own column (0: not)")
+    parser.add_argument("--default-allocator-models", default="mlp,gpt2",
+                        help="the models the default-allocator column is measured for (it repeats their builds)")
     parser.add_argument("--json", type=Path, help="write each variant's time ratio here (the second process's output)")
     options = parser.parse_args(argv)
     if argv is None and not options.default_allocator:  # run as a script, not called from a test
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {[c.name for c in cases]}")
     cases = [c for c in cases if not wanted or c.name in wanted]
+    if options.default_allocator and options.json is not None:  # the second process: only the column's models
+        cases = [c for c in cases if c.name in options.default_allocator_models.split(",")]
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[Result]] = {}
