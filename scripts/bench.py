@@ -143,6 +143,15 @@ ELSEWHERE = (
 )
 
 
+def _load_line(options: argparse.Namespace) -> str:
+    """How busy the machine was: step-time ratios on a machine whose other jobs compete for its
+    cores spread widely (the targets' intervals show it); peaks do not depend on it."""
+    start, end = options.load_average
+    cores = os.cpu_count() or 1
+    busy = ": other jobs competed for the cores, so step times spread widely" if max(start, end) > cores + 1 else ""
+    return f"Load average (1 min) at the start of the run {start:.1f}, at the end {end:.1f}, on {cores} cores{busy}."
+
+
 def _allocator(options: argparse.Namespace) -> str:
     if options.default_allocator:
         return "glibc's default allocator"
@@ -170,7 +179,7 @@ def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[
              "*simulated* is graphckpt's own prediction of the peak; *extra time* is what graphckpt's cost model "
              "predicts its plan adds to eager's step (measured op times of what it reruns, and the checkpoint "
              "calls' own cost) against the measured median difference; *build* is capture + costs + plan + "
-             "codegen (or compile time).", "", "## Targets", ""]
+             "codegen (or compile time).", "", _load_line(options), "", "## Targets", ""]
     lines += [verdict.markdown() for verdict in targets(results)]
     for case in cases:
         if case.name not in results:
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[Result]] = {}
     skipped: dict[str, list[Any]] = {}
+    started_load = os.getloadavg()[0]
     for case in cases:
         start = time.perf_counter()
         results[case.name], skipped[case.name] = run_case(case, options)
@@ -248,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         options.json.write_text(json.dumps({m: {r.name: r.time_ratio for r in found} for m, found in results.items()}))
     if options.default_allocator_steps and not options.default_allocator:
         merge_default_allocator(results, default_allocator_ratios(options, [c.name for c in cases]))
+    options.load_average = (started_load, os.getloadavg()[0])
     text = document(cases, results, skipped, options, options.out)
     if options.out is None:
         print(text)
