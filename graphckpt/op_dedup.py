@@ -34,6 +34,7 @@ from graphckpt.scratch import call_key as kernel_call_key
 from graphckpt.torch_compat import (
     FakeTensor,
     FakeTensorMode,
+    fake_empty,
     has_module_hooks,
     is_accumulate_grad,
     module_registries,
@@ -83,9 +84,19 @@ def _strided_bytes(tensor: torch.Tensor) -> int:
         * tensor.element_size()
 
 
-def _empty(layout: tuple) -> torch.Tensor:
+def _empty(mode: FakeTensorMode, layout: tuple) -> torch.Tensor:
+    """A fake tensor of ``layout`` (:func:`tensor_layout`) with a storage of its own."""
     shape, stride, _, dtype, device, _ = layout
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return fake_empty(mode, shape, stride, dtype, device)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` gives."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _constant(value: Any) -> Hashable:
@@ -160,7 +171,7 @@ class _Ghost(torch.autograd.Function):
     def forward(ctx: Any, call: _GhostCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.call = call
         ctx.inputs = [(t.shape, t.dtype, t.device) for t in tensors]
-        outputs = tuple(_empty(layout) for layout in call.template.outputs)
+        outputs = tuple(_empty(call.interpreter.mode, layout) for layout in call.template.outputs)
         ctx.mark_non_differentiable(*(o for o, rg in zip(outputs, call.template.requires_grad, strict=True) if not rg))
         return outputs
 
@@ -172,7 +183,7 @@ class _Ghost(torch.autograd.Function):
             if not ctx.needs_input_grad[index + 1]:
                 result.append(None)
                 continue
-            result.append(torch.empty(shape, dtype=dtype, device=device))
+            result.append(fake_empty(call.interpreter.mode, shape, _contiguous_strides(shape), dtype, device))
             if call.slots[index] is not None:
                 emitted.setdefault(call.slots[index], Counter())[tensor_layout(result[-1])] += 1
         return None, *result
@@ -323,7 +334,7 @@ class _DedupInterpreter(_CostInterpreter):
                 slots = tuple(first[i] if t.grad_fn is not None else None for i, t in enumerate(inputs))
                 outputs = _Ghost.apply(_GhostCall(self, node.name, template, slots), *inputs)
             else:
-                outputs = tuple(_empty(layout) for layout in template.outputs)
+                outputs = tuple(_empty(self.mode, layout) for layout in template.outputs)
         if tuple(t.requires_grad for t in outputs) != template.requires_grad:
             raise DedupMismatch(f"{node.name}: requires_grad differs from {template.name}'s")
         for tensor in outputs:
@@ -418,7 +429,8 @@ def deduplicated_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mappin
 
 def _deduplicated_run(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
                       *, training: bool, lazy: LazyFake, banned: frozenset[Hashable]) -> dict[str, NodeCost]:
-    lazy.module.train(training)
+    for module in lazy.module.modules():  # not .train(): an exported module's raises, its copy's too
+        module.training = training
     real_inputs = positional_inputs(graph_module, args, kwargs or {})
     inputs = [lazy.mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in real_inputs]
     for fake_input, real in zip(inputs, real_inputs, strict=True):
