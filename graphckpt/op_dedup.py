@@ -28,6 +28,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.inplace import mutated_arguments
+from graphckpt.op_keys import call_key, module_signature, tensor_layout
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
@@ -35,7 +36,6 @@ from graphckpt.torch_compat import (
     FakeTensor,
     FakeTensorMode,
     fake_empty,
-    has_module_hooks,
     is_accumulate_grad,
     module_registries,
     module_tree_copy,
@@ -49,7 +49,6 @@ DEDUP_ENV = "GRAPHCKPT_DEDUP"
 CALLS = ("call_function", "call_method", "call_module")
 _MISSING = object()
 RETRIES = 3  # dedup runs before the full profile: the first, and two with more keys profiled node by node
-_CONSTANTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def dedup_enabled(dedup: bool | None = None) -> bool:
@@ -64,16 +63,6 @@ class DedupMismatch(Exception):
     def __init__(self, message: str, representatives: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
         self.representatives = representatives
-
-
-class _Unkeyable(Exception):
-    """An argument the key cannot describe exactly (a tensor constant, an odd object)."""
-
-
-def tensor_layout(tensor: torch.Tensor) -> tuple:
-    """Everything about a tensor's memory that a measurement can depend on, data aside."""
-    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype,
-            tensor.device, tensor.untyped_storage().nbytes())
 
 
 def _strided_bytes(tensor: torch.Tensor) -> int:
@@ -97,34 +86,6 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def _constant(value: Any) -> Hashable:
-    """A non-tensor argument, with its type (``1``, ``1.0`` and ``True`` differ)."""
-    if value is None or isinstance(value, _CONSTANTS):
-        return type(value).__name__, value
-    if isinstance(value, (tuple, list)):
-        return type(value).__name__, tuple(_constant(v) for v in value)
-    raise _Unkeyable(type(value).__name__)
-
-
-def module_signature(module: nn.Module) -> Hashable | None:
-    """What calling a ``torch.nn`` module can depend on besides its inputs: its class,
-    public attributes (``eps``, ``p``, ``training``, ...), tensors' layouts and submodules;
-    ``None`` for a module outside ``torch.nn`` or with hooks (never deduplicated)."""
-    if not type(module).__module__.startswith("torch.nn.") or has_module_hooks(module):
-        return None
-    try:
-        attributes = tuple(sorted((k, _constant(v)) for k, v in vars(module).items() if not k.startswith("_")))
-    except _Unkeyable:
-        return None
-    _, parameters, buffers = module_registries(module)
-    tensors = tuple((name, None if t is None else (tensor_layout(t), t.requires_grad, isinstance(t, nn.Parameter)))
-                    for name, t in (*parameters.items(), *buffers.items()))
-    children = tuple((name, module_signature(child)) for name, child in module.named_children())
-    if any(signature is None for _, signature in children):
-        return None
-    return type(module), attributes, tensors, children
 
 
 @dataclass
@@ -211,6 +172,7 @@ class _DedupInterpreter(_CostInterpreter):
         self.unknown: set[str] = set()  # representatives that gave a gradient to no input slot
         self.last_claimed: list[Any] = []
         self.nodes = {node.name: node for node in lazy.module.graph.nodes}
+        self.submodule = lazy.module.get_submodule
 
     def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
         self.last_claimed = super()._claim_grad_fns(result, name)
@@ -248,12 +210,9 @@ class _DedupInterpreter(_CostInterpreter):
     # ------------------------------------------------------------ keys
 
     def call_key(self, node: fx.Node, args: tuple, kwargs: dict) -> Hashable | None:
-        """What a node's figures can depend on: target (a module by
-        :func:`module_signature`), constants, and per tensor argument its layout,
-        ``requires_grad``, leafness, which arguments share a storage or an owner, and
-        whether the owner is a parameter; plus grad mode and training. ``None``: no key."""
+        """:func:`graphckpt.op_keys.call_key` of ``node`` (a module by its signature, once)."""
         if node.op == "call_module":
-            module = self.module.get_submodule(node.target)
+            module = self.submodule(node.target)
             if id(module) not in self.signatures:
                 self.signatures[id(module)] = module_signature(module)
             target: Hashable = self.signatures[id(module)]
@@ -261,29 +220,7 @@ class _DedupInterpreter(_CostInterpreter):
                 return None
         else:
             target = node.target
-        storages: dict[int, int] = {}
-        owners: dict[Any, int] = {}
-
-        def describe(value: Any) -> Hashable:
-            if isinstance(value, torch.Tensor):
-                owner = self.owner.get(storage_key(value))
-                return ("tensor", tensor_layout(value), value.requires_grad, value.is_leaf,
-                        isinstance(value, nn.Parameter), storages.setdefault(storage_key(value), len(storages)),
-                        owner == PARAM, owners.setdefault(owner, len(owners)))
-            if isinstance(value, (tuple, list)):
-                return type(value).__name__, tuple(describe(v) for v in value)
-            if isinstance(value, dict):
-                return "dict", tuple((k, describe(v)) for k, v in value.items())
-            if isinstance(value, slice):
-                return "slice", describe(value.start), describe(value.stop), describe(value.step)
-            return _constant(value)
-
-        try:
-            hash(target)
-            return (node.op, target, describe(args), describe(kwargs), torch.is_grad_enabled(),
-                    self.module.training)
-        except (_Unkeyable, TypeError):
-            return None
+        return call_key(node, target, args, kwargs, self.owner, PARAM, self.module.training)
 
     # ------------------------------------------------------------ running
 

@@ -12,8 +12,12 @@ from torch import fx, nn
 from graphckpt import op_dedup
 from graphckpt.capture import capture
 from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.inplace import view_parents
+from graphckpt.op_keys import reads_training, training_matters
 from graphckpt.profile import fake_copy, node_costs
 from tests.plan_snapshot import plans_of
+
+ZOO_NAMES = ["mlp", "resnet", "gpt", "unet", "densenet"]
 
 
 def cost_graph(model: nn.Module, x: torch.Tensor, dedup: bool) -> nx.DiGraph:
@@ -29,7 +33,7 @@ def assert_same_graph(a: nx.DiGraph, b: nx.DiGraph) -> None:
         assert a.nodes[name] == b.nodes[name], name
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "unet", "densenet"])
+@pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_cost_graphs_and_plans_are_the_same_with_and_without_dedup(name: str) -> None:
     from graphckpt.tools import zoo
 
@@ -104,3 +108,44 @@ def test_module_signature_tells_configurations_apart() -> None:
     hooked = nn.Linear(4, 4)
     hooked.register_forward_hook(lambda *args: None)
     assert signature(hooked) is None
+
+
+class _MyLinear(nn.Linear):
+    """Not a torch.nn class: it might read ``training``."""
+
+
+def test_reads_training_only_for_modules_that_may_behave_differently_in_eval() -> None:
+    quiet = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.GELU(), nn.Conv1d(4, 4, 1), nn.Embedding(3, 4))
+    assert not reads_training(quiet)
+    for module in (nn.Dropout(), nn.BatchNorm1d(4), nn.RReLU(), nn.MultiheadAttention(4, 1), _MyLinear(4, 4),
+                   nn.Sequential(nn.Linear(4, 4), nn.Dropout())):
+        assert reads_training(module), module
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda *_: None)
+    assert reads_training(hooked)
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_the_eval_profile_finds_no_other_views_where_training_does_not_matter(name: str) -> None:
+    """The eval-mode profile is skipped where training_matters is False: there it must add
+    no view to what the training profile finds (checked on the zoo, each in both modes)."""
+    from graphckpt.tools import zoo
+
+    model, inputs = zoo.make(name)
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    gm = capture(model, args, None).graph_module
+    fake = fake_copy(gm)
+    runs = [node_costs(gm, args, None, training=mode, fake=fake) for mode in (True, False)]
+    if not training_matters(gm):
+        assert view_parents(gm, runs[:1]) == view_parents(gm, runs)
+
+
+def test_some_zoo_models_skip_the_eval_profile_and_those_with_dropout_do_not() -> None:
+    from graphckpt.tools import zoo
+
+    matters = {}
+    for name in ZOO_NAMES:
+        model, inputs = zoo.make(name)
+        matters[name] = training_matters(capture(model, inputs if isinstance(inputs, tuple) else (inputs,),
+                                                 None).graph_module)
+    assert not all(matters.values()) and any(matters.values()), matters
