@@ -149,3 +149,24 @@ def test_some_zoo_models_skip_the_eval_profile_and_those_with_dropout_do_not() -
         matters[name] = training_matters(capture(model, inputs if isinstance(inputs, tuple) else (inputs,),
                                                  None).graph_module)
     assert not all(matters.values()) and any(matters.values()), matters
+
+
+def test_op_timing_pools_repeated_calls_and_runs_the_graph_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphckpt import timing
+
+    runs = []
+    original = timing._Stopwatch.run
+    monkeypatch.setattr(timing._Stopwatch, "run", lambda self, *a: runs.append(1) or original(self, *a))
+    model, x = Stack(4, 8, 0.1), torch.randn(2, 3, 8)
+    gm = capture(model, (x,), None).graph_module
+    before = [b.clone() for b in gm.buffers()]
+    times = timing.node_nanoseconds(gm, (x,), None, dedup=True)
+    assert len(runs) == 2 and set(times) == {n.name for n in gm.graph.nodes}
+    by_target: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and not node.target.startswith("blocks.0."):
+            by_target.setdefault(node.target.split(".", 2)[2], set()).add(times[node.name])
+    assert by_target and all(len(values) == 1 for values in by_target.values()), by_target
+    assert all(torch.equal(a, b) for a, b in zip(before, gm.buffers(), strict=True))
+    runs.clear()
+    assert set(timing.node_nanoseconds(gm, (x,), None, repeats=3, dedup=False)) == set(times) and len(runs) == 4
