@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.inplace import mutated_arguments
-from graphckpt.op_keys import call_key, module_signature, tensor_layout
+from graphckpt.op_keys import call_key, module_signature, tensor_layout, users_key
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
@@ -220,7 +220,8 @@ class _DedupInterpreter(_CostInterpreter):
                 return None
         else:
             target = node.target
-        return call_key(node, target, args, kwargs, self.owner, PARAM, self.module.training)
+        users = users_key(node, self.submodule) if self.backward and torch.is_grad_enabled() else ()
+        return call_key(node, target, args, kwargs, self.owner, PARAM, self.module.training, users)
 
     # ------------------------------------------------------------ running
 
@@ -243,12 +244,13 @@ class _DedupInterpreter(_CostInterpreter):
 
     def _template(self, node: fx.Node, args: tuple, kwargs: dict, result: Any) -> _Template | None:
         """The representative's template, or ``None`` when its later copies must run too:
-        random draws, outputs that are views or not tensors, saved values it cannot name
-        by input."""
+        outputs that are views or not tensors, saved values it cannot name by input. A
+        random op (dropout) has ghosts too: on fake tensors nothing is drawn, and the mask
+        it saves is its own, as a ghost's would be."""
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs, spec = tree_flatten(result)
         cost = self.costs[node.name]
-        if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs) or cost.random or cost.alias_of:
+        if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs) or cost.alias_of:
             return None
         keys = [storage_key(t) for t in outputs]
         if len(set(keys)) != len(keys) or any(self.owner.get(k) != node.name for k in keys) or any(

@@ -8,7 +8,7 @@ grad mode and training. Split from :mod:`graphckpt.op_dedup` to keep each module
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -83,13 +83,29 @@ def arguments_key(args: tuple, kwargs: dict, owner: Mapping[int, str], param: st
     return describe(args), describe(kwargs)
 
 
+def users_key(node: fx.Node, module_of: Callable[[str], nn.Module]) -> Hashable:
+    """How ``node``'s value is used: per user, what it calls (a module by class) and where
+    the value sits among its arguments. The gradient a node gets back depends on it (the
+    key projection of attention is read through a transpose, the query's straight by a
+    matmul): keying on it keeps such nodes apart from the start, instead of a whole
+    profiling run spent finding out that their gradients differ."""
+    uses = []
+    for user in node.users:
+        target = type(module_of(user.target)) if user.op == "call_module" else user.target
+        places = tuple(i for i, arg in enumerate(user.args) if arg is node)
+        uses.append((user.op, target if isinstance(target, Hashable) else str(target), places))
+    return tuple(sorted(uses, key=repr))
+
+
 def call_key(node: fx.Node, target: Hashable, args: tuple, kwargs: dict, owner: Mapping[int, str], param: str,
-             training: bool) -> Hashable | None:
+             training: bool, users: Hashable = ()) -> Hashable | None:
     """What ``node``'s figures can depend on (``target``: the op, or the module's
-    :func:`module_signature`), or ``None`` when something cannot be keyed."""
+    :func:`module_signature`; ``users``: :func:`users_key`, for the profile's backward), or
+    ``None`` when something cannot be keyed."""
     try:
         hash(target)
-        return node.op, target, arguments_key(args, kwargs, owner, param), torch.is_grad_enabled(), training
+        hash(users)
+        return node.op, target, arguments_key(args, kwargs, owner, param), torch.is_grad_enabled(), training, users
     except (Unkeyable, TypeError):
         return None
 

@@ -170,3 +170,18 @@ def test_op_timing_pools_repeated_calls_and_runs_the_graph_twice(monkeypatch: py
     assert all(torch.equal(a, b) for a, b in zip(before, gm.buffers(), strict=True))
     runs.clear()
     assert set(timing.node_nanoseconds(gm, (x,), None, repeats=3, dedup=False)) == set(times) and len(runs) == 4
+
+
+def test_transformer_blocks_need_one_dedup_run_and_cost_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The query and key projections are keyed apart by how they are read (a transpose),
+    and dropout has ghosts: one profiling run, and the figures of the full profile."""
+    from tests.scripts import load_script
+
+    script = load_script("rewrite_cost")
+    runs = []
+    original = op_dedup._deduplicated_run
+    monkeypatch.setattr(op_dedup, "_deduplicated_run", lambda *a, **k: runs.append(k["training"]) or original(*a, **k))
+    model, x = script.Stack(3, script.TransformerBlock), torch.randn(2, 4, script.WIDTH)
+    deduplicated = cost_graph(model, x, True)
+    assert runs == [True, False]
+    assert_same_graph(cost_graph(model, x, False), deduplicated)
