@@ -100,8 +100,14 @@ class LazyFake:
 
 
 def lazy_fake_copy(graph_module: fx.GraphModule) -> LazyFake:
-    """A :class:`LazyFake` of ``graph_module`` (the real module is never changed)."""
-    return LazyFake(FakeTensorMode(allow_non_fake_inputs=True), module_tree_copy(graph_module))
+    """A :class:`LazyFake` of ``graph_module`` (the real module is never changed). The
+    copy's ``get_submodule`` is a dictionary lookup: the profile asks it several times a
+    node, and walking a dotted path costs more than the rest of a ghost's bookkeeping."""
+    module = module_tree_copy(graph_module)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    walk = module.get_submodule
+    module.get_submodule = lambda target: modules[target] if target in modules else walk(target)
+    return LazyFake(FakeTensorMode(allow_non_fake_inputs=True), module)
 
 
 @dataclass(frozen=True)
