@@ -12,7 +12,10 @@ layouts and the gradient layouts it handed upstream are checked against what its
 representative got and gave; any difference (or a node that cannot be keyed) makes the whole
 profile run again without dedup, so figures are always those of the full run.
 
-Off with ``GRAPHCKPT_DEDUP=0`` or ``prepare(..., dedup=False)``.
+Keys are :mod:`graphckpt.op_keys`'s (how a value is used is part of one, so attention's
+key projection, read through a transpose, is not a ghost of its query projection). Off with
+``GRAPHCKPT_DEDUP=0`` or ``prepare(..., dedup=False)``; the same switch turns off the
+pooled op timing of ``cost="time"`` (:func:`graphckpt.timing.node_nanoseconds`).
 """
 
 from __future__ import annotations
