@@ -38,7 +38,7 @@ ABOUT = ("Wall-clock seconds of each stage of `graphckpt.rewrite` on stacks of t
          "plan budget 0.25 (the optimal pass at a quarter of eager's simulated peak) is a second plan, timed on its "
          "own and given up after {t} s. A warm-up rewrite of a tiny stack runs first; rewrites of up to "
          "{c} nodes are checked against eager's gradients. Growth: the exponent k of seconds ∝ nodes^k between "
-         "consecutive sizes (1 is linear; n log n reads about 1.1–1.2 over these sizes).")
+         "consecutive sizes (1 is linear; n log n reads about 1.12 from 1k to 10k and 1.10 from 10k to 50k).")
 
 
 class Block(nn.Module):
@@ -203,7 +203,7 @@ def fragment(rows: list[Row], argv: list[str], budget_timeout: int) -> str:
 def plot(rows: list[Row], path: str) -> None:
     """Log-log seconds against node count, one line per stage and the total, a line style per stack."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     colors = dict(zip(STAGES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False)) | {"total": "black"}
     for stack, line in zip(dict.fromkeys(row["stack"] for row in rows), ("-", "--", ":"), strict=False):
         for stage in STAGES:
@@ -215,7 +215,7 @@ def plot(rows: list[Row], path: str) -> None:
     ax.set(xscale="log", yscale="log", xlabel="fx graph nodes", ylabel="seconds",
            title="graphckpt rewrite cost by stage (stacks of tiny blocks, CPU)")
     ax.grid(which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2, loc="upper left", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=150, facecolor="white")
     plt.close(fig)
