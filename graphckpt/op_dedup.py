@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.inplace import mutated_arguments
-from graphckpt.op_keys import call_key, module_signature, tensor_layout, users_key
+from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
@@ -219,7 +219,7 @@ class _DedupInterpreter(_CostInterpreter):
     # ------------------------------------------------------------ keys
 
     def call_key(self, node: fx.Node, args: tuple, kwargs: dict) -> Hashable | None:
-        """:func:`graphckpt.op_keys.call_key` of ``node`` (a module by its signature, once)."""
+        """:func:`graphckpt.op_keys.node_key` of ``node`` (a module by its signature, once)."""
         if node.op == "call_module":
             module = self.submodule(node.target)
             if id(module) not in self.signatures:
@@ -230,7 +230,7 @@ class _DedupInterpreter(_CostInterpreter):
         else:
             target = node.target
         users = users_key(node, self.submodule) if self.backward and torch.is_grad_enabled() else ()
-        return call_key(node, target, args, kwargs, self.owner, PARAM, self.module.training, users)
+        return node_key(node, target, args, kwargs, self.owner, PARAM, self.module.training, users)
 
     # ------------------------------------------------------------ running
 

@@ -97,7 +97,7 @@ def users_key(node: fx.Node, module_of: Callable[[str], nn.Module]) -> Hashable:
     return tuple(sorted(uses, key=repr))
 
 
-def call_key(node: fx.Node, target: Hashable, args: tuple, kwargs: dict, owner: Mapping[int, str], param: str,
+def node_key(node: fx.Node, target: Hashable, args: tuple, kwargs: dict, owner: Mapping[int, str], param: str,
              training: bool, users: Hashable = ()) -> Hashable | None:
     """What ``node``'s figures can depend on (``target``: the op, or the module's
     :func:`module_signature`; ``users``: :func:`users_key`, for the profile's backward), or

@@ -20,7 +20,7 @@ from torch import fx
 
 from graphckpt.inplace import mutated_arguments
 from graphckpt.op_dedup import CALLS, dedup_enabled
-from graphckpt.op_keys import call_key, module_signature
+from graphckpt.op_keys import module_signature, node_key
 from graphckpt.profile import PARAM, positional_inputs
 from graphckpt.torch_compat import module_registries, module_tree_copy, storage_key, tree_leaves
 
@@ -53,7 +53,7 @@ class _Stopwatch(fx.Interpreter):
     """Runs the graph, timing every node; on CUDA each node's kernels are waited for, so a
     node's time is its kernels' and not only their launch.
 
-    With ``keyed``, each call node gets its :func:`graphckpt.op_keys.call_key` and the
+    With ``keyed``, each call node gets its :func:`graphckpt.op_keys.node_key` and the
     times of one key are pooled: a call repeated in ``repeats`` or more nodes is timed once
     per node in one run, a rarer one (that writes nothing in place) is run again on the spot
     until its key has ``repeats`` samples."""
@@ -77,7 +77,7 @@ class _Stopwatch(fx.Interpreter):
         if node.op == "call_module":
             target = module_signature(self.module.get_submodule(node.target))
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        key = call_key(node, target, args, kwargs, self.owner, PARAM, self.module.training)
+        key = node_key(node, target, args, kwargs, self.owner, PARAM, self.module.training)
         return node.name if key is None else key
 
     def count_keys(self) -> None:
