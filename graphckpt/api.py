@@ -17,7 +17,7 @@ from graphckpt.capture import Captured, CaptureError, block_paths, capture, node
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
-from graphckpt.progress import planning_progress
+from graphckpt.progress import planning_progress, stage_progress
 from passes.budget import Budget
 from passes.plan import Plan
 from passes.strategies import check_request, plan_graph
@@ -80,13 +80,15 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
     args = _as_tuple(example_inputs)
     if args is None and example_kwargs:
         args = ()  # keyword inputs alone are example inputs too
-    captured = capture(model, args, example_kwargs)
+    with stage_progress(f"graphckpt: capturing {type(model).__name__}"):
+        captured = capture(model, args, example_kwargs)
     paths = block_paths(model, blocks)  # a misspelt block name is refused before costing
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
-    profile = prepare(captured.graph_module, args, example_kwargs, cost)
-    node_block = node_blocks(captured.graph_module, paths)
-    return captured, build_cost_graph(captured.graph_module, profile, blocks=node_block)
+    with stage_progress(f"graphckpt: costing {len(captured.graph_module.graph.nodes)} nodes"):
+        profile = prepare(captured.graph_module, args, example_kwargs, cost)
+        node_block = node_blocks(captured.graph_module, paths)
+        return captured, build_cost_graph(captured.graph_module, profile, blocks=node_block)
 
 
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
@@ -104,7 +106,7 @@ def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
 
 def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
     """The rewritten module for an analysis of ``model`` (codegen only)."""
-    with torch.no_grad():
+    with torch.no_grad(), stage_progress("graphckpt: generating the rewritten module"):
         return generate(analysis.captured.graph_module, model, analysis.plan, analysis.captured.method)
 
 

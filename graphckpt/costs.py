@@ -16,7 +16,9 @@ import torch
 from torch import fx
 
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
-from graphckpt.profile import NodeCost, fake_copy, node_costs
+from graphckpt.op_dedup import profile_runs
+from graphckpt.op_keys import training_matters
+from graphckpt.profile import NodeCost
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds
 from graphckpt.torch_compat import OpOverload
 from passes.costgraph import add_value, check_cost_graph
@@ -60,17 +62,23 @@ COSTS = ("flops", "time")
 
 
 def prepare(graph_module: fx.GraphModule, args: tuple | None,
-            kwargs: Mapping[str, Any] | None = None, cost: str = "flops") -> Profile:
+            kwargs: Mapping[str, Any] | None = None, cost: str = "flops", *, dedup: bool | None = None) -> Profile:
     """Make in-place ops safe (:func:`graphckpt.inplace.isolate_inplace`) and profile the
     final graph; unit costs when there are no example inputs. With ``cost="time"`` the
-    recompute cost of each node is its measured forward time instead of its FLOPs."""
+    recompute cost of each node is its measured forward time instead of its FLOPs.
+    ``dedup`` (default: on unless ``GRAPHCKPT_DEDUP=0``) profiles each distinct call once
+    (:mod:`graphckpt.op_dedup`); the figures are the same either way. The eval-mode
+    profile, which only tells views apart, is skipped when no node can behave differently
+    in eval (:func:`graphckpt.op_keys.training_matters`)."""
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, []), measured=False)
-    fake = fake_copy(graph_module)
-    runs = [node_costs(graph_module, args, kwargs, training=mode, fake=fake) for mode in (True, False)]
+    modes = (True, False) if training_matters(graph_module) else (True,)  # eval only for aliasing
+    runs = profile_runs(graph_module, args, kwargs, modes, dedup=dedup)
     parents = view_parents(graph_module, runs)
-    costs = node_costs(graph_module, args, kwargs) if isolate_inplace(graph_module, parents) else runs[0]
+    if isolate_inplace(graph_module, parents):
+        runs = profile_runs(graph_module, args, kwargs, (True,), dedup=dedup)
+    costs = runs[0]
     rng = rng_state_bytes(graph_module, args, kwargs)
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)

@@ -203,11 +203,11 @@ class _CostInterpreter(fx.Interpreter):
             self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result
 
-    def _claim_grad_fns(self, result: Any, name: str | None) -> None:
+    def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
         """Hook the autograd functions this node made (those its outputs reach before the
         functions of earlier nodes and the leaves' ``AccumulateGrad``) so that, in the
         backward, :class:`Recorder` gives their ATen calls to ``name``; ``None`` (a node
-        that ran only views and pointwise ops) records nothing."""
+        that ran only views and pointwise ops) records nothing. Returns those functions."""
         recorder = self.recorder
 
         def enter(grad_outputs: Any) -> None:
@@ -216,15 +216,17 @@ class _CostInterpreter(fx.Interpreter):
         def leave(grad_inputs: Any, grad_outputs: Any) -> None:
             recorder.leave(name)
 
-        stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        stack, claimed = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor)], []
         while stack:
             function = stack.pop()
             if function is None or function in self.grad_fns or is_accumulate_grad(function):
                 continue
             self.grad_fns.add(function)
+            claimed.append(function)
             function.register_prehook(enter)
             function.register_hook(leave)
             stack.extend(next_function for next_function, _ in function.next_functions)
+        return claimed
 
     def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:
         """Set each node's ``backward_extra_bytes``: the most bytes any one ATen call of its
@@ -237,15 +239,24 @@ class _CostInterpreter(fx.Interpreter):
         is a strided slice, which ``convolution_backward`` first copies). The calls not
         measured before in this process are then replayed (:func:`measure_kernel_scratch`).
         """
+        if self.run_backward(outputs, inputs):
+            self.assign_backward_extra()
+
+    def run_backward(self, outputs: Any, inputs: list[torch.Tensor]) -> bool:
+        """The fake backward of the whole graph, recorded; False when there is none to run."""
         outputs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         leaves = [t for t in (*self.module.parameters(), *inputs) if t.requires_grad]
         if not outputs or not leaves:
-            return
+            return False
         with self.mode, self.recorder:
             try:
                 torch.autograd.grad(outputs, leaves, [torch.empty_like(t) for t in outputs], allow_unused=True)
             except (RuntimeError, NotImplementedError):
-                return
+                return False
+        return True
+
+    def assign_backward_extra(self) -> None:
+        """Each recorded node's ``backward_extra_bytes``, from the backward just run."""
         keys = {name: [call_key(*call) for call in calls] for name, calls in self.recorder.calls.items()}
         measure_kernel_scratch({key: call for name, calls in self.recorder.calls.items()
                                 for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})

@@ -1,13 +1,15 @@
-"""A progress bar for planning that only appears when planning is slow (over a second)."""
+"""Progress on long rewrites: a bar for planning and a spinner for the other stages, each
+appearing only when its stage runs over a second."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from passes.plan import Progress as ProgressCallback
 
@@ -41,3 +43,38 @@ def planning_progress(description: str = "planning", show_after: float = SHOW_AF
     finally:
         if bar is not None:
             bar.stop()
+
+
+@contextlib.contextmanager
+def stage_progress(description: str, show_after: float = SHOW_AFTER_SECONDS,
+                   console: Console | None = None) -> Iterator[None]:
+    """A transient spinner with elapsed time for a pipeline stage (capture, costs, codegen)
+    that has no count to report: it appears on ``console`` (stderr by default, only a
+    terminal) once the stage has run ``show_after`` seconds, and goes away when it ends."""
+    console = console or Console(stderr=True)
+    lock = threading.Lock()
+    state: dict[str, Progress | bool | None] = {"bar": None, "done": False}
+
+    def show() -> None:
+        with lock:
+            if state["done"]:
+                return
+            bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                           console=console, transient=True)
+            bar.start()
+            bar.add_task(description, total=None)
+            state["bar"] = bar
+
+    timer = threading.Timer(show_after, show) if console.is_terminal else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            state["done"] = True
+            if timer is not None:
+                timer.cancel()
+            if isinstance(state["bar"], Progress):
+                state["bar"].stop()

@@ -8,19 +8,21 @@ planner minimises recomputed nanoseconds.
 
 from __future__ import annotations
 
-import copy
 import functools
 import statistics
 import time
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import fx
 
-from graphckpt.profile import positional_inputs
-from graphckpt.torch_compat import tree_leaves
+from graphckpt.inplace import mutated_arguments
+from graphckpt.op_dedup import CALLS, dedup_enabled
+from graphckpt.op_keys import module_signature, node_key
+from graphckpt.profile import PARAM, positional_inputs
+from graphckpt.torch_compat import module_registries, module_tree_copy, storage_key, tree_leaves
 
 REPEATS = 5
 
@@ -49,37 +51,101 @@ def synchronize(device: torch.device) -> None:
 
 class _Stopwatch(fx.Interpreter):
     """Runs the graph, timing every node; on CUDA each node's kernels are waited for, so a
-    node's time is its kernels' and not only their launch."""
+    node's time is its kernels' and not only their launch.
 
-    def __init__(self, module: fx.GraphModule, device: torch.device) -> None:
+    With ``keyed``, each call node gets its :func:`graphckpt.op_keys.node_key` and the
+    times of one key are pooled: a call repeated in ``repeats`` or more nodes is timed once
+    per node in one run, a rarer one (that writes nothing in place) is run again on the spot
+    until its key has ``repeats`` samples."""
+
+    def __init__(self, module: fx.GraphModule, device: torch.device, *, keyed: bool = False,
+                 repeats: int = REPEATS) -> None:
         super().__init__(module)
-        self.seconds: dict[str, list[float]] = defaultdict(list)
+        self.seconds: dict[Hashable, list[float]] = defaultdict(list)  # per node name, or per key when keyed
         self.device = device
+        self.keyed = keyed
+        self.repeats = repeats
+        self.keys: dict[str, Hashable] = {}  # node -> what its times are pooled under
+        self.counts: Counter[Hashable] = Counter()
+        self.owner: dict[int, str] = {storage_key(t): PARAM for t in (*module.parameters(), *module.buffers())}
+
+    def _key(self, node: fx.Node) -> Hashable:
+        """The node's pooling key: its call key, or its name when it has none (or is not a call)."""
+        if not self.keyed or node.op not in CALLS:
+            return node.name
+        target = node.target
+        if node.op == "call_module":
+            target = module_signature(self.module.get_submodule(node.target))
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        key = node_key(node, target, args, kwargs, self.owner, PARAM, self.module.training)
+        return node.name if key is None else key
+
+    def count_keys(self) -> None:
+        """Key every node (after a run: the owners of its inputs are known) and count each key's nodes."""
+        self.counts = Counter(self.keys.values())
 
     def run_node(self, node: fx.Node) -> Any:
-        synchronize(self.device)
-        start = time.perf_counter()
-        result = super().run_node(node)
-        synchronize(self.device)
-        self.seconds[node.name].append(time.perf_counter() - start)
+        if self.keyed and node.name not in self.keys:
+            self.keys[node.name] = self._key(node)
+        key = self.keys.get(node.name, node.name)
+        runs = 1
+        if self.counts and self.counts[key] < self.repeats and node.op in CALLS \
+                and not mutated_arguments(self.module, node):
+            runs = -(-self.repeats // self.counts[key])
+        for _ in range(runs):
+            synchronize(self.device)
+            start = time.perf_counter()
+            result = super().run_node(node)
+            synchronize(self.device)
+            self.seconds[key].append(time.perf_counter() - start)
+        if self.keyed and not self.counts:  # who made each storage, for the keys (a freed storage's address is reused)
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for tensor in tree_leaves(result):
+                if isinstance(tensor, torch.Tensor) and storage_key(tensor) not in inputs:
+                    self.owner[storage_key(tensor)] = node.name
         return result
 
 
+def timing_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``graph_module`` for timing runs: its own buffers (running statistics
+    written by the runs), the parameters shared (nothing writes them without a backward),
+    not a deep copy (seconds at 10k modules)."""
+    module = module_tree_copy(graph_module)
+    for inner in module.modules():
+        _, _, buffers = module_registries(inner)
+        for name, buffer in buffers.items():
+            if buffer is not None:
+                buffers[name] = buffer.clone()
+    return module
+
+
 def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,
-                     repeats: int = REPEATS) -> dict[str, int]:
+                     repeats: int = REPEATS, *, dedup: bool | None = None) -> dict[str, int]:
     """Median nanoseconds of each node's forward over ``repeats`` runs after a warm-up.
 
-    The runs leave no trace: they use a copy of the module (running statistics untouched),
-    copies of the inputs (in-place ops may write into them) and a forked RNG.
+    With dedup (on unless ``dedup=False`` or ``GRAPHCKPT_DEDUP=0``, as for the profile)
+    the nodes of one call key share the median of their pooled times, and one timed run
+    replaces ``repeats`` (:class:`_Stopwatch`): a 10k-node stack of repeated blocks runs
+    twice, not six times. The runs leave no trace: they use a copy of the module (running
+    statistics untouched), copies of the inputs (in-place ops may write into them) and a
+    forked RNG.
     """
-    module = copy.deepcopy(graph_module).train(graph_module.training)
+    module = timing_copy(graph_module)
+    for inner in module.modules():  # not .train(): an exported module's raises
+        inner.training = graph_module.training
     inputs = positional_inputs(graph_module, args, kwargs or {})
-    stopwatch = _Stopwatch(module, model_device(module, inputs))
+    keyed = dedup_enabled(dedup)
+    stopwatch = _Stopwatch(module, model_device(module, inputs), keyed=keyed, repeats=repeats)
     with torch.random.fork_rng(), torch.enable_grad():
-        for _ in range(repeats + 1):
+        for run in range(2 if keyed else repeats + 1):
+            if run == 1:
+                stopwatch.seconds.clear()  # the first run warms up
+                stopwatch.count_keys()
             stopwatch.run(*[v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
                             for v in inputs])
-    return {name: int(statistics.median(times[1:]) * 1e9) for name, times in stopwatch.seconds.items()}
+    return {node.name: int(statistics.median(stopwatch.seconds[stopwatch.keys.get(node.name, node.name)]) * 1e9)
+            for node in module.graph.nodes}
 
 
 OVERHEAD_OPS = 16  # pointwise ops in the probe that prices a selective segment's per-op cost

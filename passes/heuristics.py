@@ -21,6 +21,7 @@ forward, so recomputing it would save nothing.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import replace
 from itertools import accumulate
 
@@ -30,6 +31,7 @@ from passes.blocks import block_segments
 from passes.costgraph import op_nodes
 from passes.cuts import (
     INF,
+    Frontiers,
     articulation_points,
     balanced_targets,
     last_reader,
@@ -40,7 +42,7 @@ from passes.cuts import (
     prefix_costs,
     sqrt_segment_count,
 )
-from passes.plan import Candidate, Plan, Progress, from_positions, groups_from_cuts, plan_of_segments, simulated
+from passes.plan import Candidate, Plan, Progress, from_positions, plan_of_segments, simulated
 from passes.segments import make_segments
 from passes.simulate import eager_segments
 
@@ -82,18 +84,32 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
     cumulative = list(accumulate(weights))
     marks = nearest_positions(cumulative, list(range(len(ops))), balanced_targets(weights, count))
     reach = max(1, len(ops) // (4 * count))
-    befores, notes, previous_high = [], [], 0
+    cuts, notes, previous_high = [], [], 0
+    frontiers = Frontiers(position, last)
     for mark in marks:
         low, high = max(previous_high, mark - reach + 1), min(mark + reach + 1, len(ops) - 1)
         if high <= low:
             continue
         previous_high = high
-        found = min_cut_between(graph, ops, position, last, low, high, mark)
+        found = min_cut_between(graph, ops, position, last, low, high, mark, frontiers.at(low))
         if found is None:
             notes.append(f"mincut: no allowed boundary between {ops[low]} and {ops[high - 1]}")
             continue
-        befores.append(set(ops[:low]) | found[1])
-    return Candidate("mincut", make_segments(graph, groups_from_cuts(ops, befores)), tuple(notes))
+        cuts.append((low, found[1]))
+    return Candidate("mincut", make_segments(graph, groups_from_windows(ops, cuts)), tuple(notes))
+
+
+def groups_from_windows(ops: list[str], cuts: list[tuple[int, set[str]]]) -> list[tuple[list[str], bool]]:
+    """:func:`passes.plan.groups_from_cuts` of the before-sets ``ops[:low] | found`` of
+    ``cuts`` (windows in increasing order, ``found`` inside ``ops[low:high]``), in one pass:
+    an op belongs to the cut whose ``found`` holds it, else to the first cut starting after
+    it. Building every before-set made the min-cut heuristic grow as n^1.5."""
+    lows = [low for low, _ in cuts]
+    found_in = {name: index for index, (_, found) in enumerate(cuts) for name in found}
+    groups: list[list[str]] = [[] for _ in range(len(cuts) + 1)]
+    for index, name in enumerate(ops):
+        groups[found_in.get(name, bisect_right(lows, index))].append(name)
+    return [(group, True) for group in groups[:-1]] + [(groups[-1], False)]
 
 
 def blocks_candidate(graph: nx.DiGraph) -> Candidate | None:

@@ -191,13 +191,14 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
     feeds its own segment); ``keep`` values get one more hold (kept from forward).
     """
     index = memory.index
+    kept = frozenset(keep)  # a selective segment's tuple of matmul outputs: tested per node, so a set
     for name in nodes:
         attributes, key = index.attributes[name], memory.key(name)
         if attributes["alias_of"] is None:
             memory.allocate(key, attributes["bytes"])
         readers = index.readers[name]
         readers_here = len(readers) if within is None else sum(r in within for r in readers)
-        memory.hold(name, readers_here + (name in keep), key)
+        memory.hold(name, readers_here + (name in kept), key)
         if save:
             for value in attributes["saved"]:
                 memory.hold(value)
@@ -210,7 +211,7 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
         memory.release(name, 0, key)
         # A selective segment keeps the matmul outputs inside a kept node until its recompute
         # reruns the node (the cache is consumed there).
-        if name in keep:
+        if name in kept:
             memory.allocate(("selective-extra", name), attributes["selective_extra_bytes"])
         else:
             memory.free(("selective-extra", name))

@@ -1,12 +1,15 @@
 """Rewrite cost: capture, costs, plan and codegen time for real models of 1k, 10k and 50k fx nodes.
 
-    python scripts/rewrite_cost.py [--sizes 1000 10000 50000] [--out-md PATH] [--png PATH]
+    python scripts/rewrite_cost.py [--sizes 1000 10000 50000] [--stacks residual transformer]
+                                   [--out-md PATH] [--png PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
+import math
 import signal
 import sys
 import time
@@ -24,15 +27,18 @@ from graphckpt.tools.bench_report import machine_line
 from graphckpt.tools.plots import _pyplot
 from passes.budget import BudgetError
 
-WIDTH, BATCH, NODES_PER_BLOCK, CHECK_MAX_NODES = 16, 4, 5, 1000
+WIDTH, BATCH, SEQ, CHECK_MAX_NODES = 16, 4, 8, 1000
 STAGES = ("capture", "costs", "plan auto", "plan budget 0.25", "codegen", "total")
-Row = dict[str, Any]  # "nodes" and seconds per stage; "plan budget 0.25" is None past the timeout
-ABOUT = ("Wall-clock seconds of each stage of `graphckpt.rewrite` on a residual stack of tiny blocks (width {w}, "
-         "batch {b}; LayerNorm → Linear → GELU → Linear + residual, five fx nodes a block), so tensor work is "
-         "negligible, by fx node count. total = capture + costs (prepare + build_cost_graph) + plan auto + codegen; "
+Row = dict[str, Any]  # "stack", "nodes" and seconds per stage; "plan budget 0.25" is None past the timeout
+ABOUT = ("Wall-clock seconds of each stage of `graphckpt.rewrite` on stacks of tiny blocks (width {w}, batch {b}), "
+         "so tensor work is negligible, by fx node count: a *residual* stack (LayerNorm → Linear → GELU → Linear "
+         "+ residual, five fx nodes a block) and a *transformer*-like one (sequence {s}: pre-norm single-head "
+         "attention with q/k/v/out projections, softmax and dropout 0.1, then a GELU MLP, a residual around each; "
+         "eighteen fx nodes a block). total = capture + costs (prepare + build_cost_graph) + plan auto + codegen; "
          "plan budget 0.25 (the optimal pass at a quarter of eager's simulated peak) is a second plan, timed on its "
          "own and given up after {t} s. A warm-up rewrite of a tiny stack runs first; rewrites of up to "
-         "{c} nodes are checked against eager's gradients.")
+         "{c} nodes are checked against eager's gradients. Growth: the exponent k of seconds ∝ nodes^k between "
+         "consecutive sizes (1 is linear; n log n reads about 1.12 from 1k to 10k and 1.10 from 10k to 50k).")
 
 
 class Block(nn.Module):
@@ -47,12 +53,36 @@ class Block(nn.Module):
         return x + self.down(self.act(self.up(self.norm(x))))
 
 
-class Stack(nn.Module):
-    """``blocks`` residual blocks in a row."""
+class TransformerBlock(nn.Module):
+    """Pre-norm single-head attention (dropout on the probabilities and the output) and a
+    GELU MLP, a residual around each: eighteen fx nodes."""
 
-    def __init__(self, blocks: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.q, self.k, self.v, self.out = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.up, self.act, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)
+        self.drop_attention, self.drop_out = nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        scores = self.q(h) @ self.k(h).transpose(-1, -2) * WIDTH ** -0.5
+        x = x + self.drop_out(self.out(self.drop_attention(scores.softmax(-1)) @ self.v(h)))
+        return x + self.down(self.act(self.up(self.norm2(x))))
+
+
+STACKS: dict[str, tuple[type[nn.Module], int, tuple[int, ...]]] = {  # block, fx nodes a block, input shape
+    "residual": (Block, 5, (BATCH, WIDTH)),
+    "transformer": (TransformerBlock, 18, (BATCH, SEQ, WIDTH)),
+}
+
+
+class Stack(nn.Module):
+    """``blocks`` blocks of one kind (residual by default) in a row."""
+
+    def __init__(self, blocks: int, block: type[nn.Module] = Block) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -100,20 +130,23 @@ def plan_budget(cost_graph: Any) -> None:
 
 
 def check_gradients(model: nn.Module, rewritten: nn.Module, x: torch.Tensor) -> None:
-    """One forward+backward of ``rewritten`` gives eager's output and parameter gradients."""
+    """One forward+backward of ``rewritten`` gives eager's output and parameter gradients
+    (the same dropout masks: each run from one seed)."""
     results = []
     for module in (model, rewritten):
         model.zero_grad()
+        torch.manual_seed(0)
         output = module(x)
         output.sum().backward()
         results.append([output, *(p.grad.clone() for p in model.parameters())])
     torch.testing.assert_close(results[1], results[0])
 
 
-def measure(size: int, budget_timeout: int) -> Row:
-    """Time every stage of rewriting a stack of about ``size`` fx nodes."""
+def measure(size: int, budget_timeout: int, stack: str = "residual") -> Row:
+    """Time every stage of rewriting a ``stack`` (a :data:`STACKS` name) of about ``size`` fx nodes."""
     torch.manual_seed(0)
-    model, x = Stack(max(1, round((size - 2) / NODES_PER_BLOCK))), torch.randn(BATCH, WIDTH)
+    block, per_block, shape = STACKS[stack]
+    model, x = Stack(max(1, round((size - 2) / per_block)), block), torch.randn(*shape)
     captured, capture_s = timed(lambda: capture(model, (x,), None))
     gm = captured.graph_module
     cost_graph, costs_s = timed(lambda: build_cost_graph(gm, prepare(gm, (x,), None, "flops")))
@@ -124,7 +157,7 @@ def measure(size: int, budget_timeout: int) -> Row:
     if len(gm.graph.nodes) <= CHECK_MAX_NODES:
         check_gradients(model, rewritten, x)
     seconds = (capture_s, costs_s, plan_s, budget_s, codegen_s, capture_s + costs_s + plan_s + codegen_s)
-    return {"nodes": len(gm.graph.nodes), **dict(zip(STAGES, seconds, strict=True))}
+    return {"stack": stack, "nodes": len(gm.graph.nodes), **dict(zip(STAGES, seconds, strict=True))}
 
 
 def table(rows: list[Row], budget_timeout: int) -> str:
@@ -136,26 +169,53 @@ def table(rows: list[Row], budget_timeout: int) -> str:
     return "\n".join(lines)
 
 
+def growth(rows: list[Row]) -> str:
+    """Per stage, the exponent k of seconds ∝ nodes^k between each pair of consecutive sizes,
+    as markdown bullets (not table rows: one table per stack stays one table)."""
+    lines = []
+    for before, after in itertools.pairwise(rows):
+        ratio = math.log(after["nodes"] / before["nodes"])
+        exponents = [f"{stage} {math.log(after[stage] / before[stage]) / ratio:.2f}"
+                     for stage in STAGES if before[stage] and after[stage]]
+        lines.append(f"- growth {before['nodes']} → {after['nodes']} nodes: " + ", ".join(exponents))
+    return "\n".join(lines)
+
+
+def report(rows: list[Row], budget_timeout: int) -> str:
+    """One table and its growth exponents per stack, in the order measured."""
+    stacks = list(dict.fromkeys(row["stack"] for row in rows))
+    parts = []
+    for stack in stacks:
+        mine = [row for row in rows if row["stack"] == stack]
+        title = f"**{stack} stack**\n\n" if len(stacks) > 1 else ""
+        parts.append(f"{title}{table(mine, budget_timeout)}\n\n{growth(mine)}".rstrip())
+    return "\n\n".join(parts)
+
+
 def fragment(rows: list[Row], argv: list[str], budget_timeout: int) -> str:
-    """The table as a markdown fragment: what was measured, on what, with which command."""
+    """The tables as a markdown fragment: what was measured, on what, with which command."""
     machine = machine_line()
-    return (f"{ABOUT.format(w=WIDTH, b=BATCH, t=budget_timeout, c=CHECK_MAX_NODES)}\n\nMachine: {machine}.\n\n"
-            f"Command: `python scripts/rewrite_cost.py {' '.join(argv)}`\n\n{table(rows, budget_timeout)}\n")
+    about = ABOUT.format(w=WIDTH, b=BATCH, s=SEQ, t=budget_timeout, c=CHECK_MAX_NODES)
+    return (f"{about}\n\nMachine: {machine}.\n\n"
+            f"Command: `python scripts/rewrite_cost.py {' '.join(argv)}`\n\n{report(rows, budget_timeout)}\n")
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Log-log seconds against node count, one line per stage and the total."""
+    """Log-log seconds against node count, one line per stage and the total, a line style per stack."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for stage in STAGES:
-        points = [(row["nodes"], row[stage]) for row in rows if row[stage] is not None]
-        style: dict[str, Any] = {"color": "black", "linewidth": 2.5} if stage == "total" else {}
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=stage, **style)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colors = dict(zip(STAGES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False)) | {"total": "black"}
+    for stack, line in zip(dict.fromkeys(row["stack"] for row in rows), ("-", "--", ":"), strict=False):
+        for stage in STAGES:
+            points = [(row["nodes"], row[stage]) for row in rows if row["stack"] == stack and row[stage] is not None]
+            width = 2.5 if stage == "total" else 1.5
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", linestyle=line, color=colors[stage],
+                        linewidth=width, label=f"{stage} ({stack})")
     ax.set(xscale="log", yscale="log", xlabel="fx graph nodes", ylabel="seconds",
-           title="graphckpt rewrite cost by stage (residual stack of tiny blocks, CPU)")
+           title="graphckpt rewrite cost by stage (stacks of tiny blocks, CPU)")
     ax.grid(which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2, loc="upper left", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=150, facecolor="white")
     plt.close(fig)
@@ -166,16 +226,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 50000])
+    parser.add_argument("--stacks", nargs="+", choices=sorted(STACKS), default=["residual"])
     parser.add_argument("--budget-timeout", type=int, default=180, help="seconds before the budget plan is given up")
     parser.add_argument("--out-md", help="write the table as a markdown fragment here")
     parser.add_argument("--png", help="write the log-log plot here")
     options = parser.parse_args(argv)
     measure(20, options.budget_timeout)  # warm-up: imports, first fake-tensor dispatch
     rows = []
-    for size in options.sizes:
-        rows.append(measure(size, options.budget_timeout))
-        print(f"measured {rows[-1]['nodes']} nodes: total {rows[-1]['total']:.1f} s", file=sys.stderr, flush=True)
-    print(table(rows, options.budget_timeout))
+    for stack in options.stacks:
+        for size in options.sizes:
+            rows.append(measure(size, options.budget_timeout, stack))
+            print(f"measured {stack} {rows[-1]['nodes']} nodes: total {rows[-1]['total']:.1f} s", file=sys.stderr,
+                  flush=True)
+    print(report(rows, options.budget_timeout))
     if options.out_md:
         with open(options.out_md, "w") as out:
             out.write(fragment(rows, argv, options.budget_timeout))

@@ -1,0 +1,413 @@
+"""Profile each distinct op once: repeated nodes share one fake-tensor measurement.
+
+A stack of identical blocks repeats the same call (same op or module configuration, same
+argument layouts, same aliasing) thousands of times; :mod:`graphckpt.profile` ran every one
+on fake tensors, forward and backward, at about 6 ms a node. Here the first node of each
+kind (its *representative*) is profiled as before, and a later node with the same
+:func:`call_key` becomes a *ghost*: a cheap autograd function that makes outputs of the
+representative's layouts and, in backward, gradients for its inputs, and takes the
+representative's figures (names of saved values remapped to its own inputs, its own
+parameters). Nothing is guessed silently: after the backward, each ghost's incoming gradient
+layouts and the gradient layouts it handed upstream are checked against what its
+representative got and gave; any difference (or a node that cannot be keyed) makes the whole
+profile run again without dedup, so figures are always those of the full run.
+
+Keys are :mod:`graphckpt.op_keys`'s (how a value is used is part of one, so attention's
+key projection, read through a transpose, is not a ghost of its query projection). Off with
+``GRAPHCKPT_DEDUP=0`` or ``prepare(..., dedup=False)``; the same switch turns off the
+pooled op timing of ``cost="time"`` (:func:`graphckpt.timing.node_nanoseconds`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphckpt.inplace import mutated_arguments
+from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
+from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
+from graphckpt.scratch import KERNEL_EXTRA
+from graphckpt.scratch import call_key as kernel_call_key
+from graphckpt.torch_compat import (
+    FakeTensor,
+    FakeTensorMode,
+    fake_empty,
+    is_accumulate_grad,
+    module_registries,
+    module_tree_copy,
+    storage_key,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
+)
+
+DEDUP_ENV = "GRAPHCKPT_DEDUP"
+CALLS = ("call_function", "call_method", "call_module")
+_MISSING = object()
+RETRIES = 3  # dedup runs before the full profile: the first, and two with more keys profiled node by node
+
+
+def dedup_enabled(dedup: bool | None = None) -> bool:
+    """``dedup`` if given, else on unless the environment sets ``GRAPHCKPT_DEDUP=0``."""
+    return dedup if dedup is not None else os.environ.get(DEDUP_ENV, "1") != "0"
+
+
+class DedupMismatch(Exception):
+    """A ghost's gradients differed from its representative's: profile again with those
+    representatives' keys not shared (``representatives``), or without dedup."""
+
+    def __init__(self, message: str, representatives: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.representatives = representatives
+
+
+def _strided_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the smallest storage holding ``tensor`` at offset 0 (what ``empty_strided`` makes)."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))) \
+        * tensor.element_size()
+
+
+def _empty(mode: FakeTensorMode, layout: tuple) -> torch.Tensor:
+    """A fake tensor of ``layout`` (:func:`tensor_layout`) with a storage of its own."""
+    shape, stride, _, dtype, device, _ = layout
+    return fake_empty(mode, shape, stride, dtype, device)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` gives."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass
+class LazyFake:
+    """A structural copy of the graph module sharing the model's tensors; each is swapped
+    for a fake one the first time a profiled node uses it (a ghost never does), so a
+    10k-layer model does not pay for converting every parameter."""
+
+    mode: FakeTensorMode
+    module: fx.GraphModule
+    fakes: dict[int, torch.Tensor] = field(default_factory=dict)  # id(real tensor) -> its fake
+
+
+def lazy_fake_copy(graph_module: fx.GraphModule) -> LazyFake:
+    """A :class:`LazyFake` of ``graph_module`` (the real module is never changed). The
+    copy's ``get_submodule`` is a dictionary lookup: the profile asks it several times a
+    node, and walking a dotted path costs more than the rest of a ghost's bookkeeping."""
+    module = module_tree_copy(graph_module)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    walk = module.get_submodule
+    module.get_submodule = lambda target: modules[target] if target in modules else walk(target)
+    return LazyFake(FakeTensorMode(allow_non_fake_inputs=True), module)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A representative's figures and output layouts, for the ghosts of its key."""
+
+    name: str
+    cost: NodeCost
+    spec: Any
+    outputs: tuple[tuple, ...]
+    requires_grad: tuple[bool, ...]
+    saved: tuple[int | None, ...]  # per saved name: the input slot whose owner it is; None: the node itself
+
+
+@dataclass(frozen=True)
+class _GhostCall:
+    interpreter: _DedupInterpreter
+    name: str
+    template: _Template
+    slots: tuple[int | None, ...]  # per tensor input: its first slot when it has a grad_fn, else None
+
+
+class _Ghost(torch.autograd.Function):
+    """Outputs of the representative's layouts; in backward, contiguous gradients for the
+    inputs, whose layouts are checked afterwards against the representative's."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _GhostCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in tensors]
+        outputs = tuple(_empty(call.interpreter.mode, layout) for layout in call.template.outputs)
+        ctx.mark_non_differentiable(*(o for o, rg in zip(outputs, call.template.requires_grad, strict=True) if not rg))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        call, result = ctx.call, []
+        emitted = call.interpreter.emitted.setdefault(call.name, {})
+        for index, (shape, dtype, device) in enumerate(ctx.inputs):
+            if not ctx.needs_input_grad[index + 1]:
+                result.append(None)
+                continue
+            result.append(fake_empty(call.interpreter.mode, shape, _contiguous_strides(shape), dtype, device))
+            if call.slots[index] is not None:
+                emitted.setdefault(call.slots[index], Counter())[tensor_layout(result[-1])] += 1
+        return None, *result
+
+
+def _first_slots(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Per tensor input, the first position the same tensor object has among them."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), index) for index, t in enumerate(tensors))
+
+
+class _DedupInterpreter(_CostInterpreter):
+    """:class:`graphckpt.profile._CostInterpreter` that runs each distinct call once."""
+
+    def __init__(self, lazy: LazyFake, *, backward: bool = True, banned: frozenset[Hashable] = frozenset()) -> None:
+        super().__init__(lazy.module, lazy.mode, backward=backward)
+        self.lazy = lazy
+        self.templates: dict[Hashable, Any] = dict.fromkeys(banned)  # None: profile every node of the key
+        self.keys: dict[str, Hashable] = {}  # representative -> its key
+        self.signatures: dict[int, Hashable | None] = {}
+        self.ghosts: dict[str, str] = {}  # ghost -> its representative
+        self.incoming: dict[str, dict[int, tuple]] = {}  # node -> output index -> layout of its gradient
+        self.contributions: dict[str, dict[int, Counter]] = {}  # representative -> slot -> gradient layouts given
+        self.emitted: dict[str, dict[int, Counter]] = {}  # ghost -> slot -> gradient layouts given
+        self.unknown: set[str] = set()  # representatives that gave a gradient to no input slot
+        self.last_claimed: list[Any] = []
+        self.nodes = {node.name: node for node in lazy.module.graph.nodes}
+        self.submodule = lazy.module.get_submodule
+
+    def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
+        self.last_claimed = super()._claim_grad_fns(result, name)
+        return self.last_claimed
+
+    # ------------------------------------------------------------ fake tensors, lazily
+
+    def _fake_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        fake = self.lazy.fakes.get(id(tensor))
+        if fake is None:
+            fake = self.mode.from_tensor(tensor)
+            if isinstance(tensor, nn.Parameter):
+                fake = nn.Parameter(fake, tensor.requires_grad)
+            self.lazy.fakes[id(tensor)] = fake
+        self.owner[storage_key(fake)] = PARAM
+        if id(tensor) in self.param_names:
+            self.param_names[id(fake)] = self.param_names[id(tensor)]
+        return fake
+
+    def _make_fake(self, node: fx.Node) -> None:
+        """Swap the real tensors a profiled ``call_module`` or ``get_attr`` node reads for fakes."""
+        if node.op == "call_module":
+            modules = list(self.module.get_submodule(node.target).modules())
+        elif node.op == "get_attr":
+            path, _, _ = str(node.target).rpartition(".")
+            modules = [self.module.get_submodule(path)]
+        else:
+            return
+        for module in modules:
+            for registry in module_registries(module)[1:]:
+                for name, tensor in registry.items():
+                    if tensor is not None and not isinstance(tensor, FakeTensor):
+                        registry[name] = self._fake_of(tensor)
+
+    # ------------------------------------------------------------ keys
+
+    def call_key(self, node: fx.Node, args: tuple, kwargs: dict) -> Hashable | None:
+        """:func:`graphckpt.op_keys.node_key` of ``node`` (a module by its signature, once)."""
+        if node.op == "call_module":
+            module = self.submodule(node.target)
+            if id(module) not in self.signatures:
+                self.signatures[id(module)] = module_signature(module)
+            target: Hashable = self.signatures[id(module)]
+            if target is None:
+                return None
+        else:
+            target = node.target
+        users = users_key(node, self.submodule) if self.backward and torch.is_grad_enabled() else ()
+        return node_key(node, target, args, kwargs, self.owner, PARAM, self.module.training, users)
+
+    # ------------------------------------------------------------ running
+
+    def run_node(self, node: fx.Node) -> Any:
+        if node.op not in CALLS or mutated_arguments(self.module, node):
+            self._make_fake(node)
+            return super().run_node(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        key = self.call_key(node, args, kwargs)
+        template = _MISSING if key is None else self.templates.get(key, _MISSING)
+        if template is not _MISSING and template is not None:
+            return self._ghost(node, template, args, kwargs)
+        self.last_claimed = []
+        self._make_fake(node)
+        result = super().run_node(node)
+        if key is not None and template is _MISSING:
+            self.templates[key] = self._template(node, args, kwargs, result)
+            self.keys[node.name] = key
+        return result
+
+    def _template(self, node: fx.Node, args: tuple, kwargs: dict, result: Any) -> _Template | None:
+        """The representative's template, or ``None`` when its later copies must run too:
+        outputs that are views or not tensors, saved values it cannot name by input. A
+        random op (dropout) has ghosts too: on fake tensors nothing is drawn, and the mask
+        it saves is its own, as a ghost's would be."""
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs, spec = tree_flatten(result)
+        cost = self.costs[node.name]
+        if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs) or cost.alias_of:
+            return None
+        keys = [storage_key(t) for t in outputs]
+        if len(set(keys)) != len(keys) or any(self.owner.get(k) != node.name for k in keys) or any(
+                t.storage_offset() or t.untyped_storage().nbytes() != _strided_bytes(t) for t in outputs):
+            return None
+        owners = [self.owner.get(storage_key(t)) for t in inputs]
+        saved = tuple(None if name == node.name else owners.index(name) if name in owners else -1 for name in cost.saved)
+        if -1 in saved or (any(t.requires_grad for t in outputs) and not any(t.requires_grad for t in inputs)):
+            return None
+        if self.backward and torch.is_grad_enabled():
+            self._watch(node.name, outputs, inputs, representative=True)
+        return _Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
+                         tuple(t.requires_grad for t in outputs), saved)
+
+    def _ghost(self, node: fx.Node, template: _Template, args: tuple, kwargs: dict) -> Any:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with self.mode:
+            if self.backward and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+                first = _first_slots(inputs)
+                slots = tuple(first[i] if t.grad_fn is not None else None for i, t in enumerate(inputs))
+                outputs = _Ghost.apply(_GhostCall(self, node.name, template, slots), *inputs)
+            else:
+                outputs = tuple(_empty(self.mode, layout) for layout in template.outputs)
+        if tuple(t.requires_grad for t in outputs) != template.requires_grad:
+            raise DedupMismatch(f"{node.name}: requires_grad differs from {template.name}'s")
+        for tensor in outputs:
+            self.owner[storage_key(tensor)] = node.name
+        saved = tuple(node.name if slot is None else self.owner[storage_key(inputs[slot])] for slot in template.saved)
+        self.costs[node.name] = replace(template.cost, saved=tuple(dict.fromkeys(saved)),
+                                        param_grad_bytes=self._param_grad_bytes(node),
+                                        param_grads=self._param_grads(node))
+        result = tree_unflatten(list(outputs), template.spec)
+        self.keep_alive.append((result, []))
+        self.ghosts[node.name] = template.name
+        if self.backward:
+            self._claim_grad_fns(result, None)
+            self._watch(node.name, list(outputs), inputs, representative=False)
+        return result
+
+    # ------------------------------------------------------------ checking the backward
+
+    def _watch(self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *,
+               representative: bool) -> None:
+        """Record the gradient layouts each output receives; for a representative, also
+        those its backward hands to each input slot."""
+        for index, tensor in enumerate(outputs):
+            if tensor.requires_grad:
+                tensor.register_hook(partial(self._arrived, name, index))
+        if not representative:
+            return
+        first = _first_slots(inputs)
+        slot_of = {(id(t.grad_fn), t.output_nr): first[i] for i, t in enumerate(inputs) if t.grad_fn is not None}
+        claimed = set(self.last_claimed)
+        for function in self.last_claimed:
+            function.register_hook(partial(self._contributed, name, function, claimed, slot_of))
+
+    def _arrived(self, name: str, index: int, grad: torch.Tensor) -> None:
+        self.incoming.setdefault(name, {})[index] = tensor_layout(grad)
+
+    def _contributed(self, name: str, function: Any, claimed: set, slot_of: dict, grad_inputs: Any,
+                     grad_outputs: Any) -> None:
+        for (next_function, number), grad in zip(function.next_functions, grad_inputs, strict=False):
+            if grad is None or next_function is None or next_function in claimed or is_accumulate_grad(next_function):
+                continue
+            slot = slot_of.get((id(next_function), number))
+            if slot is None:
+                self.unknown.add(name)
+                continue
+            self.contributions.setdefault(name, {}).setdefault(slot, Counter())[tensor_layout(grad)] += 1
+
+    def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:
+        """As the full profile's, then each ghost's from its representative's, once every
+        ghost's gradients are checked to be its representative's."""
+        if not self.run_backward(outputs, inputs):
+            if self.ghosts:
+                raise DedupMismatch("no backward ran")
+            return
+        self.assign_backward_extra()
+        differing = frozenset(representative for ghost, representative in self.ghosts.items()
+                              if representative in self.unknown
+                              or self.incoming.get(ghost) != self.incoming.get(representative)
+                              or self.emitted.get(ghost, {}) != self.contributions.get(representative, {}))
+        if differing:
+            raise DedupMismatch(f"ghosts of {sorted(differing)[:3]} got other gradients", differing)
+        shared: dict[str, tuple[int, int]] = {}
+        for ghost, representative in self.ghosts.items():
+            calls = self.recorder.calls.get(representative)
+            if not calls:
+                continue
+            if representative not in shared:
+                scratch = max(KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls)
+                shared[representative] = scratch, self.recorder.backward_peak(representative)
+            scratch, peak = shared[representative]
+            passing = max(0, peak - self._gradient_bytes(self.nodes[ghost]))
+            self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=scratch + passing)
+
+
+def deduplicated_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
+                       *, training: bool, lazy: LazyFake) -> dict[str, NodeCost]:
+    """:func:`graphckpt.profile.node_costs` with each distinct call profiled once; raises
+    :class:`DedupMismatch` when a ghost's gradients are not its representative's after
+    :data:`RETRIES` runs, each profiling every node of the keys that differed before (the
+    key and the query projections of attention are one Linear call, but the key's gradient
+    comes back through a transpose)."""
+    banned: frozenset[Hashable] = frozenset()
+    for _ in range(RETRIES):
+        try:
+            return _deduplicated_run(graph_module, args, kwargs, training=training, lazy=lazy, banned=banned)
+        except DedupMismatch as mismatch:
+            if not mismatch.representatives:
+                raise
+            banned |= mismatch.representatives
+    raise DedupMismatch("gradients still differ")
+
+
+def _deduplicated_run(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
+                      *, training: bool, lazy: LazyFake, banned: frozenset[Hashable]) -> dict[str, NodeCost]:
+    for module in lazy.module.modules():  # not .train(): an exported module's raises, its copy's too
+        module.training = training
+    real_inputs = positional_inputs(graph_module, args, kwargs or {})
+    inputs = [lazy.mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in real_inputs]
+    for fake_input, real in zip(inputs, real_inputs, strict=True):
+        if isinstance(real, torch.Tensor) and real.requires_grad and training:
+            fake_input.requires_grad_(True)
+    interpreter = _DedupInterpreter(lazy, backward=training, banned=banned)
+    with torch.enable_grad() if training else torch.no_grad():
+        outputs = interpreter.run(*inputs)
+        if training:
+            try:
+                interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
+            except DedupMismatch as mismatch:
+                keys = frozenset(interpreter.keys[name] for name in mismatch.representatives)
+                raise DedupMismatch(str(mismatch), keys) from None
+    return interpreter.costs
+
+
+def profile_runs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
+                 modes: tuple[bool, ...], *, dedup: bool | None = None) -> list[dict[str, NodeCost]]:
+    """The node costs of ``graph_module`` in each training mode of ``modes``: deduplicated
+    (:func:`deduplicated_costs`) unless turned off, falling back to the full profile when
+    dedup cannot vouch for its figures."""
+    if dedup_enabled(dedup):
+        lazy = lazy_fake_copy(graph_module)
+        try:
+            return [deduplicated_costs(graph_module, args, kwargs, training=mode, lazy=lazy) for mode in modes]
+        except DedupMismatch:
+            pass
+    from graphckpt.profile import fake_copy
+
+    fake = fake_copy(graph_module)
+    return [node_costs(graph_module, args, kwargs, training=mode, fake=fake) for mode in modes]

@@ -1,0 +1,140 @@
+"""Keys of calls for :mod:`graphckpt.op_dedup`: two calls with one key cost the same.
+
+A key says everything a node's fake-tensor figures can depend on: what is called (an op,
+or a ``torch.nn`` module by :func:`module_signature`), its constants, and per tensor
+argument its layout, autograd flags and which arguments share a storage or an owner; plus
+grad mode and training. Split from :mod:`graphckpt.op_dedup` to keep each module short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphckpt.torch_compat import has_module_hooks, module_registries, storage_key
+
+_CONSTANTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class Unkeyable(Exception):
+    """An argument the key cannot describe exactly (a tensor constant, an odd object)."""
+
+
+def tensor_layout(tensor: torch.Tensor) -> tuple:
+    """Everything about a tensor's memory that a measurement can depend on, data aside."""
+    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype,
+            tensor.device, tensor.untyped_storage().nbytes())
+
+
+def constant_key(value: Any) -> Hashable:
+    """A non-tensor argument, with its type (``1``, ``1.0`` and ``True`` differ)."""
+    if value is None or isinstance(value, _CONSTANTS):
+        return type(value).__name__, value
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(constant_key(v) for v in value)
+    raise Unkeyable(type(value).__name__)
+
+
+def module_signature(module: nn.Module) -> Hashable | None:
+    """What calling a ``torch.nn`` module can depend on besides its inputs: its class,
+    public attributes (``eps``, ``p``, ``training``, ...), tensors' layouts and submodules;
+    ``None`` for a module outside ``torch.nn`` or with hooks (never deduplicated)."""
+    if not type(module).__module__.startswith("torch.nn.") or has_module_hooks(module):
+        return None
+    try:
+        attributes = tuple(sorted((k, constant_key(v)) for k, v in vars(module).items() if not k.startswith("_")))
+    except Unkeyable:
+        return None
+    _, parameters, buffers = module_registries(module)
+    tensors = tuple((name, None if t is None else (tensor_layout(t), t.requires_grad, isinstance(t, nn.Parameter)))
+                    for name, t in (*parameters.items(), *buffers.items()))
+    children = tuple((name, module_signature(child)) for name, child in module.named_children())
+    if any(signature is None for _, signature in children):
+        return None
+    return type(module), attributes, tensors, children
+
+
+def arguments_key(args: tuple, kwargs: dict, owner: Mapping[int, str], param: str) -> Hashable:
+    """The arguments' part of a call key: constants, and per tensor its layout,
+    ``requires_grad``, leafness, which arguments share a storage or an owner (``owner``:
+    storage key -> the node that made it), and whether the owner is a parameter (``param``).
+    Raises :class:`Unkeyable` for an argument it cannot describe."""
+    storages: dict[int, int] = {}
+    owners: dict[Any, int] = {}
+
+    def describe(value: Any) -> Hashable:
+        if isinstance(value, torch.Tensor):
+            key = storage_key(value)
+            made_by = owner.get(key)
+            return ("tensor", tensor_layout(value), value.requires_grad, value.is_leaf,
+                    isinstance(value, nn.Parameter), storages.setdefault(key, len(storages)),
+                    made_by == param, owners.setdefault(made_by, len(owners)))
+        if isinstance(value, (tuple, list)):
+            return type(value).__name__, tuple(describe(v) for v in value)
+        if isinstance(value, dict):
+            return "dict", tuple((k, describe(v)) for k, v in value.items())
+        if isinstance(value, slice):
+            return "slice", describe(value.start), describe(value.stop), describe(value.step)
+        return constant_key(value)
+
+    return describe(args), describe(kwargs)
+
+
+def users_key(node: fx.Node, module_of: Callable[[str], nn.Module]) -> Hashable:
+    """How ``node``'s value is used: per user, what it calls (a module by class) and where
+    the value sits among its arguments. The gradient a node gets back depends on it (the
+    key projection of attention is read through a transpose, the query's straight by a
+    matmul): keying on it keeps such nodes apart from the start, instead of a whole
+    profiling run spent finding out that their gradients differ."""
+    uses = []
+    for user in node.users:
+        target = type(module_of(user.target)) if user.op == "call_module" else user.target
+        places = tuple(i for i, arg in enumerate(user.args) if arg is node)
+        uses.append((user.op, target if isinstance(target, Hashable) else str(target), places))
+    return tuple(sorted(uses, key=repr))
+
+
+def node_key(node: fx.Node, target: Hashable, args: tuple, kwargs: dict, owner: Mapping[int, str], param: str,
+             training: bool, users: Hashable = ()) -> Hashable | None:
+    """What ``node``'s figures can depend on (``target``: the op, or the module's
+    :func:`module_signature`; ``users``: :func:`users_key`, for the profile's backward), or
+    ``None`` when something cannot be keyed."""
+    try:
+        hash(target)
+        hash(users)
+        return node.op, target, arguments_key(args, kwargs, owner, param), torch.is_grad_enabled(), training, users
+    except (Unkeyable, TypeError):
+        return None
+
+
+# torch.nn.modules files whose classes never read ``self.training`` (checked on 2.13, where
+# ``training`` appears in these files only in docstrings, and in activation.py only in the
+# two classes of :data:`_READS_TRAINING`).
+_TRAINING_FREE_FILES = frozenset({"activation", "linear", "conv", "normalization", "sparse", "pooling", "flatten",
+                                  "padding", "pixelshuffle", "upsampling", "channelshuffle", "fold", "distance",
+                                  "container"})
+_READS_TRAINING = frozenset({"RReLU", "MultiheadAttention"})
+
+
+def reads_training(module: nn.Module) -> bool:
+    """Whether calling ``module`` may behave differently in eval mode: True unless it and
+    every submodule are ``torch.nn`` classes known not to read ``training`` (Linear,
+    LayerNorm, GELU, ...; not Dropout, BatchNorm, RReLU, a subclass of anything) without hooks."""
+    for inner in module.modules():
+        package, _, file = type(inner).__module__.rpartition(".")
+        if package != "torch.nn.modules" or file not in _TRAINING_FREE_FILES \
+                or type(inner).__name__ in _READS_TRAINING or has_module_hooks(inner):
+            return True
+    return False
+
+
+def training_matters(graph_module: fx.GraphModule) -> bool:
+    """Whether running ``graph_module`` in eval mode may alias differently from training
+    (``Dropout`` returns its input in eval), so that an eval-mode profile is worth its time.
+    Only ``call_module`` nodes can tell: fx and export bake ``self.training`` of the modules
+    they trace through into constants (``dropout(x, p, train=True)``)."""
+    modules = dict(graph_module.named_modules())
+    return any(reads_training(modules[node.target]) for node in graph_module.graph.nodes if node.op == "call_module")

@@ -1,0 +1,187 @@
+"""Profiling each distinct op once (graphckpt.op_dedup) changes no figure and no plan."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx, nn
+
+from graphckpt import op_dedup
+from graphckpt.capture import capture
+from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.inplace import view_parents
+from graphckpt.op_keys import reads_training, training_matters
+from graphckpt.profile import fake_copy, node_costs
+from tests.plan_snapshot import plans_of
+
+ZOO_NAMES = ["mlp", "resnet", "gpt", "unet", "densenet"]
+
+
+def cost_graph(model: nn.Module, x: torch.Tensor, dedup: bool) -> nx.DiGraph:
+    torch.manual_seed(0)
+    gm = capture(model, (x,), None).graph_module
+    return build_cost_graph(gm, prepare(gm, (x,), None, "flops", dedup=dedup))
+
+
+def assert_same_graph(a: nx.DiGraph, b: nx.DiGraph) -> None:
+    assert a.graph == b.graph
+    assert list(a.nodes) == list(b.nodes) and set(a.edges) == set(b.edges)
+    for name in a.nodes:
+        assert a.nodes[name] == b.nodes[name], name
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_zoo_cost_graphs_and_plans_are_the_same_with_and_without_dedup(name: str) -> None:
+    from graphckpt.tools import zoo
+
+    graphs = []
+    for dedup in (False, True):
+        model, inputs = zoo.make(name)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        gm = capture(model, args, None).graph_module
+        graphs.append(build_cost_graph(gm, prepare(gm, args, None, "flops", dedup=dedup)))
+    assert_same_graph(*graphs)
+    assert plans_of(graphs[0]) == plans_of(graphs[1])
+
+
+class Block(nn.Module):
+    """Attention-like: the same Linear for two projections, one read through a transpose."""
+
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.norm, self.q, self.k = nn.LayerNorm(width), nn.Linear(width, width), nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        scores = self.q(h) @ self.k(h).transpose(-1, -2)
+        return x + self.drop(torch.softmax(scores, -1) @ h)
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int, width: int, dropout: float) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width, dropout) for _ in range(blocks)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+@settings(max_examples=6, deadline=None)
+@given(blocks=st.integers(1, 4), width=st.sampled_from([4, 8]), dropout=st.sampled_from([0.0, 0.1]),
+       grad=st.booleans())
+def test_repeated_blocks_cost_the_same_with_and_without_dedup(blocks: int, width: int, dropout: float,
+                                                              grad: bool) -> None:
+    x = torch.randn(2, 3, width, requires_grad=grad)
+    model = Stack(blocks, width, dropout)
+    assert_same_graph(cost_graph(model, x, False), cost_graph(model, x, True))
+
+
+def test_repeats_are_ghosts_and_the_real_model_keeps_its_tensors() -> None:
+    model, x = Stack(6, 8, 0.0), torch.randn(2, 3, 8)
+    params = {name: p for name, p in model.named_parameters()}
+    gm = fx.symbolic_trace(model)
+    lazy = op_dedup.lazy_fake_copy(gm)
+    costs = op_dedup.deduplicated_costs(gm, (x,), None, training=True, lazy=lazy)
+    assert costs == node_costs(gm, (x,), fake=fake_copy(gm))
+    assert len(lazy.fakes) < len(params)  # only representatives' parameters were faked
+    assert {name: p for name, p in model.named_parameters()} == params
+    assert all(not isinstance(p, op_dedup.FakeTensor) for p in gm.parameters())
+
+
+def test_dedup_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(op_dedup.DEDUP_ENV, "0")
+    assert not op_dedup.dedup_enabled() and op_dedup.dedup_enabled(True)
+    monkeypatch.setenv(op_dedup.DEDUP_ENV, "1")
+    assert op_dedup.dedup_enabled() and not op_dedup.dedup_enabled(False)
+
+
+def test_module_signature_tells_configurations_apart() -> None:
+    signature = op_dedup.module_signature
+    assert signature(nn.Linear(4, 4)) == signature(nn.Linear(4, 4))
+    assert signature(nn.Linear(4, 4)) != signature(nn.Linear(4, 4, bias=False))
+    assert signature(nn.Dropout(0.1)) != signature(nn.Dropout(0.2))
+    assert signature(nn.LayerNorm(4)) != signature(nn.LayerNorm(4).eval())
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda *args: None)
+    assert signature(hooked) is None
+
+
+class _MyLinear(nn.Linear):
+    """Not a torch.nn class: it might read ``training``."""
+
+
+def test_reads_training_only_for_modules_that_may_behave_differently_in_eval() -> None:
+    quiet = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.GELU(), nn.Conv1d(4, 4, 1), nn.Embedding(3, 4))
+    assert not reads_training(quiet)
+    for module in (nn.Dropout(), nn.BatchNorm1d(4), nn.RReLU(), nn.MultiheadAttention(4, 1), _MyLinear(4, 4),
+                   nn.Sequential(nn.Linear(4, 4), nn.Dropout())):
+        assert reads_training(module), module
+    hooked = nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda *_: None)
+    assert reads_training(hooked)
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_the_eval_profile_finds_no_other_views_where_training_does_not_matter(name: str) -> None:
+    """The eval-mode profile is skipped where training_matters is False: there it must add
+    no view to what the training profile finds (checked on the zoo, each in both modes)."""
+    from graphckpt.tools import zoo
+
+    model, inputs = zoo.make(name)
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    gm = capture(model, args, None).graph_module
+    fake = fake_copy(gm)
+    runs = [node_costs(gm, args, None, training=mode, fake=fake) for mode in (True, False)]
+    if not training_matters(gm):
+        assert view_parents(gm, runs[:1]) == view_parents(gm, runs)
+
+
+def test_some_zoo_models_skip_the_eval_profile_and_those_with_dropout_do_not() -> None:
+    from graphckpt.tools import zoo
+
+    matters = {}
+    for name in ZOO_NAMES:
+        model, inputs = zoo.make(name)
+        matters[name] = training_matters(capture(model, inputs if isinstance(inputs, tuple) else (inputs,),
+                                                 None).graph_module)
+    assert not all(matters.values()) and any(matters.values()), matters
+
+
+def test_op_timing_pools_repeated_calls_and_runs_the_graph_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphckpt import timing
+
+    runs = []
+    original = timing._Stopwatch.run
+    monkeypatch.setattr(timing._Stopwatch, "run", lambda self, *a: runs.append(1) or original(self, *a))
+    model, x = Stack(4, 8, 0.1), torch.randn(2, 3, 8)
+    gm = capture(model, (x,), None).graph_module
+    before = [b.clone() for b in gm.buffers()]
+    times = timing.node_nanoseconds(gm, (x,), None, dedup=True)
+    assert len(runs) == 2 and set(times) == {n.name for n in gm.graph.nodes}
+    by_target: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and not node.target.startswith("blocks.0."):
+            by_target.setdefault(node.target.split(".", 2)[2], set()).add(times[node.name])
+    assert by_target and all(len(values) == 1 for values in by_target.values()), by_target
+    assert all(torch.equal(a, b) for a, b in zip(before, gm.buffers(), strict=True))
+    runs.clear()
+    assert set(timing.node_nanoseconds(gm, (x,), None, repeats=3, dedup=False)) == set(times) and len(runs) == 4
+
+
+def test_transformer_blocks_need_one_dedup_run_and_cost_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The query and key projections are keyed apart by how they are read (a transpose),
+    and dropout has ghosts: one profiling run, and the figures of the full profile."""
+    from tests.scripts import load_script
+
+    script = load_script("rewrite_cost")
+    runs = []
+    original = op_dedup._deduplicated_run
+    monkeypatch.setattr(op_dedup, "_deduplicated_run", lambda *a, **k: runs.append(k["training"]) or original(*a, **k))
+    model, x = script.Stack(3, script.TransformerBlock), torch.randn(2, 4, script.WIDTH)
+    deduplicated = cost_graph(model, x, True)
+    assert runs == [True, False]
+    assert_same_graph(cost_graph(model, x, False), deduplicated)
