@@ -14,6 +14,7 @@ import networkx as nx
 
 from passes.costgraph import op_nodes
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
+from passes.keeps import best_with_keeps, leaf_segments
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
 from passes.segments import PlanError, cost_key, make_segments
@@ -223,11 +224,18 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
     if chosen is None:
         raise _unreachable(graph, budget_bytes, [*tried, program.smallest()])
+    kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
+    if kept is not None and kept.cost_key < chosen.cost_key:
+        chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
+
+
+def _kept_count(plan: Plan) -> int:
+    return sum(len(segment.saved_inside) for _, segment in leaf_segments(plan.segments))
 
 
 def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan]) -> BudgetError:
