@@ -13,6 +13,7 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
+from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.keeps import best_with_keeps, leaf_segments
 from passes.optimal import DynamicProgram, plan_for_budget
@@ -32,12 +33,19 @@ class BudgetError(ValueError):
     reaches (the floor), ``eager_peak_bytes``, ``strategy`` and ``segment_count`` of that
     smallest plan, and ``kept_values``: the heaviest values it still keeps. A budget that
     cannot be read leaves them ``None`` (``()`` for ``kept_values``).
+
+    ``smallest_peak_bytes`` is the floor of graphckpt's plans; ``true_floor_bytes`` the least
+    peak any recompute schedule reaches (:func:`passes.floor.true_floor`, the exact MILP, on
+    graphs small enough to solve; ``None`` otherwise). Between the two lie budgets that a
+    schedule meets and no plan graphckpt builds yet does.
     """
 
     def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None,
                  eager_peak_bytes: int | None = None, strategy: str | None = None,
-                 segment_count: int | None = None, kept_values: Sequence[str] = ()) -> None:
+                 segment_count: int | None = None, kept_values: Sequence[str] = (),
+                 true_floor_bytes: int | None = None) -> None:
         super().__init__(message)
+        self.true_floor_bytes = true_floor_bytes
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
         self.eager_peak_bytes = eager_peak_bytes
@@ -223,7 +231,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
     if chosen is None:
-        raise _unreachable(graph, budget_bytes, [*tried, program.smallest()])
+        floor = true_floor(graph)
+        raise _unreachable(graph, budget_bytes, [*tried, program.smallest()], None if floor is None else floor.peak_bytes)
     kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
@@ -238,16 +247,30 @@ def _kept_count(plan: Plan) -> int:
     return sum(len(segment.saved_inside) for _, segment in leaf_segments(plan.segments))
 
 
-def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan]) -> BudgetError:
-    """The error for a budget below every plan's peak: the smallest of ``plans`` and the
-    heaviest values it keeps."""
+def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
+                 true_floor_bytes: float | None = None) -> BudgetError:
+    """The error for a budget below every plan's peak: the smallest of ``plans``, the
+    heaviest values it keeps, and the true floor when it is known and lower."""
     best = min(plans, key=lambda p: p.peak_bytes)
     heaviest = sorted(best.checkpoints, key=lambda v: -graph.nodes[v]["bytes"])[:5]
     reason = _reason(budget_bytes, best.peak_bytes, best.eager_peak_bytes, best.strategy, len(best.segments))
-    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}. Raise the budget.",
+    floor = None if true_floor_bytes is None else math.ceil(true_floor_bytes)
+    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}."
+                       f"{_floor_note(floor, best.peak_bytes, best.eager_peak_bytes, budget_bytes)} Raise the budget.",
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
-                       segment_count=len(best.segments), kept_values=heaviest)
+                       segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor)
+
+
+def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:
+    """A sentence on the true floor when it is below the plans' floor."""
+    if floor is None or floor >= plan_floor:
+        return ""
+    fits = "meets" if floor <= budget_bytes else "does not meet"
+    return (f" The true floor (the exact recompute schedule, passes.floor) is lower, "
+            f"{format_bytes(floor, 'MiB')} ({floor / max(eager_peak_bytes, 1):.2f}x eager), and {fits} this "
+            "budget: schedules that recompute a value from several kept ones just before each use, "
+            "which graphckpt's plans do not express yet.")
 
 
 def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
