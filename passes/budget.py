@@ -18,6 +18,7 @@ from passes.heuristics import articulation_candidate, auto_plan, blocks_candidat
 from passes.keeps import best_with_keeps, leaf_segments
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
+from passes.search import search
 from passes.segments import PlanError, cost_key, make_segments
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
@@ -230,14 +231,22 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     found = plan_for_budget(program, budget_bytes)
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
-    if chosen is None:
-        floor = true_floor(graph)
-        raise _unreachable(graph, budget_bytes, [*tried, program.smallest()], None if floor is None else floor.peak_bytes)
-    kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
     origin = ("the dynamic program's plan" if chosen is found else
-              f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
+              f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
+    if chosen is None:  # below the floor of the program and the flat plans: search toward it
+        smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
+        searched = search(graph, smallest, budget_bytes)
+        if searched is None or searched.peak_bytes > budget_bytes:
+            floor = true_floor(graph)
+            raise _unreachable(graph, budget_bytes, [*tried, program.smallest(), *([searched] if searched else [])],
+                               None if floor is None else floor.peak_bytes)
+        chosen, origin = searched, "a searched plan below the dynamic program's floor"
+    kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
         chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
+    searched = search(graph, [chosen], budget_bytes)
+    if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
+        chosen, origin = searched, f"{origin}, improved by a local search over segments and kept values"
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))

@@ -22,11 +22,11 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
+from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Plan, plan_of_segments
 from passes.segments import Segment, cost_key, rerun_nodes
 from passes.simulate import simulate
 
-BYTE_WEIGHT = 1e-3  # what a byte written by a recompute costs, as passes.optimal prices it
 MAX_SIMULATIONS = 40
 SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
 
