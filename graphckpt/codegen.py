@@ -137,7 +137,7 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
     segment = SegmentModule(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes,
                             inputs=planned.inputs, outputs=planned.outputs, saved_inside=planned.saved_inside,
                             kept_bytes=facts.kept_bytes, replays_rng=facts.draws_random, reruns=facts.reruns,
-                            state_inputs=facts.state_inputs)
+                            state_inputs=facts.state_inputs, kept_whole=facts.kept_whole)
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment

@@ -111,9 +111,11 @@ class SegmentModule(nn.Module):
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
-                 reruns: Sequence[str], replays_rng: bool = True, state_inputs: Sequence[int] = ()) -> None:
+                 reruns: Sequence[str], replays_rng: bool = True, state_inputs: Sequence[int] = (),
+                 kept_whole: Sequence[str] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
+        self.kept_whole = tuple(kept_whole)  # of saved_inside: values kept whole, not matmul/conv outputs
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
         self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
@@ -176,7 +178,9 @@ class SegmentModule(nn.Module):
         return self.body.forward(*unwrap_state(args, recomputing))
 
     def extra_repr(self) -> str:
-        kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
+        kernels = [name for name in self.saved_inside if name not in self.kept_whole]
+        kept = f"; keeps matmul/conv outputs {', '.join(kernels)} from forward" if kernels else ""
+        kept += f"; keeps values {', '.join(self.kept_whole)} from forward" if self.kept_whole else ""
         span = f"{self.reruns[0]} .. {self.reruns[-1]}" if self.reruns else "nothing"
         return (f"recomputes {len(self.reruns)} of {len(self.nodes)} nodes ({span}) "
                 f"in backward; keeps {', '.join(self.inputs)}{kept}")

@@ -219,11 +219,13 @@ def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
 def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
-    the best of the flat :func:`candidates`. Its ``strategy`` is ``"optimal"``; a note
-    says which plan won.
+    the best of the flat :func:`candidates`; then the spare memory filled with values its
+    recomputed segments keep, chosen one by one (:mod:`passes.keeps`), and on small graphs a
+    local search from there (:mod:`passes.search`), which also looks below the program's
+    floor. Its ``strategy`` is ``"optimal"``; a note says which plan won.
 
-    Raises :class:`BudgetError` naming the smallest peak any plan reaches and the values
-    its plan still keeps when none fits.
+    Raises :class:`BudgetError` naming the smallest peak any plan reaches, the values its
+    plan still keeps and, on small graphs, the true floor (:mod:`passes.floor`) when none fits.
     """
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
         return _eager_fits(graph, "optimal", budget_bytes)

@@ -30,8 +30,8 @@ from passes.plan import Plan, plan_of_segments
 from passes.segments import PlanError, Segment, cost_key, make_segments, nested
 from passes.simulate import simulate
 
-SEARCH_MAX_OPS = 120  # larger graphs: a simulation costs too much for a search worth having
-SEARCHED_OPS = 24000  # ops x simulations one search may replay: 1500 moves at 16 ops, 200 at 120
+SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there
+SEARCHED_OPS = 24000  # ops x simulations one search may replay: 1500 moves at 16 ops, 375 at 64
 
 
 @dataclass
