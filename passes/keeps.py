@@ -43,10 +43,15 @@ def keepable(graph: nx.DiGraph, name: str) -> bool:
     """Whether a recomputed segment may keep ``name`` from forward: a computed value that owns
     its storage, that no later write changes, and whose op draws no random numbers (a
     recompute that skipped a draw would shift every later draw of the stream) and updates no
-    state (the runtime keeps the op's outputs, not its side effects)."""
+    state (the runtime keeps the op's outputs, not its side effects). A node kept whole keeps
+    every output of its ops, so one that makes more than its value (a max-pool's indices, a
+    norm's statistics: ``saved_extra_bytes``) is kept only as a matmul node, by its kernels:
+    what the simulator holds for it is its value alone (a unet kept its pools' indices, 5%
+    above the simulated peak)."""
     attributes = graph.nodes[name]
+    whole_fits = attributes["expensive"] or not attributes["saved_extra_bytes"]
     return (attributes["kind"] == "op" and attributes["alias_of"] is None and attributes["bytes"] > 0
-            and attributes["cuttable"] and attributes["recomputable"]
+            and attributes["cuttable"] and attributes["recomputable"] and whole_fits
             and not (attributes["random"] or attributes["ordered"] or attributes["state"]))
 
 

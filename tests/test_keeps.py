@@ -52,11 +52,15 @@ def test_per_value_keeps_train_like_eager(name: str, strategy: str) -> None:
         assert_trains_like(reference, model, rewritten, inputs)
 
 
-@pytest.mark.parametrize("name, size", [("mlp", {"depth": 12, "width": 256, "batch": 64}),
-                                        ("gpt", {"layers": 2, "batch": 8})])
-def test_per_value_keeps_peak_is_the_simulated_one(name: str, size: dict) -> None:
-    model, inputs = zoo.make(name, **size)
-    analysis = analyze(model, inputs, strategy="mincut")
+SIZES = {"mlp": {"depth": 12, "width": 256, "batch": 64}, "resnet": {"batch": 4}, "gpt": {"layers": 2, "batch": 8},
+         "unet": {"batch": 4}, "densenet": {"batch": 4}}
+
+
+@pytest.mark.parametrize("strategy", ["mincut", "optimal"])
+@pytest.mark.parametrize("name", list(SIZES))
+def test_per_value_keeps_peak_is_the_simulated_one(name: str, strategy: str) -> None:
+    model, inputs = zoo.make(name, **SIZES[name])
+    analysis = analyze(model, inputs, strategy=strategy)
     plan = _every_other_keep(analysis.cost_graph, analysis.plan)
     measured = measure_step(generate(analysis.captured.graph_module, model, plan), inputs, zoo.scalar_loss,
                             repeats=1).peak_bytes
@@ -78,5 +82,6 @@ def test_keeps_never_name_random_views_or_state() -> None:
     graph.nodes["op3"]["random"] = True
     graph.nodes["op5"]["alias_of"] = "op4"
     graph.nodes["op7"]["state"] = True
-    assert not any(keepable(graph, n) for n in ("op3", "op5", "op7", "x", "output"))
+    graph.nodes["op8"]["saved_extra_bytes"], graph.nodes["op8"]["expensive"] = 64, False  # a max-pool's indices
+    assert not any(keepable(graph, n) for n in ("op3", "op5", "op7", "op8", "x", "output"))
     assert keepable(graph, "op6")
