@@ -29,12 +29,14 @@ from passes.simulate import simulate
 
 MAX_SIMULATIONS = 40
 SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
+MANY_STARTS_UP_TO = 1000  # ops; larger graphs improve only the cheapest plan
 
 
 def simulation_limit(graph: nx.DiGraph) -> int:
     """Simulations :func:`with_keeps` may run for one plan of ``graph``: :data:`MAX_SIMULATIONS`,
-    fewer on large graphs (one replay of a 500-op step takes about 5 ms)."""
-    return max(8, min(MAX_SIMULATIONS, SIMULATED_OPS // max(len(op_nodes(graph)), 1)))
+    fewer on large graphs (one replay of a 500-op step takes about 5 ms, of a 50k-op one
+    about half a second), never fewer than 2."""
+    return max(2, min(MAX_SIMULATIONS, SIMULATED_OPS // max(len(op_nodes(graph)), 1)))
 
 Path = tuple[int, ...]  # a segment's place in a plan: index at the top, then index among children
 
@@ -137,8 +139,10 @@ def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulatio
 
 def best_with_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, starts: int = 4) -> Plan | None:
     """The least recompute of :func:`with_keeps` over the ``starts`` cheapest distinct plans
-    of ``plans`` that fit ``budget_bytes`` (``None`` when none fits). A plan that recomputes
-    more but leaves more memory spare can end up cheaper once that memory keeps values."""
+    of ``plans`` that fit ``budget_bytes`` (``None`` when none fits; one start on graphs over
+    :data:`MANY_STARTS_UP_TO` ops). A plan that recomputes more but leaves more memory spare
+    can end up cheaper once that memory keeps values."""
+    starts = starts if len(op_nodes(graph)) <= MANY_STARTS_UP_TO else 1
     distinct = {plan.segments: plan for plan in plans if plan.peak_bytes <= budget_bytes}
     fitting = sorted(distinct.values(), key=lambda plan: (*plan.cost_key, plan.peak_bytes))[:starts]
     improved = [with_keeps(graph, plan, budget_bytes) for plan in fitting]
