@@ -255,7 +255,8 @@ def report(options: argparse.Namespace, command: str) -> str:
     started = time.perf_counter()
     sizes = QUICK_SIZES if options.quick else {name: ZOO_SIZES[name] for name in options.models}
     if options.budget_only:
-        return f"Made in {time.perf_counter() - started:.0f} s by:\n\n    {command}\n\n{budget_table(options, sizes)}\n"
+        budget_part = budget_table(options, sizes)
+        return f"Made in {time.perf_counter() - started:.0f} s by:\n\n    {command}\n\n{budget_part}\n"
     random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit)
     zoo_part, notes = zoo_table(sizes, options.zoo_time_limit)
     budget_part = budget_table(options, sizes)
