@@ -278,9 +278,9 @@ def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budge
     if floor is None or floor >= plan_floor:
         return ""
     fits = "meets" if floor <= budget_bytes else "does not meet"
-    return (f" The true floor (the exact recompute schedule, passes.floor) is lower, "
-            f"{format_bytes(floor, 'MiB')} ({floor / max(eager_peak_bytes, 1):.2f}x eager), and {fits} this "
-            "budget: schedules that recompute a value from several kept ones just before each use, "
+    return (f" The true floor (the least peak of any recompute schedule, passes.floor) is lower: a schedule "
+            f"reaches {format_bytes(floor, 'MiB')} ({floor / max(eager_peak_bytes, 1):.2f}x eager), which {fits} "
+            "this budget, by recomputing values from several kept ones just before each use, "
             "which graphckpt's plans do not express yet.")
 
 
