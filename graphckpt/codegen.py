@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphckpt.runtime import SegmentModule
+from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
 from passes.segments import RecomputeFacts
@@ -119,8 +119,15 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
     env = {name: body.placeholder(name) for name in planned.inputs}
 
     def copy_node(name: str) -> None:
-        if name not in env:
-            env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+        if name in env:
+            return
+        kept = name in planned.saved_inside
+        if kept:  # the policy keeps what runs between the marks (graphckpt.runtime.keep_begin)
+            how = "whole" if name in facts.kept_whole else "kernels"
+            body.call_function(keep_begin, (how,), name=f"keep_{name}")
+        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+        if kept:
+            body.call_function(keep_end, (env[name],), name=f"kept_{name}")
 
     children = planned.children or (PlannedSegment(planned.nodes, False, planned.inputs, planned.outputs),)
     modules = _emit_segments(body, source, children, env, copy_node, prefix=f"{target}_")
@@ -130,7 +137,7 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
     segment = SegmentModule(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes,
                             inputs=planned.inputs, outputs=planned.outputs, saved_inside=planned.saved_inside,
                             kept_bytes=facts.kept_bytes, replays_rng=facts.draws_random, reruns=facts.reruns,
-                            state_inputs=facts.state_inputs)
+                            state_inputs=facts.state_inputs, kept_whole=facts.kept_whole)
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment

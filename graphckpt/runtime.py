@@ -9,9 +9,14 @@ body is passed and updates in place (running statistics of an export-captured
 ``aten.batch_norm``, a batch counter's ``add_``: :mod:`graphckpt.state`) are replaced by
 copies (:func:`scratch_state`).
 
-Selective segments keep their matmul/convolution outputs (torch's selective checkpointing
-contexts). A nested one keeps them from its enclosing segment's recompute, not from the
-first forward: each call records the nested calls it makes, and when backward recomputes
+Selective segments keep the values their plan names (``saved_inside``) from forward instead
+of recomputing them (torch's selective checkpointing contexts): the body marks each such node
+(:func:`keep_begin` / :func:`keep_end` around it, emitted by codegen) and the segment's
+policy saves the ops run inside a mark: every op of a node kept whole, only the
+matmul/convolution kernels of a matmul or convolution node
+(:func:`graphckpt.profile.kept_by_selective`, what the cost graph's ``selective_extra_bytes``
+counts). A nested one keeps them from its enclosing segment's recompute, not from the first
+forward: each call records the nested calls it makes, and when backward recomputes
 it, the nested calls made again, in the same order, fill the storage of the ones they
 stand for (:class:`_Call`).
 """
@@ -35,7 +40,7 @@ from torch.utils.checkpoint import (
 
 from graphckpt.profile import kept_by_selective
 from graphckpt.state import RUNNING_STATS
-from graphckpt.torch_compat import NormBase, clear_selective_cache
+from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema
 
 
 @contextlib.contextmanager
@@ -106,9 +111,11 @@ class SegmentModule(nn.Module):
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
-                 reruns: Sequence[str], replays_rng: bool = True, state_inputs: Sequence[int] = ()) -> None:
+                 reruns: Sequence[str], replays_rng: bool = True, state_inputs: Sequence[int] = (),
+                 kept_whole: Sequence[str] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
+        self.kept_whole = tuple(kept_whole)  # of saved_inside: values kept whole, not matmul/conv outputs
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
         self.saved_inside = tuple(saved_inside)
         self.nodes = tuple(nodes)
@@ -171,7 +178,9 @@ class SegmentModule(nn.Module):
         return self.body.forward(*unwrap_state(args, recomputing))
 
     def extra_repr(self) -> str:
-        kept = f"; keeps matmul/conv outputs {', '.join(self.saved_inside)} from forward" if self.saved_inside else ""
+        kernels = [name for name in self.saved_inside if name not in self.kept_whole]
+        kept = f"; keeps matmul/conv outputs {', '.join(kernels)} from forward" if kernels else ""
+        kept += f"; keeps values {', '.join(self.kept_whole)} from forward" if self.kept_whole else ""
         span = f"{self.reruns[0]} .. {self.reruns[-1]}" if self.reruns else "nothing"
         return (f"recomputes {len(self.reruns)} of {len(self.nodes)} nodes ({span}) "
                 f"in backward; keeps {', '.join(self.inputs)}{kept}")
@@ -194,7 +203,8 @@ class _Call:
         self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
         if saved_inside:
-            self.caching, self.cached = create_selective_checkpoint_contexts(_keep_expensive)
+            policy = functools.partial(_keep_marked, self)
+            self.caching, self.cached = create_selective_checkpoint_contexts(policy)
 
 
 _RUNNING = threading.local()  # a stack of _Running, per thread (CUDA backward has its own)
@@ -223,6 +233,8 @@ class _Running:
         self.stack = contextlib.ExitStack()
         self.caching = call.caching if cache else refill.caching if refill is not None else None
         self.refill = refill
+        self.keeper = refill if refill is not None else call  # whose policy a mark in this body speaks to
+        self.keeping: str | None = None  # inside keep_begin(..) / keep_end(..): "whole" or "kernels"
 
     def next_nested(self) -> _Call:
         """The call, in the forward being recomputed, of the nested segment called now."""
@@ -282,12 +294,45 @@ class _Recomputing(_Running):
         clear_selective_cache(self.call.cached)
 
 
-def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """A selective policy that keeps nothing: what the policy machinery costs by itself."""
+def keep_begin(how: str) -> None:
+    """Mark the start of a node the running segment keeps from forward (codegen emits it
+    before each ``saved_inside`` node): ``how`` is ``"whole"`` (every op's output is kept)
+    or ``"kernels"`` (only its matmul/convolution kernels, as for an ``expensive`` node).
+    Outside a checkpointed call (eval, no_grad) it does nothing."""
+    running = _innermost_running()
+    if running is not None:
+        running.keeping = how
+
+
+def keep_end(value: Any) -> Any:
+    """Mark the end of a kept node (:func:`keep_begin`); returns ``value`` unchanged so the
+    body reads as ``x = keep_end(x)`` would, without changing what flows."""
+    running = _innermost_running()
+    if running is not None:
+        running.keeping = None
+    return value
+
+
+def _keep_marked(call: _Call, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """``call``'s selective policy: keep the outputs of ops run inside a mark its own body
+    made (not a nested segment's: the innermost running body must be the one ``call``
+    stands for), all of them for a node kept whole, the matmul/convolution kernels for a
+    matmul node. The same marks run in forward and in the recompute, so both agree."""
+    running = _innermost_running()
+    if running is None or running.keeper is not call or running.keeping is None:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if kept_by_selective(op, args, kwargs) or (running.keeping == "whole" and not _writes(op)):
+        return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpointing policy: keep matmul, convolution and attention outputs from
-    forward, unless the call draws random numbers (:func:`graphckpt.profile.kept_by_selective`)."""
-    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+def _writes(op: Any) -> bool:
+    """Whether ``op`` writes one of its arguments in place (a norm's batch counter ``add_``):
+    its output is a tensor written again later, which a selective cache may not hold; it
+    runs again in the recompute, on the scratch state the recompute gets."""
+    return isinstance(op, OpOverload) and op_schema(op).is_mutable
+
+
+def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective policy that keeps nothing: what the policy machinery costs by itself."""
+    return CheckpointPolicy.PREFER_RECOMPUTE

@@ -13,9 +13,12 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
+from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
+from passes.keeps import best_with_keeps, leaf_segments
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
+from passes.search import search
 from passes.segments import PlanError, cost_key, make_segments
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
@@ -31,12 +34,19 @@ class BudgetError(ValueError):
     reaches (the floor), ``eager_peak_bytes``, ``strategy`` and ``segment_count`` of that
     smallest plan, and ``kept_values``: the heaviest values it still keeps. A budget that
     cannot be read leaves them ``None`` (``()`` for ``kept_values``).
+
+    ``smallest_peak_bytes`` is the floor of graphckpt's plans; ``true_floor_bytes`` the least
+    peak any recompute schedule reaches (:func:`passes.floor.true_floor`, the exact MILP, on
+    graphs small enough to solve; ``None`` otherwise). Between the two lie budgets that a
+    schedule meets and no plan graphckpt builds yet does.
     """
 
     def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None,
                  eager_peak_bytes: int | None = None, strategy: str | None = None,
-                 segment_count: int | None = None, kept_values: Sequence[str] = ()) -> None:
+                 segment_count: int | None = None, kept_values: Sequence[str] = (),
+                 true_floor_bytes: int | None = None) -> None:
         super().__init__(message)
+        self.true_floor_bytes = true_floor_bytes
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
         self.eager_peak_bytes = eager_peak_bytes
@@ -209,11 +219,13 @@ def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
 def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
-    the best of the flat :func:`candidates`. Its ``strategy`` is ``"optimal"``; a note
-    says which plan won.
+    the best of the flat :func:`candidates`; then the spare memory filled with values its
+    recomputed segments keep, chosen one by one (:mod:`passes.keeps`), and on small graphs a
+    local search from there (:mod:`passes.search`), which also looks below the program's
+    floor. Its ``strategy`` is ``"optimal"``; a note says which plan won.
 
-    Raises :class:`BudgetError` naming the smallest peak any plan reaches and the values
-    its plan still keeps when none fits.
+    Raises :class:`BudgetError` naming the smallest peak any plan reaches, the values its
+    plan still keeps and, on small graphs, the true floor (:mod:`passes.floor`) when none fits.
     """
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
         return _eager_fits(graph, "optimal", budget_bytes)
@@ -221,25 +233,55 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     found = plan_for_budget(program, budget_bytes)
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
-    if chosen is None:
-        raise _unreachable(graph, budget_bytes, [*tried, program.smallest()])
     origin = ("the dynamic program's plan" if chosen is found else
-              f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments")
+              f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
+    if chosen is None:  # below the floor of the program and the flat plans: search toward it
+        smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
+        searched = search(graph, smallest, budget_bytes)
+        if searched is None or searched.peak_bytes > budget_bytes:
+            floor = true_floor(graph)
+            raise _unreachable(graph, budget_bytes, [*tried, program.smallest(), *([searched] if searched else [])],
+                               None if floor is None else floor.peak_bytes)
+        chosen, origin = searched, "a searched plan below the dynamic program's floor"
+    kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
+    if kept is not None and kept.cost_key < chosen.cost_key:
+        chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
+    searched = search(graph, [chosen], budget_bytes)
+    if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
+        chosen, origin = searched, f"{origin}, improved by a local search over segments and kept values"
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
 
 
-def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan]) -> BudgetError:
-    """The error for a budget below every plan's peak: the smallest of ``plans`` and the
-    heaviest values it keeps."""
+def _kept_count(plan: Plan) -> int:
+    return sum(len(segment.saved_inside) for _, segment in leaf_segments(plan.segments))
+
+
+def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
+                 true_floor_bytes: float | None = None) -> BudgetError:
+    """The error for a budget below every plan's peak: the smallest of ``plans``, the
+    heaviest values it keeps, and the true floor when it is known and lower."""
     best = min(plans, key=lambda p: p.peak_bytes)
     heaviest = sorted(best.checkpoints, key=lambda v: -graph.nodes[v]["bytes"])[:5]
     reason = _reason(budget_bytes, best.peak_bytes, best.eager_peak_bytes, best.strategy, len(best.segments))
-    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}. Raise the budget.",
+    floor = None if true_floor_bytes is None else math.ceil(true_floor_bytes)
+    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}."
+                       f"{_floor_note(floor, best.peak_bytes, best.eager_peak_bytes, budget_bytes)} Raise the budget.",
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
-                       segment_count=len(best.segments), kept_values=heaviest)
+                       segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor)
+
+
+def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:
+    """A sentence on the true floor when it is below the plans' floor."""
+    if floor is None or floor >= plan_floor:
+        return ""
+    fits = "meets" if floor <= budget_bytes else "does not meet"
+    return (f" The true floor (the least peak of any recompute schedule, passes.floor) is lower: a schedule "
+            f"reaches {format_bytes(floor, 'MiB')} ({floor / max(eager_peak_bytes, 1):.2f}x eager), which {fits} "
+            "this budget, by recomputing values from several kept ones just before each use, "
+            "which graphckpt's plans do not express yet.")
 
 
 def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:

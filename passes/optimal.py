@@ -261,6 +261,10 @@ class DynamicProgram:
             self._plans[m] = same or plan_of_segments(self.graph, "optimal", top)
         return self._plans[m]
 
+    def plans(self) -> list[Plan]:
+        """Every plan built so far (by :meth:`plan`), distinct."""
+        return list({id(p): p for p in self._plans.values()}.values())
+
     def smallest(self) -> Plan:
         """The plan of least memory the program can build."""
         return self.plan(next(m for m in range(self.slot_count + 1) if self.feasible(m)))

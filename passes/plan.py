@@ -96,8 +96,11 @@ class Plan:
 def _describe(segment: Segment, name: str, indent: str) -> list[str]:
     """One line per segment, nested children indented under their parent."""
     what = "recomputed" if segment.recompute else "kept"
-    if segment.saved_inside:
-        what += f", keeps {len(segment.saved_inside)} matmul/conv outputs"
+    whole = len(segment.facts.kept_whole) if segment.facts else 0
+    if len(segment.saved_inside) > whole:
+        what += f", keeps {len(segment.saved_inside) - whole} matmul/conv outputs"
+    if whole:
+        what += f", keeps {whole} other values"
     lines = [f"{indent}{name} ({what}, {len(segment.nodes)} nodes): "
              f"{segment.nodes[0]} .. {segment.nodes[-1]} -> {', '.join(segment.outputs)}"]
     for index, child in enumerate(segment.children):

@@ -37,13 +37,16 @@ class RecomputeFacts:
     ``draws_random``: whether it may draw random numbers, so its recompute replays the
     generator's state. ``reruns``: the nodes one recompute runs (:func:`rerun_nodes`).
     ``state_inputs``: positions in ``inputs`` of ``state`` values (buffers it updates in
-    place), which a recompute gets scratch copies of.
+    place), which a recompute gets scratch copies of. ``kept_whole``: the ``saved_inside``
+    values kept whole (every op of the node), not only their matmul/convolution kernels as
+    for an ``expensive`` node.
     """
 
     kept_bytes: float
     draws_random: bool
     reruns: tuple[str, ...]
     state_inputs: tuple[int, ...]
+    kept_whole: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment) -> Segment:
         draws_random=draws_random(graph, segment.nodes),
         reruns=tuple(rerun_nodes(graph, segment)),
         state_inputs=tuple(i for i, name in enumerate(segment.inputs) if graph.nodes[name]["state"]),
+        kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
     )
     return replace(segment, children=tuple(with_facts(graph, c) for c in segment.children), facts=facts)
 

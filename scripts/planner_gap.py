@@ -1,6 +1,7 @@
 """How far each strategy's recompute is from the exact optimum (Checkmate-style MILP).
 
-    python scripts/planner_gap.py [--graphs 12] [--ops 16] [--seed 0] [--out docs/planner_quality.md] [--quick]
+    python scripts/planner_gap.py [--graphs 12] [--ops 16] [--seed 0] [--budget-ops 16 40] [--budget-graphs 8]
+                                  [--out docs/planner_quality.md] [--quick]
 
 For random DAG cost graphs and for small zoo models' real cost graphs, and each strategy, the
 MILP (passes/checkmate.py, the same memory model as the simulator) finds the least recompute
@@ -8,6 +9,8 @@ that fits the plan's own simulated peak. Reported: total forward compute (forwar
 of the plan over the optimum's, as Checkmate's paper does (it found sqrt(n) on articulation
 points at 1.14-1.54x). ``optimal`` is planned at auto's peak; the last row plans optimal at
 half of eager's peak or, where no plan reaches that, at the smallest peak a plan reaches.
+A third table plans at 0.3, 0.5 and 0.7 of eager and compares with the MILP at that budget
+(:func:`budget_rows`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import networkx as nx
@@ -27,6 +31,7 @@ from passes.checkmate import checkmate_schedule
 from passes.costgraph import add_value, op_nodes
 from passes.optimal import DynamicProgram
 from passes.plan import Plan
+from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES
 
 TIGHT = "optimal @ 0.5 of eager†"
@@ -156,12 +161,105 @@ def zoo_table(sizes: dict[str, dict[str, object]], time_limit: float) -> tuple[s
     return "\n".join(lines), "; ".join(notes)
 
 
+# --- fixed budgets: fit_budget against the MILP at 0.3, 0.5 and 0.7 of eager ----------------
+
+FRACTIONS = (0.3, 0.5, 0.7)
+
+
+@dataclass
+class BudgetRow:
+    """What one family of graphs gave at one budget fraction."""
+
+    ratios: list[tuple[float, float]] = field(default_factory=list)  # (over the MILP's schedule, over its bound)
+    refused: int = 0  # the MILP meets the budget, the planner raises BudgetError
+    neither: int = 0  # no schedule meets it
+    unsolved: int = 0  # the MILP found no schedule in its time limit
+    seconds: list[float] = field(default_factory=list)  # planning time per graph
+
+
+def measure(graph: nx.DiGraph, fraction: float, row: BudgetRow, time_limit: float) -> None:
+    """Plan ``graph`` at ``fraction`` of eager's peak, solve the MILP there, add to ``row``."""
+    budget = int(fraction * eager_peak(graph))
+    started = time.perf_counter()
+    try:
+        ours: int | None = fit_budget(graph, budget).recompute_flops
+    except BudgetError:
+        ours = None
+    row.seconds.append(time.perf_counter() - started)
+    try:
+        best = checkmate_schedule(graph, budget, time_limit=time_limit)
+    except TimeoutError:
+        row.unsolved += 1
+        return
+    if best is None:
+        row.neither += 1
+        return
+    if ours is None:
+        row.refused += 1
+        return
+    forward = sum(f for _, f in graph.nodes(data="flops"))
+    total = forward + ours
+    row.ratios.append((total / (forward + best.recompute_flops), total / (forward + best.recompute_lower_bound)))
+
+
+def budget_rows(graphs: Iterable[nx.DiGraph], time_limit: float,
+                fractions: Sequence[float] = FRACTIONS) -> dict[float, BudgetRow]:
+    """One :class:`BudgetRow` per fraction over ``graphs``."""
+    rows = {fraction: BudgetRow() for fraction in fractions}
+    for graph in graphs:
+        for fraction in fractions:
+            measure(graph, fraction, rows[fraction], time_limit)
+    return rows
+
+
+def _ratio(low: float, high: float) -> str:
+    return f"{low:.2f}x" if high - low < 5e-3 else f"{low:.2f}–{high:.2f}x*"
+
+
+def table_lines(family: str, rows: dict[float, BudgetRow]) -> list[str]:
+    """Markdown rows of one family (header not included)."""
+    lines = []
+    for fraction, row in rows.items():
+        if row.ratios:
+            lows, highs = [r[0] for r in row.ratios], [r[1] for r in row.ratios]
+            median = _ratio(statistics.median(lows), statistics.median(highs))
+            worst = _ratio(max(lows), max(highs))
+        else:
+            median = worst = "—"
+        seconds = f"{statistics.median(row.seconds):.2f} / {max(row.seconds):.2f}" if row.seconds else "—"
+        lines.append(f"| {family} | {fraction:g} | {median} | {worst} | {len(row.ratios)} | {row.refused} | "
+                     f"{row.neither} | {row.unsolved} | {seconds} |")
+    return lines
+
+
+HEADER = ["| graphs | budget (× eager) | median | worst | both meet | MILP meets, planner refuses | "
+          "no schedule meets | MILP unsolved | planning s (median / max) |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def budget_table(options: argparse.Namespace, sizes: dict[str, dict[str, object]]) -> str:
+    """``fit_budget`` against the MILP at 0.3, 0.5 and 0.7 of eager on random DAGs of each
+    ``--budget-ops`` size and on the zoo graphs (:func:`budget_rows`)."""
+    lines = list(HEADER)
+    for ops in options.budget_ops:
+        rng = random.Random(options.seed)
+        graphs = [random_cost_graph(rng, ops) for _ in range(options.budget_graphs)]
+        lines += table_lines(f"{len(graphs)} random DAGs of {ops} ops", budget_rows(graphs, options.budget_time_limit))
+    zoo_graphs = [zoo_cost_graph(name, size) for name, size in sizes.items()]
+    lines += table_lines(f"zoo: {', '.join(sizes)}", budget_rows(zoo_graphs, options.budget_time_limit))
+    return "\n".join(lines)
+
+
 def report(options: argparse.Namespace, command: str) -> str:
-    """The markdown fragment: what is compared, the command, the two tables."""
+    """The markdown fragment: what is compared, the command, the tables."""
     started = time.perf_counter()
     sizes = QUICK_SIZES if options.quick else {name: ZOO_SIZES[name] for name in options.models}
+    if options.budget_only:
+        budget_part = budget_table(options, sizes)
+        return f"Made in {time.perf_counter() - started:.0f} s by:\n\n    {command}\n\n{budget_part}\n"
     random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit)
     zoo_part, notes = zoo_table(sizes, options.zoo_time_limit)
+    budget_part = budget_table(options, sizes)
     return (
         "Each strategy's total forward compute (forward + recompute) over the least any schedule "
         "needs at the same simulated peak, found by the Checkmate-style MILP (`passes/checkmate.py`, "
@@ -176,7 +274,13 @@ def report(options: argparse.Namespace, command: str) -> str:
         f"Zoo models' cost graphs (time limit {options.zoo_time_limit:g} s a solve). `grad_views` (the "
         "gradient views of cat/stack, used by unet and densenet) is cleared for both the simulator and "
         "the MILP, which does not model it. Configurations, and the peak of the † row over eager's: "
-        f"{notes}.{GPT_NOTE if 'gpt' not in sizes else ''}\n\n{zoo_part}\n"
+        f"{notes}.{GPT_NOTE if 'gpt' not in sizes else ''}\n\n{zoo_part}\n\n"
+        "At fixed budgets (0.3, 0.5, 0.7 of eager's simulated peak): `fit_budget` (what `budget=` and "
+        "`optimal` run) against the MILP under the same budget. Median and worst are over the budgets "
+        "both meet; a budget the MILP meets and the planner refuses is counted, not priced; planning "
+        "time is `fit_budget`'s wall time per graph on this machine (a refusal includes the true floor's "
+        f"MILP, `passes/floor.py`); time limit {options.budget_time_limit:g} s a solve:\n\n"
+        f"{budget_part}\n"
     )
 
 
@@ -189,13 +293,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds a random-graph solve")
     parser.add_argument("--zoo-time-limit", type=float, default=20.0, help="seconds a zoo-graph solve")
     parser.add_argument("--models", nargs="+", choices=list(ZOO_SIZES), default=list(DEFAULT_MODELS))
+    parser.add_argument("--budget-ops", type=int, nargs="+", default=[16, 40], help="random DAG sizes of the budget table")
+    parser.add_argument("--budget-graphs", type=int, default=8, help="random DAGs of each size in the budget table")
+    parser.add_argument("--budget-time-limit", type=float, default=20.0, help="seconds a budget-table solve")
+    parser.add_argument("--budget-only", action="store_true", help="only the budget table (e.g. to run an older planner)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: few small graphs, short limits")
     parser.add_argument("--out", type=Path, help="write the markdown here instead of printing it")
     argv = sys.argv[1:] if argv is None else argv
     options = parser.parse_args(argv)
     if options.quick:
         options.graphs, options.ops = min(options.graphs, 2), min(options.ops, 8)
+        options.budget_graphs, options.budget_ops = min(options.budget_graphs, 2), [min(options.ops, 8)]
         options.time_limit, options.zoo_time_limit = min(options.time_limit, 5), min(options.zoo_time_limit, 5)
+        options.budget_time_limit = min(options.budget_time_limit, 5)
     text = report(options, " ".join(["python scripts/planner_gap.py", *argv]))
     if options.out is None:
         print(text, end="")

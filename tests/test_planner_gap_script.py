@@ -29,7 +29,7 @@ def test_quick_run_writes_both_tables(tmp_path: Path) -> None:
     script.main(["--quick", "--out", str(out)])
     text = out.read_text()
     assert not text.startswith("#") and "python scripts/planner_gap.py --quick" in text
-    random_table, zoo_table = tables(text)
+    random_table, zoo_table, budget_table = tables(text)
     assert random_table[0] == ["strategy", "median", "worst"]
     assert zoo_table[0][0] == "strategy" and zoo_table[0][1].startswith("mlp (")
     for table in (random_table, zoo_table):
@@ -43,3 +43,13 @@ def test_quick_run_writes_both_tables(tmp_path: Path) -> None:
                 if match:
                     assert float(match[1]) >= 0.99, row  # no plan beats the exact optimum
                     assert match[2] is None or float(match[2]) >= float(match[1])
+
+    assert budget_table[0][:4] == ["graphs", "budget (× eager)", "median", "worst"]
+    assert [row[1] for row in budget_table[2:]] == ["0.3", "0.5", "0.7"] * 2  # random DAGs, then the zoo
+    for row in budget_table[2:]:
+        assert len(row) == len(budget_table[0])
+        for cell in row[2:4]:
+            match = CELL.match(cell)
+            assert match or cell == "—", cell
+            if match:
+                assert float(match[1]) >= 0.99, row

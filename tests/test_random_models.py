@@ -185,12 +185,29 @@ def _train_step(module: nn.Module, x: torch.Tensor, seed: int) -> tuple[type, li
     return type(output), [t.detach().clone() for t in tensors]
 
 
-def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None) -> None:
+def _rewrite_keeping_values(model: nn.Module, x: torch.Tensor, strategy: str, segments: int | None) -> nn.Module:
+    """The ``strategy`` plan with every other value its recomputed segments could keep kept
+    from forward (:mod:`passes.keeps`; pointwise values too): per-value keeps on any DAG."""
+    from graphckpt.api import Analysis, analyze, generate_rewrite
+    from passes.keeps import add_keeps, ranked_keeps
+    from passes.plan import plan_of_segments
+
+    analysis = analyze(model, (x.clone(),), strategy=strategy, segments=segments)
+    graph = analysis.cost_graph
+    keeps = sorted(ranked_keeps(graph, analysis.plan.segments), key=lambda k: graph.nodes[k[1]]["order"])[::2]
+    plan = plan_of_segments(graph, "keeps", add_keeps(graph, analysis.plan.segments, keeps))
+    return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
+
+
+def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_values: bool = False) -> None:
     model = RecipeModel(spec)
     model.train()
     reference = copy.deepcopy(model)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(spec.seed))
-    rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
+    if keep_values:
+        rewritten = _rewrite_keeping_values(model, x, strategy, segments)
+    else:
+        rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
     assert set(rewritten.state_dict()) == set(model.state_dict())
 
@@ -277,6 +294,7 @@ SEGMENT_COUNTS = st.lists(st.sampled_from([None, 2, 3, 5]), min_size=5, max_size
 def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
     for strategy, count in zip(STRATEGY_NAMES, segments, strict=True):
         _check_same_step(spec, strategy, count)
+    _check_same_step(spec, "mincut", segments[2], keep_values=True)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

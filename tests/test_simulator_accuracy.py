@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphckpt
-from graphckpt.api import analyze
+from graphckpt.api import Analysis, analyze, generate_rewrite
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step, peak_memory
 from passes.budget import BudgetError
 from passes.checkmate import no_recompute_peak
 from passes.costgraph import add_value, check_cost_graph, op_nodes, shared_parameters
+from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak, eager_segments, simulate
 from tests.device import DEVICE, on_test_device
 from tests.test_checkmate import check_strategies, small_cost_graphs
@@ -308,10 +309,13 @@ def test_forward_temporaries_are_held_in_eager_and_in_a_recompute() -> None:
     measured = measure_step(model, inputs, zoo.scalar_loss, repeats=1).peak_bytes
     simulated = eager_peak(graph)
     assert measured <= simulated <= 1.03 * measured, f"eager: simulated/measured {simulated / measured:.3f}"
-    with pytest.raises(BudgetError) as floor:
+    with pytest.raises(BudgetError):
         graphckpt.rewrite(model, inputs, budget=1)
-    rewritten = graphckpt.rewrite(model, inputs, budget=floor.value.smallest_peak_bytes)
-    plan = rewritten.meta["graphckpt_plan"]
+    # The dynamic program's floor plan recomputes the attention (fit_budget's search finds a
+    # lower floor that does not): a recompute holds the attention's temporaries too.
+    analysis = analyze(model, inputs)
+    plan = DynamicProgram(analysis.cost_graph).smallest()
+    rewritten = generate_rewrite(model, Analysis(analysis.captured, analysis.cost_graph, plan))
     assert any(s.recompute and set(s.nodes) & set(attention) for s in plan.segments)
     measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
     simulated = plan.peak_bytes

@@ -1,0 +1,89 @@
+"""The true floor: the least peak any schedule reaches, by the MILP of :mod:`passes.checkmate`.
+
+A plan's floor (the smallest peak of the plans a strategy can build) can sit above what any
+recompute schedule reaches: Checkmate's schedules recompute a value from several kept ones
+just before each use, which segments do not express. :class:`passes.budget.BudgetError`
+names both, so a user knows whether a lower budget is out of reach of every schedule or
+only of graphckpt's plans.
+
+The MILP is the one of :mod:`passes.checkmate` with the budget left free: one more variable
+``P`` bounds the memory after every step (``U[t,k] <= P``) and the objective is ``P``. It is
+solved only for small graphs (:data:`FLOOR_MAX_OPS`) and within a time limit; a solve stopped
+there gives the smallest peak it found and the bound it proved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from passes.checkmate import _build, no_recompute_peak, training_graph
+from passes.costgraph import op_nodes
+
+FLOOR_MAX_OPS = 40
+FLOOR_TIME_LIMIT = 5.0
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least peak of any schedule: ``peak_bytes`` reached by the schedule found, and
+    ``lower_bound_bytes`` proven (equal when the solve finished)."""
+
+    peak_bytes: float
+    lower_bound_bytes: float
+
+    @property
+    def proven(self) -> bool:
+        return self.peak_bytes - self.lower_bound_bytes < 1
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence what HiGHS's C++ code prints to the process's stdout and stderr while it
+    solves (on this model its MIP heuristics print debug lines), so a BudgetError does not
+    come with a screen of solver chatter."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as devnull:
+        try:
+            os.dup2(devnull.fileno(), 1)
+            os.dup2(devnull.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor | None:
+    """The least peak any recompute schedule of ``graph`` reaches in the simulator's model of
+    memory, or ``None`` for graphs over :data:`FLOOR_MAX_OPS` ops or a solve that found no
+    schedule in ``time_limit`` seconds."""
+    if len(op_nodes(graph)) > FLOOR_MAX_OPS:
+        return None
+    training = training_graph(graph)
+    ceiling = no_recompute_peak(graph)  # every schedule fits under eager's own peak
+    model = _build(training, ceiling)
+    unit = max(max(training.mem, default=0), 1)
+    memory_columns = [key for key in model.columns if key[0] == "U"]
+    model.var(("P",), 0.0, ceiling / unit, False)
+    for key in memory_columns:
+        model.row([(key, 1.0), (("P",), -1.0)], -np.inf, 0.0)
+    cost = np.zeros(len(model.bounds))
+    cost[model.columns[("P",)]] = 1.0
+    with _quiet():
+        solution = model.solve(cost, time_limit)
+    if solution.x is None:
+        return None
+    peak = float(solution.x[model.columns[("P",)]]) * unit
+    bound = getattr(solution, "mip_dual_bound", None)
+    lower = peak if solution.status == 0 or bound is None else min(peak, float(bound) * unit)
+    return Floor(peak_bytes=peak, lower_bound_bytes=lower)

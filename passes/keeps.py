@@ -1,0 +1,149 @@
+"""Per-value keeps: which values a recomputed segment keeps from forward, chosen value by value.
+
+A recomputed segment's ``saved_inside`` used to be all or nothing: every matmul/convolution
+output (selective checkpointing) or none. The exact optimum (:mod:`passes.checkmate`) keeps
+what is cheap to hold and dear to recompute wherever it sits, a pointwise value as well as a
+matmul, and recomputes the rest. This pass fills a plan's spare memory that way: with the
+budget's slack after a plan fits, it keeps the values of its recomputed segments that save
+the most recompute per byte (:func:`ranked_keeps`), as many as the *simulated* peak allows
+(:func:`with_keeps`). The runtime keeps exactly the values named
+(:func:`graphckpt.runtime.keep_begin`), so the plan runs as simulated.
+
+The search simulates a bounded number of plans (``max_simulations``): a run of keeps is
+tried at once and the run doubles while it fits and halves when it does not, so a plan of
+hundreds of ops costs a few dozen simulations, not one per value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import networkx as nx
+
+from passes.costgraph import op_nodes
+from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
+from passes.plan import Plan, plan_of_segments
+from passes.segments import Segment, cost_key, rerun_nodes
+from passes.simulate import simulate
+
+MAX_SIMULATIONS = 40
+SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
+MANY_STARTS_UP_TO = 1000  # ops; larger graphs improve only the cheapest plan
+
+
+def simulation_limit(graph: nx.DiGraph) -> int:
+    """Simulations :func:`with_keeps` may run for one plan of ``graph``: :data:`MAX_SIMULATIONS`,
+    fewer on large graphs (one replay of a 500-op step takes about 5 ms, of a 50k-op one
+    about half a second), never fewer than 2."""
+    return max(2, min(MAX_SIMULATIONS, SIMULATED_OPS // max(len(op_nodes(graph)), 1)))
+
+Path = tuple[int, ...]  # a segment's place in a plan: index at the top, then index among children
+
+
+def keepable(graph: nx.DiGraph, name: str) -> bool:
+    """Whether a recomputed segment may keep ``name`` from forward: a computed value that owns
+    its storage, that no later write changes, and whose op draws no random numbers (a
+    recompute that skipped a draw would shift every later draw of the stream) and updates no
+    state (the runtime keeps the op's outputs, not its side effects). A node kept whole keeps
+    every output of its ops, so one that makes more than its value (a max-pool's indices, a
+    norm's statistics: ``saved_extra_bytes``) is kept only as a matmul node, by its kernels:
+    what the simulator holds for it is its value alone (a unet kept its pools' indices, 5%
+    above the simulated peak)."""
+    attributes = graph.nodes[name]
+    whole_fits = attributes["expensive"] or not attributes["saved_extra_bytes"]
+    return (attributes["kind"] == "op" and attributes["alias_of"] is None and attributes["bytes"] > 0
+            and attributes["cuttable"] and attributes["recomputable"] and whole_fits
+            and not (attributes["random"] or attributes["ordered"] or attributes["state"]))
+
+
+def leaf_segments(segments: Sequence[Segment], at: Path = ()) -> list[tuple[Path, Segment]]:
+    """Recomputed segments without children, at any depth, with their paths: the ones whose
+    recompute runs their own nodes, so that keeping one of them saves its rerun."""
+    found = []
+    for index, segment in enumerate(segments):
+        if not segment.recompute:
+            continue
+        if segment.children:
+            found += leaf_segments(segment.children, (*at, index))
+        else:
+            found.append(((*at, index), segment))
+    return found
+
+
+def keep_value(graph: nx.DiGraph, name: str) -> float:
+    """What keeping ``name`` saves per byte it holds: its recompute FLOPs and (a little) the
+    bytes its rerun writes, over its own bytes and the kernel outputs a kept matmul node
+    holds beside them."""
+    attributes = graph.nodes[name]
+    held = attributes["bytes"] + (attributes["selective_extra_bytes"] if attributes["expensive"] else 0)
+    return (attributes["flops"] + BYTE_WEIGHT * attributes["bytes"]) / max(held, 1)
+
+
+def ranked_keeps(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[Path, str]]:
+    """Every value a leaf recomputed segment could keep and would otherwise rerun, best
+    saving per byte first (ties: earlier values first, so the order is deterministic)."""
+    order = {name: graph.nodes[name]["order"] for name in graph}
+    options = [(path, name) for path, segment in leaf_segments(segments)
+               for name in rerun_nodes(graph, segment, cached=False)
+               if name not in segment.saved_inside and keepable(graph, name)]
+    return sorted(options, key=lambda option: (-keep_value(graph, option[1]), order[option[1]]))
+
+
+def add_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
+    """``segments`` with each ``(path, value)`` of ``keeps`` added to that segment's
+    ``saved_inside`` (in the segment's own order)."""
+    by_path: dict[Path, set[str]] = {}
+    for path, name in keeps:
+        by_path.setdefault(path, set()).add(name)
+
+    def rebuild(items: Sequence[Segment], at: Path) -> tuple[Segment, ...]:
+        out = []
+        for index, segment in enumerate(items):
+            path = (*at, index)
+            if segment.children:
+                segment = replace(segment, children=rebuild(segment.children, path))
+            elif path in by_path:
+                chosen = set(segment.saved_inside) | by_path[path]
+                segment = replace(segment, saved_inside=tuple(n for n in segment.nodes if n in chosen))
+            out.append(segment)
+        return tuple(out)
+
+    return rebuild(segments, ())
+
+
+def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulations: int | None = None) -> Plan:
+    """``plan`` with as many of :func:`ranked_keeps` kept from forward as its simulated peak
+    allows under ``budget_bytes``, or ``plan`` itself when that recomputes no less
+    (:attr:`passes.plan.Plan.cost_key`). Runs of keeps are tried whole, doubling while they
+    fit and halving when they do not; at most ``max_simulations`` plans are simulated
+    (default :func:`simulation_limit`)."""
+    limit = simulation_limit(graph) if max_simulations is None else max_simulations
+    ranked = ranked_keeps(graph, plan.segments)
+    best, best_key, chosen = plan.segments, plan.cost_key, []
+    position, run, simulations = 0, max(1, len(ranked) // 4), 0
+    while position < len(ranked) and simulations < limit:
+        trial = [*chosen, *ranked[position:position + run]]
+        segments = add_keeps(graph, plan.segments, trial)
+        simulations += 1
+        if simulate(graph, segments).peak_bytes <= budget_bytes:
+            chosen, position, run = trial, position + run, run * 2
+            if cost_key(graph, segments) < best_key:
+                best, best_key = segments, cost_key(graph, segments)
+        elif run > 1:
+            run //= 2
+        else:
+            position += 1
+    return plan if best is plan.segments else plan_of_segments(graph, plan.strategy, best, plan.notes)
+
+
+def best_with_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, starts: int = 4) -> Plan | None:
+    """The least recompute of :func:`with_keeps` over the ``starts`` cheapest distinct plans
+    of ``plans`` that fit ``budget_bytes`` (``None`` when none fits; one start on graphs over
+    :data:`MANY_STARTS_UP_TO` ops). A plan that recomputes more but leaves more memory spare
+    can end up cheaper once that memory keeps values."""
+    starts = starts if len(op_nodes(graph)) <= MANY_STARTS_UP_TO else 1
+    distinct = {plan.segments: plan for plan in plans if plan.peak_bytes <= budget_bytes}
+    fitting = sorted(distinct.values(), key=lambda plan: (*plan.cost_key, plan.peak_bytes))[:starts]
+    improved = [with_keeps(graph, plan, budget_bytes) for plan in fitting]
+    return min(improved, key=lambda plan: (*plan.cost_key, plan.peak_bytes), default=None)
