@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -31,17 +31,16 @@ import torch
 from torch import fx, nn
 
 from graphckpt.inplace import mutated_arguments
+from graphckpt.lazy_fake import LazyFake, contiguous_strides, empty_like_layout, lazy_fake_copy, strided_bytes
 from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
 from graphckpt.torch_compat import (
     FakeTensor,
-    FakeTensorMode,
     fake_empty,
     is_accumulate_grad,
     module_registries,
-    module_tree_copy,
     storage_key,
     tree_flatten,
     tree_leaves,
@@ -66,51 +65,6 @@ class DedupMismatch(Exception):
     def __init__(self, message: str, representatives: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
         self.representatives = representatives
-
-
-def _strided_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the smallest storage holding ``tensor`` at offset 0 (what ``empty_strided`` makes)."""
-    if tensor.numel() == 0:
-        return 0
-    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))) \
-        * tensor.element_size()
-
-
-def _empty(mode: FakeTensorMode, layout: tuple) -> torch.Tensor:
-    """A fake tensor of ``layout`` (:func:`tensor_layout`) with a storage of its own."""
-    shape, stride, _, dtype, device, _ = layout
-    return fake_empty(mode, shape, stride, dtype, device)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """The strides ``torch.empty(shape)`` gives."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-@dataclass
-class LazyFake:
-    """A structural copy of the graph module sharing the model's tensors; each is swapped
-    for a fake one the first time a profiled node uses it (a ghost never does), so a
-    10k-layer model does not pay for converting every parameter."""
-
-    mode: FakeTensorMode
-    module: fx.GraphModule
-    fakes: dict[int, torch.Tensor] = field(default_factory=dict)  # id(real tensor) -> its fake
-
-
-def lazy_fake_copy(graph_module: fx.GraphModule) -> LazyFake:
-    """A :class:`LazyFake` of ``graph_module`` (the real module is never changed). The
-    copy's ``get_submodule`` is a dictionary lookup: the profile asks it several times a
-    node, and walking a dotted path costs more than the rest of a ghost's bookkeeping."""
-    module = module_tree_copy(graph_module)
-    modules = dict(module.named_modules(remove_duplicate=False))
-    walk = module.get_submodule
-    module.get_submodule = lambda target: modules[target] if target in modules else walk(target)
-    return LazyFake(FakeTensorMode(allow_non_fake_inputs=True), module)
 
 
 @dataclass(frozen=True)
@@ -141,7 +95,7 @@ class _Ghost(torch.autograd.Function):
     def forward(ctx: Any, call: _GhostCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.call = call
         ctx.inputs = [(t.shape, t.dtype, t.device) for t in tensors]
-        outputs = tuple(_empty(call.interpreter.mode, layout) for layout in call.template.outputs)
+        outputs = tuple(empty_like_layout(call.interpreter.mode, layout) for layout in call.template.outputs)
         ctx.mark_non_differentiable(*(o for o, rg in zip(outputs, call.template.requires_grad, strict=True) if not rg))
         return outputs
 
@@ -153,7 +107,7 @@ class _Ghost(torch.autograd.Function):
             if not ctx.needs_input_grad[index + 1]:
                 result.append(None)
                 continue
-            result.append(fake_empty(call.interpreter.mode, shape, _contiguous_strides(shape), dtype, device))
+            result.append(fake_empty(call.interpreter.mode, shape, contiguous_strides(shape), dtype, device))
             if call.slots[index] is not None:
                 emitted.setdefault(call.slots[index], Counter())[tensor_layout(result[-1])] += 1
         return None, *result
@@ -263,7 +217,7 @@ class _DedupInterpreter(_CostInterpreter):
             return None
         keys = [storage_key(t) for t in outputs]
         if len(set(keys)) != len(keys) or any(self.owner.get(k) != node.name for k in keys) or any(
-                t.storage_offset() or t.untyped_storage().nbytes() != _strided_bytes(t) for t in outputs):
+                t.storage_offset() or t.untyped_storage().nbytes() != strided_bytes(t) for t in outputs):
             return None
         owners = [self.owner.get(storage_key(t)) for t in inputs]
         saved = tuple(None if name == node.name else owners.index(name) if name in owners else -1 for name in cost.saved)
@@ -282,7 +236,7 @@ class _DedupInterpreter(_CostInterpreter):
                 slots = tuple(first[i] if t.grad_fn is not None else None for i, t in enumerate(inputs))
                 outputs = _Ghost.apply(_GhostCall(self, node.name, template, slots), *inputs)
             else:
-                outputs = tuple(_empty(self.mode, layout) for layout in template.outputs)
+                outputs = tuple(empty_like_layout(self.mode, layout) for layout in template.outputs)
         if tuple(t.requires_grad for t in outputs) != template.requires_grad:
             raise DedupMismatch(f"{node.name}: requires_grad differs from {template.name}'s")
         for tensor in outputs:

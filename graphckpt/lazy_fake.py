@@ -1,0 +1,58 @@
+"""Fake tensors made only where the profile needs them: a copy of the graph module that
+shares the model's tensors and fakes each on first use (:class:`LazyFake`), and fake tensors
+of a recorded layout with storages of their own (what a ghost of :mod:`graphckpt.op_dedup`
+hands out instead of running its op)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from graphckpt.torch_compat import FakeTensorMode, fake_empty, module_tree_copy
+
+
+def strided_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the smallest storage holding ``tensor`` at offset 0 (what ``empty_strided`` makes)."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))) \
+        * tensor.element_size()
+
+
+def empty_like_layout(mode: FakeTensorMode, layout: tuple) -> torch.Tensor:
+    """A fake tensor of ``layout`` (:func:`tensor_layout`) with a storage of its own."""
+    shape, stride, _, dtype, device, _ = layout
+    return fake_empty(mode, shape, stride, dtype, device)
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` gives."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass
+class LazyFake:
+    """A structural copy of the graph module sharing the model's tensors; each is swapped
+    for a fake one the first time a profiled node uses it (a ghost never does), so a
+    10k-layer model does not pay for converting every parameter."""
+
+    mode: FakeTensorMode
+    module: fx.GraphModule
+    fakes: dict[int, torch.Tensor] = field(default_factory=dict)  # id(real tensor) -> its fake
+
+
+def lazy_fake_copy(graph_module: fx.GraphModule) -> LazyFake:
+    """A :class:`LazyFake` of ``graph_module`` (the real module is never changed). The
+    copy's ``get_submodule`` is a dictionary lookup: the profile asks it several times a
+    node, and walking a dotted path costs more than the rest of a ghost's bookkeeping."""
+    module = module_tree_copy(graph_module)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    walk = module.get_submodule
+    module.get_submodule = lambda target: modules[target] if target in modules else walk(target)
+    return LazyFake(FakeTensorMode(allow_non_fake_inputs=True), module)
