@@ -100,7 +100,7 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
 
 
 def groups_from_windows(ops: list[str], cuts: list[tuple[int, set[str]]]) -> list[tuple[list[str], bool]]:
-    """:func:`passes.plan.groups_from_cuts` of the before-sets ``ops[:low] | found`` of
+    """Segments ``(nodes, recompute)`` from the nested before-sets ``ops[:low] | found`` of
     ``cuts`` (windows in increasing order, ``found`` inside ``ops[low:high]``), in one pass:
     an op belongs to the cut whose ``found`` holds it, else to the first cut starting after
     it. Building every before-set made the min-cut heuristic grow as n^1.5."""

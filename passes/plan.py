@@ -158,16 +158,6 @@ def simulated(graph: nx.DiGraph, candidate: Candidate) -> Plan:
     return plan_of_segments(graph, candidate.strategy, candidate.segments, candidate.notes)
 
 
-def groups_from_cuts(ops: Sequence[str], befores: Sequence[set[str]]) -> list[tuple[list[str], bool]]:
-    """Segments ``(nodes, recompute)`` from nested before-sets: all recomputed but the last."""
-    groups, done = [], set()
-    for before in befores:
-        groups.append(([n for n in ops if n in before and n not in done], True))
-        done |= before
-    groups.append(([n for n in ops if n not in done], False))
-    return groups
-
-
 def from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[int], notes: Sequence[str] = ()) -> Candidate:
     """Segments whose boundaries are prefix cuts after the given op positions."""
     ops = op_nodes(graph)

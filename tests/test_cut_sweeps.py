@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from passes.cuts import Frontiers
 from passes.heuristics import groups_from_windows
-from passes.plan import groups_from_cuts
+
+
+def groups_from_cuts(ops: Sequence[str], befores: Sequence[set[str]]) -> list[tuple[list[str], bool]]:
+    """The reference the one-pass sweep replaced: segments ``(nodes, recompute)`` from nested
+    before-sets, all recomputed but the last."""
+    groups, done = [], set()
+    for before in befores:
+        groups.append(([n for n in ops if n in before and n not in done], True))
+        done |= before
+    groups.append(([n for n in ops if n not in done], False))
+    return groups
 
 
 @settings(max_examples=60, deadline=None)

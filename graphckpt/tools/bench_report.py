@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ import torch
 
 from graphckpt.tools.anchors import Skipped
 from graphckpt.tools.bench import Result, anchor_label
-from graphckpt.tools.pairs import bootstrap_interval
+from graphckpt.tools.pairs import HeadToHead
 from passes.units import format_bytes
 
 COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager",
@@ -117,12 +116,12 @@ def step_versus(results: Sequence[Result], ours: str, theirs: str, target: str) 
         missing = ours if ours not in by_name else theirs
         return Verdict(target, False, f"Not measured: *{missing}* (no plan fits, or it did not run).")
     mine, other = by_name[ours], by_name[theirs]
-    ratios = [o / t for o, t in zip(mine.times, other.times, strict=True)]
-    low, high = bootstrap_interval(ratios)
-    median = statistics.median(ratios)
-    return Verdict(target, median <= 1.0 and mine.peak_bytes <= other.peak_bytes,
-                   f"*{ours}* over *{theirs}*: step {median:.3f}× (95% interval {low:.3f}–{high:.3f}, "
-                   f"{len(ratios)} rounds) at {mine.peak_bytes / max(other.peak_bytes, 1):.2f}× its measured peak.")
+    pair = HeadToHead(tuple(o / t for o, t in zip(mine.times, other.times, strict=True)),
+                      (mine.faults_per_step, other.faults_per_step))
+    low, high = pair.interval()
+    return Verdict(target, pair.median <= 1.0 and mine.peak_bytes <= other.peak_bytes,
+                   f"*{ours}* over *{theirs}*: step {pair.median:.3f}× (95% interval {low:.3f}–{high:.3f}, "
+                   f"{len(pair.ratios)} rounds) at {mine.peak_bytes / max(other.peak_bytes, 1):.2f}× its measured peak.")
 
 
 def never_above_eager(results_by_model: dict[str, Sequence[Result]]) -> Verdict:
