@@ -8,8 +8,10 @@ writes what it found per scenario, and the tests read it.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +181,9 @@ def worker(rank: int, init_file: str, out_dir: str, scenarios: tuple[str, ...]) 
     """One rank: join the gloo group, run every scenario, write ``{scenario: result}``.
 
     One thread per process, as torchrun sets it: two ranks of two OpenMP threads each on a
-    2-core machine spin against each other and make a step a hundred times slower."""
+    2-core machine spin against each other and make a step a hundred times slower. A rank
+    killed by a signal prints its Python stack first (``faulthandler``), so a crash says where."""
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results = {}
@@ -201,7 +205,19 @@ def spawn(directory: Path, scenarios: tuple[str, ...]) -> dict[str, list[str]]:
         pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(str(directory / "store"), str(directory), scenarios), nprocs=WORLD, join=True)
+    try:
+        mp.spawn(worker, args=(str(directory / "store"), str(directory), scenarios), nprocs=WORLD, join=True)
+    except mp.ProcessExitedException as crash:
+        if crash.signal_name is None:
+            raise
+        # One rank died by a signal (CI saw glibc abort once, on heap corruption right after
+        # the CPU profiler's session in graphckpt's costs stage; 21 local reruns and valgrind
+        # did not reproduce it). Say so loudly and run the whole spawn once more: a second
+        # crash fails the test.
+        warnings.warn(f"distributed workers crashed ({crash}); the stacks are above. Retrying once.", stacklevel=1)
+        directory = directory / "retry"
+        directory.mkdir()
+        mp.spawn(worker, args=(str(directory / "store"), str(directory), scenarios), nprocs=WORLD, join=True)
     per_rank = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     return {scenario: [ranks.get(scenario, "not run") for ranks in per_rank] for scenario in scenarios}
 
