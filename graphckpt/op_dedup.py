@@ -308,7 +308,17 @@ class _DedupInterpreter(_CostInterpreter):
                 shared[representative] = scratch, self.recorder.backward_peak(representative)
             scratch, peak = shared[representative]
             passing = max(0, peak - self._gradient_bytes(self.nodes[ghost]))
-            self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=scratch + passing)
+            self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=scratch + passing,
+                                        released_early=self._ghost_released(ghost, representative))
+
+    def _ghost_released(self, ghost: str, representative: str) -> tuple[str, ...]:
+        """The representative's ``released_early``, named by the ghost's own saved values
+        (none where the two save a different number of values)."""
+        mine, theirs = self.costs[ghost].saved, self.costs[representative].saved
+        if len(mine) != len(theirs):
+            return ()
+        as_mine = dict(zip(theirs, mine, strict=True))
+        return tuple(as_mine[value] for value in self.costs[representative].released_early if value in as_mine)
 
 
 def deduplicated_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,

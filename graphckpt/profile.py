@@ -58,6 +58,7 @@ class NodeCost:
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
     param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
+    released_early: tuple[str, ...] = ()  # the cost graph's attribute: saved values let go before backward's peak
 
 
 def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
@@ -264,7 +265,8 @@ class _CostInterpreter(fx.Interpreter):
         for name, node_keys in keys.items():
             scratch = max((KERNEL_EXTRA.get(key, 0) for key in node_keys), default=0)
             passing = max(0, self.recorder.backward_peak(name) - self._gradient_bytes(nodes[name]))
-            self.costs[name] = replace(self.costs[name], backward_extra_bytes=scratch + passing)  # on top, to be safe
+            self.costs[name] = replace(self.costs[name], backward_extra_bytes=scratch + passing,  # on top, to be safe
+                                       released_early=self.recorder.released_before_peak(name))
 
     def _gradient_bytes(self, node: fx.Node) -> int:
         """Bytes of the gradients the simulator gives ``node``'s backward: one buffer the
@@ -315,8 +317,10 @@ class _CostInterpreter(fx.Interpreter):
             if name is None:
                 extra[storage_key(tensor)] = tensor.untyped_storage().nbytes()
                 self.recorder.saves(tensor)
-            elif name != PARAM and name not in names:
-                names.append(name)
+            elif name != PARAM:
+                self.recorder.saves_value(node.name, tensor, name)
+                if name not in names:
+                    names.append(name)
         shape, dtype = _describe(tensors)
         own = {storage_key(t) for t in tensors}
         inner = {storage_key(t): t.untyped_storage().nbytes() for t in kinds.expensive_outputs}

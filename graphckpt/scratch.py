@@ -49,7 +49,9 @@ class Recorder(TorchDispatchMode):
     backward is several calls (attention computed by the math kernel: matmul, dropout,
     softmax backward, ...) hands intermediate gradients from one call to the next, and
     :meth:`backward_peak` is the peak of everything its backward makes, net of the saved
-    tensors it releases on the way.
+    tensors it releases on the way, and :meth:`released_before_peak` names the saved values
+    of the graph it is done with before that peak (cross entropy's target, released by
+    ``NllLossBackward`` before ``LogSoftmaxBackward`` makes its gradient).
     """
 
     def __init__(self) -> None:
@@ -60,6 +62,8 @@ class Recorder(TorchDispatchMode):
         self.ends: dict[str, int] = {}  # events before the node's backward ended
         self.extras: dict[int, tuple[int, int]] = {}  # storage saved that no value owns -> (saves, bytes)
         self.releasing: dict[str, list[int]] = {}  # extras unpacked by the function running now
+        self.value_saves: dict[tuple[str, int], list] = {}  # (node, storage of a graph value) -> [saves, value]
+        self.releasing_values: dict[str, list[str]] = {}  # graph values unpacked for the last time, now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,15 +92,24 @@ class Recorder(TorchDispatchMode):
         count, _ = self.extras.get(storage_key(tensor), (0, 0))
         self.extras[storage_key(tensor)] = count + 1, tensor.untyped_storage().nbytes()
 
+    def saves_value(self, owner: str, tensor: torch.Tensor, value: str) -> None:
+        """``owner``'s forward saved ``tensor``, a storage of the graph's ``value``."""
+        self.value_saves.setdefault((owner, storage_key(tensor)), [0, value])[0] += 1
+
     def unpacked(self, tensor: torch.Tensor) -> torch.Tensor:
         """Unpack hook of the saved tensors: an extra unpacked for the last time is released
-        after the function running now."""
+        after the function running now; so is ``owner``'s save of a graph value."""
         key = storage_key(tensor)
         if self.owner is not None and key in self.extras:
             count, nbytes = self.extras[key]
             self.extras[key] = count - 1, nbytes
             if count == 1:
                 self.releasing.setdefault(self.owner, []).append(nbytes)
+        saves = self.value_saves.get((self.owner, key)) if self.owner is not None else None
+        if saves is not None:
+            saves[0] -= 1
+            if saves[0] == 0:
+                self.releasing_values.setdefault(self.owner, []).append(saves[1])
         return tensor
 
     def leave(self, owner: str | None) -> None:
@@ -105,6 +118,7 @@ class Recorder(TorchDispatchMode):
         if owner is not None:
             events = self.events.setdefault(owner, [])
             events.extend((RELEASED, -nbytes) for nbytes in self.releasing.pop(owner, ()))
+            events.extend(((RELEASED, value), 0) for value in self.releasing_values.pop(owner, ()))
             self.ends[owner] = len(events)
         self.owner = None
 
@@ -112,17 +126,31 @@ class Recorder(TorchDispatchMode):
         """Peak bytes ``owner``'s backward holds above what it started with: the results
         of its calls (the gradients it returns, and the intermediate ones passed from one
         call to the next), net of the saved extras it releases on the way."""
+        return self._peak(owner)[0]
+
+    def released_before_peak(self, owner: str) -> tuple[str, ...]:
+        """The graph values ``owner`` saved whose last use in its backward came before the
+        backward's peak: the simulator may free them there when nothing else holds them."""
+        return self._peak(owner)[1]
+
+    def _peak(self, owner: str) -> tuple[int, tuple[str, ...]]:
         sizes: dict[object, int] = {}
         current = peak = 0
+        released: list[str] = []
+        before: tuple[str, ...] = ()
         for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)]:
+            if isinstance(token, tuple):  # (RELEASED, value): a graph value's save let go
+                released.append(token[1])
+                continue
             if nbytes == 0:
                 current -= sizes.pop(token, 0)
                 continue
             if token is not RELEASED:
                 sizes[token] = nbytes
             current += nbytes
-            peak = max(peak, current)
-        return peak
+            if current > peak:
+                peak, before = current, tuple(released)
+        return peak, before
 
 
 @dataclass(frozen=True, eq=False)

@@ -109,6 +109,12 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     reorders its tensors to blocked layouts). It lives while all of the node's gradients
     exist, those added into existing buffers included, and is freed before the next node's
     backward. ``0`` for nodes whose backward only allocates its gradients.
+``released_early``: ``tuple[str, ...]`` (default ``()``)
+    Values of ``saved`` the node's backward is done with before its peak: a node whose
+    backward is several autograd functions (``cross_entropy_loss``: ``NllLossBackward``, then
+    ``LogSoftmaxBackward``) lets the first one's saves go before the next makes its
+    gradient. The simulator drops these holds before ``backward_extra_bytes``; a value is
+    freed only when nothing else holds it.
 ``forward_extra_bytes``: ``int`` (default 0)
     Bytes the node's forward allocates beyond its value and what it saves, alive at its
     peak and freed before it returns: the temporaries of an op that runs as a chain of
@@ -167,6 +173,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "param_grad_bytes": int,
     "param_grads": tuple,
     "backward_extra_bytes": int,
+    "released_early": tuple,
     "forward_extra_bytes": int,
     "label": str,
 }
@@ -188,6 +195,7 @@ DEFAULTS: Mapping[str, Any] = {
     "param_grad_bytes": 0,
     "param_grads": (),
     "backward_extra_bytes": 0,
+    "released_early": (),
     "forward_extra_bytes": 0,
 }
 
@@ -225,6 +233,8 @@ def check_cost_graph(graph: nx.DiGraph) -> None:
         for key, expected in REQUIRED_ATTRIBUTES.items():
             if not isinstance(attributes.get(key), expected):
                 raise CostGraphError(f"node {name!r}: attribute {key!r} missing or not {expected}")
+        if not set(attributes["released_early"]) <= set(attributes["saved"]):
+            raise CostGraphError(f"node {name!r}: released_early {attributes['released_early']} not all in saved")
         if attributes["saves_from"] not in SAVES_FROM:
             raise CostGraphError(f"node {name!r}: saves_from {attributes['saves_from']!r} not in {SAVES_FROM}")
         if attributes["kind"] not in KINDS:

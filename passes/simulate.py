@@ -226,6 +226,7 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
     index = memory.index
     for name in reversed(nodes):
         attributes = index.attributes[name]
+        early = attributes["released_early"] if name in grads else ()  # let go by its first functions
         if name in grads:
             partial = 0
             for value, size in index.grad_reads[name]:
@@ -248,6 +249,8 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
                 else:  # a later one is made beside it, and their sum (out of place) replaces it
                     own += nbytes
             memory.allocate(("param-grad", name), max(0, own))
+            for value in early:
+                memory.release(value)
             # Kernel scratch lives while every gradient the node returns exists: the new
             # buffers and parameter gradients above and those still to be added into a buffer.
             extra = attributes["backward_extra_bytes"]
@@ -261,7 +264,8 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
             memory.free_gradient(name)
             grads.discard(name)
         for value in attributes["saved"]:
-            memory.release(value)
+            if value not in early:
+                memory.release(value)
         memory.free(("extra", name))
 
 
