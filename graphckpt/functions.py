@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from graphckpt.torch_compat import TorchDispatchMode, storage_key
+from graphckpt.torch_compat import TorchDispatchMode, draws_random_numbers, storage_key
 
 _TENSOR = object()  # where a tensor argument goes in a call's template
 _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device)
@@ -57,7 +57,7 @@ class _DrawsRandom(TorchDispatchMode):
         self.random = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
+        self.random = self.random or draws_random_numbers(func)
         return func(*args, **(kwargs or {}))
 
 

@@ -26,6 +26,7 @@ from graphckpt.torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
     argument_names,
+    draws_random_numbers,
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
@@ -84,7 +85,7 @@ def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool
     """
     if func.overloadpacket.__name__ not in EXPENSIVE_OPS:
         return False
-    if torch.Tag.nondeterministic_seeded not in func.tags:
+    if not draws_random_numbers(func):
         return True
     bound = {**dict(zip(argument_names(func), args, strict=False)), **kwargs}
     return bound.get("dropout_p", 1.0) == 0
@@ -155,7 +156,7 @@ class _OpKinds(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
             self.last = func.overloadpacket.__name__
-        self.random = self.random or torch.Tag.nondeterministic_seeded in func.tags
+        self.random = self.random or draws_random_numbers(func)
         is_expensive = kept_by_selective(func, args, kwargs or {})
         self.expensive = self.expensive or is_expensive
         self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)

@@ -48,7 +48,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
     "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode", "activation_memory_budget",
-    "allocations_under", "argument_names", "clear_selective_cache", "copy_graph_codegen",
+    "allocations_under", "argument_names", "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers",
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks", "is_accumulate_grad",
     "memory_timeline_allocations", "module_registries", "module_tree_copy", "non_persistent_buffers",
     "op_schema", "profiled_event_tree", "profiler_enabled", "storage_key", "symbolic_hint", "tree_flatten",
@@ -74,6 +74,12 @@ def fake_empty(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, 
     """
     with unset_fake_temporarily():
         return FakeTensor(mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+
+
+def draws_random_numbers(func: OpOverload) -> bool:
+    """Whether an ATen op draws from the random number generator (dropout, ``rand``...):
+    ``torch.Tag.nondeterministic_seeded`` among its tags. Checked on 2.5, 2.6, 2.13."""
+    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 def storage_key(tensor: torch.Tensor) -> int:

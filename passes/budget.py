@@ -246,7 +246,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
-            origin = f"a {kept.strategy} plan with {len(kept.segments)} segments"
+            origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
         chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
     searched = search(graph, [chosen], budget_bytes)
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
