@@ -6,6 +6,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   moment on top of them and what it saves); a storage is freed once no later op reads it,
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
+* rematerialized inputs (:mod:`passes.remat`): a recomputed segment keeps their sources
+  instead of them; they are freed after their last forward use and made again, with the
+  temporaries of their chains, at the start of the segment's recompute.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
   saving; values kept from forward, ``saved_inside``, are reused, with the matmul outputs
   inside them, ``selective_extra_bytes``) as far as backward needs
@@ -41,6 +44,7 @@ from passes.costgraph import (
     op_nodes,
     storage_root,
 )
+from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.sim_memory import LiveMemory
 
@@ -162,7 +166,7 @@ def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, ta
     recomputed segment nested in it) copies the generator state, ``(*tag, id(call))``, when
     the body reaches it. Called in forward (``tag`` ``("rng",)``: the copies live until each
     call's backward) or rerun by an enclosing recompute (freed when that recompute ends)."""
-    for value in segment.inputs:
+    for value in kept_inputs(segment):  # a rematerialized input is not kept: its sources are
         memory.hold(value)
     done = 0
     for call in random_calls(graph, segment):  # in call order, so their first nodes in order
@@ -193,7 +197,7 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
             _run_backward(memory, graph, segment.nodes, grads)
             continue
         _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
-        for value in segment.inputs:
+        for value in kept_inputs(segment):
             memory.release(value)
         memory.free(("rng", id(segment)))
 
@@ -205,8 +209,9 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     ran, stop = recompute_steps(graph, segment)
     kept = set(segment.saved_inside) if cached else set()
     computed = step_nodes(ran)
-    memory.fresh.append(set(computed) - kept)
+    memory.fresh.append(set(computed) - kept | set(remat_nodes(segment)))
     within = set(computed)
+    remade = run_remat(memory, segment) if ran or stop is not None else set()  # before its own ops
     for value in stop.inputs if isinstance(stop, Segment) else graph.nodes[stop]["saved"] if stop else ():
         memory.hold(value)  # saved by the step the recompute stops at, which does not run
     rerun = ("rng-rerun", len(memory.fresh))
@@ -218,6 +223,8 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
             continue
         for child in steps:
             _call_recomputed(memory, graph, child, rerun, within=within)
+    for value in remade:  # the recompute is over: a rematerialized input lives on if backward saved it
+        memory.release(value)
     for value in kept:
         memory.release(value)
         memory.free(("selective-extra", value))  # what the recompute did not reach is dropped
@@ -270,7 +277,7 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     its simulated peak, in O(kept values): a plan above the budget by this alone need not
     be simulated."""
     roots = {storage_root(graph, value) for segment in segments if segment.recompute
-             for value in (*segment.inputs, *segment.saved_inside)}
+             for value in (*kept_inputs(segment), *segment.saved_inside)}
     inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments if segment.recompute
                 for value in segment.saved_inside)
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
