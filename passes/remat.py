@@ -3,7 +3,8 @@ without gradients, from kept values at the start of the segment's recompute.
 
 A recomputed segment keeps its inputs from forward until its backward. When an input ``v`` is
 cheap to compute again from values that stay alive anyway (another input of the segment, an
-input of an earlier recomputed segment, the model's inputs, parameters), the segment can drop
+input of an earlier recomputed segment, a value an earlier kept op saved for its backward, the
+model's inputs, parameters: :func:`held_at`), the segment can drop
 ``v`` after its last forward use and compute it again from those *sources* when backward
 recomputes the segment: the ops between (:attr:`Remat.nodes`) run under ``no_grad`` just
 before the segment's own ops. This is the exact optimum's (:mod:`passes.checkmate`) "recompute
@@ -90,14 +91,21 @@ def pure(graph: nx.DiGraph, name: str) -> bool:
 
 
 def held_at(graph: nx.DiGraph, segments: Sequence[SegmentLike], index: int) -> set[str]:
-    """Activations certainly alive when backward recomputes top-level segment ``index``: the
-    inputs the recomputed segments up to it keep from forward (their backward comes later),
-    not counting inputs they rematerialize."""
-    held: set[str] = set()
-    for segment in segments[: index + 1]:
+    """Activations certainly alive when backward recomputes top-level segment ``index``, whose
+    backward comes before the segments before it: the graph's outputs; the inputs the
+    recomputed segments up to it keep from forward (not counting inputs they rematerialize);
+    the values recomputed segments before it keep inside (``saved_inside``, held until their
+    own recompute); and what the ops of kept segments before it saved for their backward."""
+    held = {v for v in graph if any(graph.nodes[w]["kind"] == "output" for w in graph.successors(v))}
+    for position, segment in enumerate(segments[: index + 1]):
+        before = position < index
         if segment.recompute:
             dropped = {r.value for r in segment.remat}
             held |= {v for v in segment.inputs if v not in dropped}
+            if before and not segment.children:
+                held |= set(segment.saved_inside)
+        elif before:
+            held |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
     return held
 
 
