@@ -19,6 +19,11 @@ counts). A nested one keeps them from its enclosing segment's recompute, not fro
 forward: each call records the nested calls it makes, and when backward recomputes
 it, the nested calls made again, in the same order, fill the storage of the ones they
 stand for (:class:`_Call`).
+
+Rematerialized inputs (:mod:`passes.remat`) are handed to checkpoint by reference
+(:class:`_Dropped`), so checkpoint does not keep them: forward runs the body on the real
+tensor and drops it, and the recompute first makes a detached copy from the sources the call
+was also given, under ``no_grad`` (the ``segment_i_remat`` body that ``print(gm.code)`` shows).
 """
 
 from __future__ import annotations

@@ -250,7 +250,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
         chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
-    searched = search(graph, [chosen], budget_bytes)
+    others = [plan for plan in (dropping,) if plan is not None and plan is not chosen]
+    searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
         chosen, origin = searched, f"{origin}, improved by a local search over segments and kept values"
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "

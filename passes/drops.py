@@ -8,9 +8,9 @@ is *dropped* when every op that saved it for backward becomes a one-op recompute
 rematerializes ``v`` (and keeps its own output from forward, :attr:`Segment.saved_inside`, so
 it does not run again), and ``v``'s own op, when it saved its output, is recomputed too.
 
-:func:`drop_plan` chooses the dropped values greedily, cheapest to make again per byte first,
-keeping each that lowers the simulated peak, until the plan fits the budget. Each try is one
-simulation, so it is for small graphs (the local search's, :data:`passes.search.SEARCH_MAX_OPS`).
+:func:`drop_plan` chooses the dropped values greedily: at each step the one that lowers the
+simulated peak most per unit of recompute it adds, until the plan fits the budget. Each try is
+one simulation, so it is for small graphs (the local search's, :data:`passes.search.SEARCH_MAX_OPS`).
 """
 
 from __future__ import annotations
@@ -55,30 +55,36 @@ def drop_order(graph: nx.DiGraph) -> list[str]:
                                              graph.nodes[name]["order"]))
 
 
-def drop_plan(graph: nx.DiGraph, budget_bytes: float, max_simulations: int = 200) -> Plan | None:
-    """The plan dropping the values :func:`drop_order` lists, each kept in the set only when it
-    lowers the simulated peak, until the plan fits ``budget_bytes`` (two passes over the
-    order at most, ``max_simulations`` simulations); ``None`` when it does not fit."""
+def drop_plan(graph: nx.DiGraph, budget_bytes: float, max_simulations: int = 400) -> Plan | None:
+    """The plan dropping values greedily until it fits ``budget_bytes``: each step drops the
+    value of :func:`drop_order` that lowers the simulated peak most per unit of recompute it
+    adds, then values no longer needed are put back (:func:`_pruned`); at most
+    ``max_simulations`` simulations. ``None`` when it does not fit."""
     chosen: list[str] = []
-    peak = simulate(graph, dropped_segments(graph, ())).peak_bytes
-    simulations = 0
-    for _ in range(2):
-        for name in drop_order(graph):
-            if peak <= budget_bytes or simulations >= max_simulations:
-                break
-            if name in chosen:
+    segments = dropped_segments(graph, ())
+    peak, cost, simulations = simulate(graph, segments).peak_bytes, cost_key(graph, segments)[0], 0
+    options = drop_order(graph)
+    while peak > budget_bytes and simulations < max_simulations:
+        best: tuple[float, str, int, int] | None = None
+        for name in options:
+            if name in chosen or simulations >= max_simulations:
                 continue
             try:
-                segments = dropped_segments(graph, [*chosen, name])
+                trial = dropped_segments(graph, [*chosen, name])
             except PlanError:
                 continue
             simulations += 1
-            trial = simulate(graph, segments).peak_bytes
-            if trial < peak:
-                chosen, peak = [*chosen, name], trial
+            trial_peak, trial_cost = simulate(graph, trial).peak_bytes, cost_key(graph, trial)[0]
+            if trial_peak < peak:
+                gain = (peak - trial_peak) / max(trial_cost - cost, 0.5)
+                if best is None or gain > best[0]:
+                    best = (gain, name, trial_peak, trial_cost)
+        if best is None:
+            break
+        chosen, peak, cost = [*chosen, best[1]], best[2], best[3]
     if peak > budget_bytes:
         return None
-    chosen = _pruned(graph, chosen, budget_bytes, max_simulations - simulations)
+    chosen = _pruned(graph, chosen, budget_bytes, max_simulations)
     return plan_of_segments(graph, "dropped values", dropped_segments(graph, chosen),
                             [f"dropped values: {len(chosen)} values made again before their backward"])
 

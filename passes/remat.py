@@ -186,7 +186,8 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
     """``segments`` with top-level segment ``index`` rematerializing input ``value`` for each
     ``(index, value)`` of ``picks`` (replacing what they rematerialized before), each from the
     nearest values still held at that segment's recompute (:func:`held_at`, every pick's drop
-    counted); ``error`` when a pick is no input of a recomputed segment or its chain is not pure."""
+    counted); ``error`` when a pick is no input of a recomputed segment or the result fails
+    :func:`validate_remat` (a chain that is not pure, a source written after forward)."""
     chosen: dict[int, list[str]] = {}
     for index, value in picks:
         if not segments[index].recompute or value not in segments[index].inputs or not rematerializable(graph, value):
@@ -202,6 +203,7 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
             if not all(pure(graph, n) for n in remat.nodes):
                 raise error(f"segment {index}: the chain to {remat.value!r} runs an op that is not pure")
         result.append(replace(segment, remat=remats))
+    validate_remat(graph, result, error)  # sources that change after forward, ...
     return tuple(result)
 
 
