@@ -20,10 +20,9 @@ forward: each call records the nested calls it makes, and when backward recomput
 it, the nested calls made again, in the same order, fill the storage of the ones they
 stand for (:class:`_Call`).
 
-Rematerialized inputs (:mod:`passes.remat`) are handed to checkpoint by reference
-(:class:`_Dropped`), so checkpoint does not keep them: forward runs the body on the real
-tensor and drops it, and the recompute first makes a detached copy from the sources the call
-was also given, under ``no_grad`` (the ``segment_i_remat`` body that ``print(gm.code)`` shows).
+Rematerialized inputs (:mod:`passes.remat`) go to checkpoint by reference (:class:`_Dropped`):
+forward runs on the real tensor, then drops it; the recompute first makes a detached copy from
+the sources under ``no_grad`` (``segment_i_remat`` in ``print(gm.code)``).
 """
 
 from __future__ import annotations
