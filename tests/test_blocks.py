@@ -12,6 +12,9 @@ from graphckpt.api import cost_model, plan_cost_graph
 from graphckpt.capture import CaptureError, block_paths
 from graphckpt.tools import zoo
 from passes.blocks import block_names, block_runs
+from passes.budget import BLOCKS_MARGIN, blocks_within_margin
+from passes.keeps import add_keeps, ranked_keeps
+from passes.plan import plan_of_segments
 from passes.segments import cost_key
 from tests.corpus import ENTRIES
 from tests.corpus import harness as h
@@ -82,6 +85,40 @@ def test_a_budget_at_per_blocks_peak_recomputes_no_more_than_per_block(name: str
     chosen = plan_cost_graph(graph, budget=per_block.peak_bytes)
     assert chosen.peak_bytes <= per_block.peak_bytes
     assert cost_key(graph, chosen.segments) <= cost_key(graph, per_block.segments)
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+@pytest.mark.parametrize("above", [1.0, 1.01, 1.1])
+def test_near_per_blocks_peak_a_plan_wins_over_per_block_only_by_the_margin(name: str, above: float) -> None:
+    """Where per-block fits, another plan is chosen only when it is rated at least
+    BLOCKS_MARGIN cheaper: a smaller predicted gain is within what the cost model gets wrong."""
+    model, inputs = zoo.make(name)
+    graph = cost_model(model, inputs)[1]
+    per_block = plan_cost_graph(graph, "blocks")
+    chosen = plan_cost_graph(graph, budget=int(per_block.peak_bytes * above))
+    same = [s.nodes for s in chosen.segments] == [s.nodes for s in per_block.segments]
+    assert same or chosen.cost_key[0] < (1 - BLOCKS_MARGIN) * per_block.cost_key[0]
+    if "per-block checkpointing" in chosen.notes[0]:
+        assert same
+
+
+def test_a_plan_rated_within_the_margin_gives_way_to_per_block() -> None:
+    """Per-block's segments keeping one cheap value are rated a hair cheaper than per-block:
+    not enough to trust; the same segments keeping many values are, by more than the margin."""
+    model, inputs = zoo.make("gpt")
+    graph = cost_model(model, inputs)[1]
+    per_block = plan_cost_graph(graph, "blocks")
+    keeps = ranked_keeps(graph, per_block.segments)
+    cheapest = min(keeps, key=lambda keep: (graph.nodes[keep[1]]["flops"] == 0, graph.nodes[keep[1]]["flops"]))
+    hair = plan_of_segments(graph, "test", add_keeps(graph, per_block.segments, [cheapest]))
+    many = plan_of_segments(graph, "test", add_keeps(graph, per_block.segments, keeps))
+    assert (1 - BLOCKS_MARGIN) * per_block.cost_key[0] <= hair.cost_key[0] < per_block.cost_key[0]
+    assert many.cost_key[0] < (1 - BLOCKS_MARGIN) * per_block.cost_key[0]
+    budget = 2 * per_block.peak_bytes
+    instead = blocks_within_margin(graph, hair, budget)
+    assert instead is not None and [s.nodes for s in instead.segments] == [s.nodes for s in per_block.segments]
+    assert blocks_within_margin(graph, many, budget) is None
+    assert blocks_within_margin(graph, hair, per_block.peak_bytes - 1) is None  # per-block does not fit
 
 
 def test_block_plans_recompute_whole_blocks_and_as_few_as_a_budget_needs() -> None:
