@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from passes.costgraph import boundary_bytes, draws_random, in_order, is_activation, keeps_order, op_nodes
-from passes.remat import Remat, kept_inputs, remat_nodes, validate_remat
 
 
 class PlanError(ValueError):
@@ -61,9 +60,6 @@ class Segment:
     ``facts`` (recomputed segments of a :class:`passes.plan.Plan`) say what codegen needs
     to know of the cost graph; they follow from the fields above and the graph, so they
     take no part in comparing segments.
-    ``remat`` (top-level recomputed segments only) are inputs dropped after forward and
-    recomputed without gradients from kept values when the segment is recomputed
-    (:mod:`passes.remat`).
     """
 
     nodes: tuple[str, ...]
@@ -73,7 +69,6 @@ class Segment:
     saved_inside: tuple[str, ...] = ()
     children: tuple[Segment, ...] = ()
     facts: RecomputeFacts | None = field(default=None, compare=False, repr=False)
-    remat: tuple[Remat, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -154,9 +149,7 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
     for segment in segments:
         if not segment.recompute:
             continue
-        ran, stop = recompute_steps(graph, segment)
-        if ran or stop is not None:  # a recompute that runs at all first rematerializes the inputs
-            again.extend(remat_nodes(segment))
+        ran, _ = recompute_steps(graph, segment)
         again.extend(_without_kept(step_nodes(ran), segment, cached))
         for child in segment.children:
             again.extend(recomputed_nodes(graph, [child], cached=child in ran))
@@ -251,12 +244,9 @@ def _split_unrecomputable(graph: nx.DiGraph, nodes: list[str], recompute: bool):
 
 
 def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str, ...]:
-    """Activations kept at the edges of recomputed segments (and the sources of inputs they
-    rematerialize), but the values only rematerialized inputs."""
-    held = {v for s in segments if s.recompute for v in kept_inputs(s)}
-    dropped = {r.value for s in segments for r in s.remat} - held
-    edges = held | {v for s in segments if s.recompute for v in s.outputs}
-    kept = {v for v in edges if is_activation(graph, v) and v not in dropped}
+    """Activations kept at the edges of recomputed segments."""
+    kept = {v for s in segments if s.recompute for v in (*s.inputs, *s.outputs)
+            if is_activation(graph, v)}
     return tuple(in_order(graph, kept))
 
 
@@ -285,7 +275,6 @@ def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
         _validate_shape(graph, segment, f"segment {index}")
     if expected:
         raise PlanError(f"op nodes in no segment: {in_order(graph, expected)}")
-    validate_remat(graph, segments, PlanError)
 
 
 def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:
