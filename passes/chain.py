@@ -30,8 +30,8 @@ from itertools import accumulate
 
 import networkx as nx
 
-from passes.costgraph import gradient_bytes
 from passes.cuts import INF, op_positions, op_weights, prefix_costs
+from passes.kept_bytes import gradient_bytes
 from passes.simulate import loss_working_bytes, trained_outputs
 
 

@@ -59,7 +59,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from passes.costgraph import gradient_bytes, graph_outputs, needs_grad, op_nodes, storage_root
+from passes.costgraph import graph_outputs, needs_grad, op_nodes, storage_root
+from passes.kept_bytes import gradient_bytes
 from passes.simulate import loss_working_bytes, trained_outputs
 
 MAX_OPS = 60

@@ -1,7 +1,7 @@
 """Where a forward graph can be cut, and what each cut costs.
 
 A *cut* is a down-closed set of op nodes (the values computed before the boundary); its
-cost is :func:`passes.costgraph.boundary_bytes` of the values it hands to the rest. Three
+cost is :func:`passes.kept_bytes.boundary_bytes` of the values it hands to the rest. Three
 families of cuts, cheapest to find first:
 
 * prefix cuts of the execution order (:func:`prefix_costs`), what √n uses;
@@ -21,7 +21,8 @@ from itertools import pairwise
 
 import networkx as nx
 
-from passes.costgraph import keep_cost, keeps_order, op_nodes, output_sink, per_graph, storage_root
+from passes.costgraph import keeps_order, op_nodes, output_sink, per_graph, storage_root
+from passes.kept_bytes import keep_cost
 
 INF = float("inf")
 

@@ -18,7 +18,8 @@ from itertools import pairwise
 
 import networkx as nx
 
-from passes.costgraph import boundary_bytes, op_nodes
+from passes.costgraph import op_nodes
+from passes.kept_bytes import boundary_bytes
 from passes.segments import (
     Segment,
     checkpoints_of,

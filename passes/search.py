@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from passes.costgraph import boundary_bytes, op_nodes
+from passes.costgraph import op_nodes
 from passes.keeps import keepable
+from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments
 from passes.segments import PlanError, Segment, cost_key, make_segments, nested
 from passes.simulate import simulate

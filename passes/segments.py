@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from passes.costgraph import boundary_bytes, draws_random, in_order, is_activation, keeps_order, op_nodes
+from passes.costgraph import draws_random, in_order, is_activation, keeps_order, op_nodes
+from passes.kept_bytes import boundary_bytes
 
 
 class PlanError(ValueError):

@@ -34,15 +34,8 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import (
-    draws_random,
-    gradient_bytes,
-    graph_outputs,
-    needs_grad,
-    op_nodes,
-    shared_parameters,
-    storage_root,
-)
+from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
+from passes.kept_bytes import gradient_bytes, shared_parameters
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
 
 LOSS_WORKING_SET = 3

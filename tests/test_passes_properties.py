@@ -12,17 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from passes.costgraph import (
-    DEFAULTS,
-    add_value,
-    boundary,
-    boundary_bytes,
-    check_cost_graph,
-    keep_cost,
-    keeps_order,
-    op_nodes,
-    storage_root,
-)
+from passes.costgraph import DEFAULTS, add_value, check_cost_graph, keeps_order, op_nodes, storage_root
 from passes.cuts import (
     INF,
     articulation_points,
@@ -33,6 +23,7 @@ from passes.cuts import (
     prefix_costs,
 )
 from passes.heuristics import sqrt_candidate
+from passes.kept_bytes import boundary, boundary_bytes, keep_cost
 from passes.plan import simulated
 from passes.segments import segment_edges, validate_plan
 from passes.simulate import eager_peak

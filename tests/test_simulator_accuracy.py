@@ -24,7 +24,8 @@ from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step, peak_memory
 from passes.budget import BudgetError
 from passes.checkmate import no_recompute_peak
-from passes.costgraph import add_value, check_cost_graph, op_nodes, shared_parameters
+from passes.costgraph import add_value, check_cost_graph, op_nodes
+from passes.kept_bytes import shared_parameters
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak, eager_segments, simulate
 from tests.device import DEVICE, on_test_device
@@ -253,7 +254,7 @@ class _ModuleAndItsWeight(_CalledTwice):
 @pytest.mark.parametrize("model", [_CalledTwice, _TiedModules, _ModuleAndItsWeight])
 def test_a_weight_behind_several_ops_keeps_its_summed_gradient(model: type[nn.Module]) -> None:
     """autograd sums the gradients of a weight that several ops use in one buffer, alive from
-    the last op's backward to the first one's (:func:`passes.costgraph.shared_parameters`),
+    the last op's backward to the first one's (:func:`passes.kept_bytes.shared_parameters`),
     also when the weight is inside a module an fx capture keeps whole (``param_grads``).
     Before: the module called twice was simulated 13% low (897 KiB, measured 1026 KiB),
     as two modules each adding their own gradient into ``.grad`` at once."""
