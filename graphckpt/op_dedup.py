@@ -305,7 +305,7 @@ class _DedupInterpreter(_CostInterpreter):
                 continue
             if representative not in shared:
                 scratch = max(KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls)
-                shared[representative] = scratch, self.recorder.backward_peak(representative)
+                shared[representative] = scratch, self.recorder.backward_peak(representative).bytes
             scratch, peak = shared[representative]
             passing = max(0, peak - self._gradient_bytes(self.nodes[ghost]))
             self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=scratch + passing,

@@ -21,7 +21,8 @@ import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
-from graphckpt.scratch import KERNEL_EXTRA, Recorder, call_key, measure_kernel_scratch
+from graphckpt.backward_record import Recorder
+from graphckpt.scratch import KERNEL_EXTRA, call_key, measure_kernel_scratch
 from graphckpt.torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
@@ -265,9 +266,10 @@ class _CostInterpreter(fx.Interpreter):
         nodes = {node.name: node for node in self.module.graph.nodes}
         for name, node_keys in keys.items():
             scratch = max((KERNEL_EXTRA.get(key, 0) for key in node_keys), default=0)
-            passing = max(0, self.recorder.backward_peak(name) - self._gradient_bytes(nodes[name]))
+            peak = self.recorder.backward_peak(name)
+            passing = max(0, peak.bytes - self._gradient_bytes(nodes[name]))
             self.costs[name] = replace(self.costs[name], backward_extra_bytes=scratch + passing,  # on top, to be safe
-                                       released_early=self.recorder.released_before_peak(name))
+                                       released_early=peak.released_before)
 
     def _gradient_bytes(self, node: fx.Node) -> int:
         """Bytes of the gradients the simulator gives ``node``'s backward: one buffer the

@@ -1,0 +1,131 @@
+"""What one node's backward makes, recorded during the profile's fake backward: the ATen
+calls it runs (for :func:`graphckpt.scratch.measure_kernel_scratch` to replay), the storages
+they make and free, and the saved tensors it lets go on the way. From these,
+``backward_extra_bytes`` (the gradients passed from one of its calls to the next) and
+``released_early`` (:meth:`Recorder.backward_peak`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from graphckpt.scratch import layouts_of
+from graphckpt.torch_compat import TorchDispatchMode, storage_key, tree_leaves
+
+RELEASED = object()  # the token of an event: saved bytes released (negative)
+
+
+class BackwardPeak(NamedTuple):
+    """What :meth:`Recorder.backward_peak` finds of one node's backward."""
+
+    bytes: int
+    released_before: tuple[str, ...]  # graph values it saved and let go before the peak
+
+
+class Recorder(TorchDispatchMode):
+    """Records, for the node named ``owner`` (``None``: record nothing), the ATen calls made
+    under it that may allocate: not views, and only calls that return a tensor.
+
+    It also follows the tensors those calls make until autograd drops them: a node whose
+    backward is several calls (attention computed by the math kernel: matmul, dropout,
+    softmax backward, ...) hands intermediate gradients from one call to the next, and
+    :meth:`backward_peak` is the peak of everything its backward makes, net of the saved
+    tensors it releases on the way, with the saved values of the graph it is done with
+    before that peak (cross entropy's target, released by
+    ``NllLossBackward`` before ``LogSoftmaxBackward`` makes its gradient).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owner: str | None = None
+        self.calls: dict[str, list[tuple[Any, tuple, dict]]] = {}  # (op, args, kwargs), tensors as Layouts
+        self.events: dict[str, list[tuple[object, int]]] = {}  # (token, bytes made), or (token, 0): freed
+        self.ends: dict[str, int] = {}  # events before the node's backward ended
+        self.extras: dict[int, tuple[int, int]] = {}  # storage saved that no value owns -> (saves, bytes)
+        self.releasing: dict[str, list[int]] = {}  # extras unpacked by the function running now
+        self.value_saves: dict[tuple[str, int], list] = {}  # (node, storage of a graph value) -> [saves, value]
+        self.releasing_values: dict[str, list[str]] = {}  # graph values unpacked for the last time, now
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.owner is not None and not func.is_view and \
+                any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
+            self.calls.setdefault(self.owner, []).append((func, *layouts_of(args, kwargs)))
+            self._follow(self.owner, result, args, kwargs)
+        return result
+
+    def _follow(self, owner: str, result: Any, args: tuple, kwargs: dict) -> None:
+        """Note the new storages ``result`` makes for ``owner``, and when each is freed."""
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        events = self.events.setdefault(owner, [])
+        for tensor in tree_leaves(result):
+            if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in inputs:
+                continue
+            token = object()
+            events.append((token, tensor.untyped_storage().nbytes()))
+            weakref.finalize(tensor, events.append, (token, 0))
+
+    def saves(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is saved for backward and belongs to no value of the graph (a dropout
+        mask, softmax's output inside attention): autograd frees it once the last backward
+        function that unpacks it has run."""
+        count, _ = self.extras.get(storage_key(tensor), (0, 0))
+        self.extras[storage_key(tensor)] = count + 1, tensor.untyped_storage().nbytes()
+
+    def saves_value(self, owner: str, tensor: torch.Tensor, value: str) -> None:
+        """``owner``'s forward saved ``tensor``, a storage of the graph's ``value``."""
+        self.value_saves.setdefault((owner, storage_key(tensor)), [0, value])[0] += 1
+
+    def unpacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Unpack hook of the saved tensors: an extra unpacked for the last time is released
+        after the function running now; so is ``owner``'s save of a graph value."""
+        key = storage_key(tensor)
+        if self.owner is not None and key in self.extras:
+            count, nbytes = self.extras[key]
+            self.extras[key] = count - 1, nbytes
+            if count == 1:
+                self.releasing.setdefault(self.owner, []).append(nbytes)
+        saves = self.value_saves.get((self.owner, key)) if self.owner is not None else None
+        if saves is not None:
+            saves[0] -= 1
+            if saves[0] == 0:
+                self.releasing_values.setdefault(self.owner, []).append(saves[1])
+        return tensor
+
+    def leave(self, owner: str | None) -> None:
+        """One of ``owner``'s backward functions has returned (releasing the extras it
+        unpacked); the last one ends its backward."""
+        if owner is not None:
+            events = self.events.setdefault(owner, [])
+            events.extend((RELEASED, -nbytes) for nbytes in self.releasing.pop(owner, ()))
+            events.extend(((RELEASED, value), 0) for value in self.releasing_values.pop(owner, ()))
+            self.ends[owner] = len(events)
+        self.owner = None
+
+    def backward_peak(self, owner: str) -> BackwardPeak:
+        """Peak bytes ``owner``'s backward holds above what it started with: the results
+        of its calls (the gradients it returns, and the intermediate ones passed from one
+        call to the next), net of the saved extras it releases on the way; with the graph
+        values it saved whose last use in its backward came before that peak (the simulator
+        may free them there when nothing else holds them)."""
+        sizes: dict[object, int] = {}
+        current = peak = 0
+        released: list[str] = []
+        before: tuple[str, ...] = ()
+        for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)]:
+            if isinstance(token, tuple):  # (RELEASED, value): a graph value's save let go
+                released.append(token[1])
+                continue
+            if nbytes == 0:
+                current -= sizes.pop(token, 0)
+                continue
+            if token is not RELEASED:
+                sizes[token] = nbytes
+            current += nbytes
+            if current > peak:
+                peak, before = current, tuple(released)
+        return BackwardPeak(peak, before)
