@@ -19,7 +19,7 @@ from passes.keeps import best_with_keeps, leaf_segments
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
 from passes.search import search
-from passes.segments import PlanError, cost_key, make_segments
+from passes.segments import PlanError, Segment, cost_key, make_segments
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
 
@@ -251,7 +251,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     searched = search(graph, [chosen], budget_bytes)
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
         chosen, origin = searched, f"{origin}, improved by a local search over segments and kept values"
-    blocks = blocks_within_margin(graph, chosen, budget_bytes)
+    blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)
     if blocks is not None:
         chosen, origin = blocks, (f"per-block checkpointing: {origin} was rated less than {BLOCKS_MARGIN:.0%} "
                                   "cheaper, within what the cost model gets wrong")
@@ -263,10 +263,12 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
 BLOCKS_MARGIN = 0.02
 
 
-def blocks_within_margin(graph: nx.DiGraph, chosen: Plan, budget_bytes: int) -> Plan | None:
+def blocks_within_margin(graph: nx.DiGraph, chosen: Plan, budget_bytes: int,
+                         simulated_already: Sequence[Plan] = ()) -> Plan | None:
     """Per-block checkpointing (:func:`passes.heuristics.blocks_candidate`) in place of
     ``chosen`` when it fits the budget and ``chosen`` is rated less than :data:`BLOCKS_MARGIN`
-    cheaper; else ``None``.
+    cheaper; else ``None``. Per-block's plan is taken from ``simulated_already`` when it is
+    there (the flat candidates a budget search simulated).
 
     Near per-block's memory the planner's other plans differ from it by a percent or two of
     predicted recompute, less than the cost model's error there: on Hugging Face LLaMA at
@@ -282,8 +284,15 @@ def blocks_within_margin(graph: nx.DiGraph, chosen: Plan, budget_bytes: int) -> 
         return None
     if forward_floor(graph, candidate.segments) > budget_bytes:
         return None
-    plan = simulated(graph, candidate)
+    layout = _layout(candidate.segments)
+    plan = next((p for p in simulated_already if _layout(p.segments) == layout), None) or simulated(graph, candidate)
     return plan if plan.peak_bytes <= budget_bytes else None
+
+
+def _layout(segments: Sequence[Segment]) -> list[tuple]:
+    """What a plan runs: each segment's nodes, whether it is recomputed, what it keeps and
+    its nested segments (a selective variant of a plan is another plan)."""
+    return [(s.nodes, s.recompute, s.saved_inside, _layout(s.children)) for s in segments]
 
 
 def _kept_count(plan: Plan) -> int:
