@@ -24,6 +24,7 @@ from torch import fx, nn
 from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
+from passes.remat import remat_sources
 from passes.segments import RecomputeFacts
 from passes.segments import Segment as PlannedSegment
 from passes.units import format_bytes
@@ -51,6 +52,10 @@ class RewrittenModule(fx.GraphModule):
         for name, segment in self.segments:
             body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
             bodies.append(f"# {name}: {segment.extra_repr()}{body}")
+            if segment.remat is not None:
+                remat = segment.remat.code.replace("def forward(self, ", f"def {name}_remat(self, ", 1)
+                bodies.append(f"# {name}_remat: what {name}'s recompute runs first, without gradients, "
+                              f"to make again the inputs forward dropped{remat}")
         return "\n".join([header + super().code, *bodies])
 
 
@@ -110,6 +115,32 @@ def _facts(planned: PlannedSegment) -> RecomputeFacts:
     return planned.facts
 
 
+def _remat_module(source: fx.GraphModule, planned: PlannedSegment) -> tuple[fx.GraphModule | None, dict[str, Any]]:
+    """The module computing ``planned``'s rematerialized inputs from their sources (one
+    placeholder per source, the inputs' values returned in order: :mod:`passes.remat`), and
+    the :class:`SegmentModule` arguments that wire it; ``None`` when it rematerializes nothing."""
+    if not planned.remat:
+        return None, {}
+    originals = {n.name: n for n in source.graph.nodes}
+    sources = list(dict.fromkeys(s for r in planned.remat for s in r.sources))
+    graph = fx.Graph()
+    env = {name: graph.placeholder(name) for name in sources}
+
+    def read(node: fx.Node) -> fx.Node:  # a parameter or constant the chain reads: got where read
+        if node.name not in env:
+            env[node.name] = graph.node_copy(node, read)
+        return env[node.name]
+
+    for name in dict.fromkeys(n for r in planned.remat for n in r.nodes):
+        env[name] = graph.node_copy(originals[name], read)
+    values = [env[r.value] for r in planned.remat]
+    graph.output(values[0] if len(values) == 1 else tuple(values))
+    arguments = [*planned.inputs, *remat_sources(planned)]
+    return fx.GraphModule(_attribute_table(graph, source), graph, "RematBody"), {
+        "remat_inputs": tuple(planned.inputs.index(r.value) for r in planned.remat),
+        "remat_sources": tuple(arguments.index(name) for name in sources), "remat_names": tuple(sources)}
+
+
 def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> SegmentModule:
     """The runtime module of one recomputed segment. Its body takes the segment's inputs and
     returns its outputs; nested recomputed children become segments called from the body."""
@@ -134,10 +165,11 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
     results = [env[name] for name in planned.outputs]
     body.output(results[0] if len(results) == 1 else tuple(results))
     attributes = {**_attribute_table(body, source, skip=modules), **modules}
+    remat, wiring = _remat_module(source, planned)
     segment = SegmentModule(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes,
                             inputs=planned.inputs, outputs=planned.outputs, saved_inside=planned.saved_inside,
                             kept_bytes=facts.kept_bytes, replays_rng=facts.draws_random, reruns=facts.reruns,
-                            state_inputs=facts.state_inputs, kept_whole=facts.kept_whole)
+                            state_inputs=facts.state_inputs, kept_whole=facts.kept_whole, remat=remat, **wiring)
     for child in modules.values():
         object.__setattr__(child, "enclosing", segment)
     return segment
@@ -154,7 +186,7 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
             for name in planned.nodes:
                 copy_node(name)
             continue
-        for name in planned.inputs:
+        for name in (*planned.inputs, *remat_sources(planned)):
             copy_node(name)
         target = f"{prefix}{len(modules)}"
         modules[target] = _segment_module(source, planned, target)
@@ -164,7 +196,7 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
 
 def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[str, fx.Node]) -> None:
     """Call a segment from the top-level forward, naming its results as the originals."""
-    arguments = tuple(env[name] for name in planned.inputs)
+    arguments = tuple(env[name] for name in (*planned.inputs, *remat_sources(planned)))
     if len(planned.outputs) == 1:
         env[planned.outputs[0]] = top.create_node("call_module", target, arguments, name=planned.outputs[0])
         return

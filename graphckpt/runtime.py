@@ -19,6 +19,10 @@ counts). A nested one keeps them from its enclosing segment's recompute, not fro
 forward: each call records the nested calls it makes, and when backward recomputes
 it, the nested calls made again, in the same order, fill the storage of the ones they
 stand for (:class:`_Call`).
+
+Rematerialized inputs (:mod:`passes.remat`) go to checkpoint by reference (:class:`_Dropped`):
+forward runs on the real tensor, then drops it; the recompute first makes a detached copy from
+the sources under ``no_grad`` (``segment_i_remat`` in ``print(gm.code)``).
 """
 
 from __future__ import annotations
@@ -96,6 +100,18 @@ def unwrap_state(args: Sequence[Any], recomputing: bool) -> tuple[Any, ...]:
     return tuple((a.scratch if recomputing else a.tensor) if isinstance(a, _StateInput) else a for a in args)
 
 
+class _Dropped:
+    """A rematerialized input handed to ``checkpoint`` by reference, so checkpoint does not
+    keep it: ``tensor`` is the forward value while forward runs the body and ``None`` after,
+    and a recompute makes a copy from the segment's sources (:meth:`SegmentModule._inputs`)."""
+
+    __slots__ = ("requires_grad", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.requires_grad = isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
 def _wants_grad(args: Sequence[Any]) -> bool:
     """Whether an input brings gradients into this call."""
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -112,9 +128,17 @@ class SegmentModule(nn.Module):
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
                  reruns: Sequence[str], replays_rng: bool = True, state_inputs: Sequence[int] = (),
-                 kept_whole: Sequence[str] = ()) -> None:
+                 kept_whole: Sequence[str] = (), remat: fx.GraphModule | None = None,
+                 remat_inputs: Sequence[int] = (), remat_sources: Sequence[int] = (),
+                 remat_names: Sequence[str] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
+        # Rematerialized inputs (passes.remat): ``remat`` computes the inputs at positions
+        # ``remat_inputs`` from the call's arguments at ``remat_sources`` (inputs, then the
+        # extra sources the call is given after them), without gradients.
+        object.__setattr__(self, "remat", remat)
+        self.remat_inputs, self.remat_sources = tuple(remat_inputs), tuple(remat_sources)
+        self.remat_names = tuple(remat_names)  # the sources' value names, for extra_repr
         self.kept_whole = tuple(kept_whole)  # of saved_inside: values kept whole, not matmul/conv outputs
         object.__setattr__(self, "enclosing", None)  # the segment whose body calls this one, if nested
         self.saved_inside = tuple(saved_inside)
@@ -130,6 +154,8 @@ class SegmentModule(nn.Module):
         called = list(self.called_modules())
         self.called_parameters = tuple(p for m in called for p in m.parameters(recurse=False))
         self.norm_layers = [m for m in called if isinstance(m, NormBase) and m.track_running_stats]
+        self.remat_norms = [m for m in (remat.modules() if remat is not None else ())
+                            if isinstance(m, NormBase) and m.track_running_stats]
 
     def called_modules(self) -> Iterator[nn.Module]:
         """The modules the body calls, those of nested segments included."""
@@ -148,9 +174,10 @@ class SegmentModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled() or not (_wants_grad(args) or self._trains_parameters()):
-            return self.body(*args)
-        if self.state_inputs:
-            args = tuple(_StateInput(a) if i in self.state_inputs else a for i, a in enumerate(args))
+            return self.body(*args[:len(self.inputs)])  # the rest are sources of rematerialized inputs
+        if self.state_inputs or self.remat_inputs:
+            args = tuple(_StateInput(a) if i in self.state_inputs else _Dropped(a) if i in self.remat_inputs else a
+                         for i, a in enumerate(args))
         running = _innermost_running()
         if running is not None and running.recomputing:
             # Run again inside the enclosing segment's recompute: this call's own graph is
@@ -165,25 +192,60 @@ class SegmentModule(nn.Module):
         # once backward has every tensor it saved. It ends by raising through the body, so
         # the body's generated forward is called directly: fx's call wrapper would format
         # a traceback for that exception on every recompute (~0.2 ms each).
-        body = self._run_body if self.state_inputs else self.body.forward
+        body = self._run_body if self.state_inputs or self.remat_inputs else self.body.forward
         with set_checkpoint_early_stop(True):
-            return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
-                              context_fn=contexts)
+            outputs = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
+                                 context_fn=contexts)
+        for dropped in args:
+            if isinstance(dropped, _Dropped):
+                dropped.tensor = None  # forward is done with it: freed after its last use there
+        return outputs
 
     def _run_body(self, *args: Any) -> Any:
         """The body, given scratch copies of the state it updates when this is its recompute
-        (a call made again by an enclosing recompute is already passed that one's copies)."""
+        (a call made again by an enclosing recompute is already passed that one's copies)
+        and its rematerialized inputs."""
         running = _innermost_running()
         recomputing = isinstance(running, _Recomputing) and running.segment is self
-        return self.body.forward(*unwrap_state(args, recomputing))
+        return self.body.forward(*unwrap_state(self._inputs(args), recomputing))
+
+    def _inputs(self, args: Sequence[Any]) -> list[Any]:
+        """The body's inputs: a rematerialized one is forward's tensor while forward runs, and
+        in a recompute a copy computed again from its sources without gradients, detached and
+        with forward's ``requires_grad`` (so the body saves the same tensors). The gradient the
+        segment computes for it flows along forward's graph to its producer, never through
+        the copy (:mod:`passes.remat`)."""
+        inputs = list(args[:len(self.inputs)])
+        dropped = [inputs[i] for i in self.remat_inputs]
+        if not dropped:
+            return inputs
+        if all(d.tensor is not None for d in dropped):
+            copies = [d.tensor for d in dropped]
+        else:
+            with torch.no_grad(), frozen_running_stats(self.remat_norms):
+                made = self.remat(*(args[i] for i in self.remat_sources))
+            made = made if isinstance(made, tuple) else (made,)
+            copies = [m.detach().requires_grad_(d.requires_grad) for m, d in zip(made, dropped, strict=True)]
+        for position, value in zip(self.remat_inputs, copies, strict=True):
+            inputs[position] = value
+        return inputs
 
     def extra_repr(self) -> str:
         kernels = [name for name in self.saved_inside if name not in self.kept_whole]
         kept = f"; keeps matmul/conv outputs {', '.join(kernels)} from forward" if kernels else ""
         kept += f"; keeps values {', '.join(self.kept_whole)} from forward" if self.kept_whole else ""
+        if self.remat_inputs:
+            remade = ", ".join(self.inputs[i] for i in self.remat_inputs)
+            kept += f"; drops {remade} after forward and rematerializes it from {', '.join(self.remat_names)}"
         span = f"{self.reruns[0]} .. {self.reruns[-1]}" if self.reruns else "nothing"
         return (f"recomputes {len(self.reruns)} of {len(self.nodes)} nodes ({span}) "
-                f"in backward; keeps {', '.join(self.inputs)}{kept}")
+                f"in backward; keeps {', '.join(self.kept_names())}{kept}")
+
+    def kept_names(self) -> list[str]:
+        """The values its checkpoint keeps from forward: its inputs but the rematerialized
+        ones, and the sources those are made from."""
+        own = [name for i, name in enumerate(self.inputs) if i not in self.remat_inputs]
+        return own + [name for name in self.remat_names if name not in own]
 
 
 class _Call:

@@ -13,12 +13,13 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
+from passes.drops import drop_plan
 from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.keeps import best_with_keeps, leaf_segments
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
-from passes.search import search
+from passes.search import SEARCH_MAX_OPS, search
 from passes.segments import PlanError, Segment, cost_key, make_segments
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
@@ -235,6 +236,9 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
+    dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
+    if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
+        chosen, origin = dropping, "a plan dropping values cheap to make again (passes.drops)"
     if chosen is None:  # below the floor of the program and the flat plans: search toward it
         smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
         searched = search(graph, smallest, budget_bytes)
@@ -248,7 +252,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
             origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
         chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
-    searched = search(graph, [chosen], budget_bytes)
+    others = [plan for plan in (dropping,) if plan is not None and plan is not chosen]
+    searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
         chosen, origin = searched, f"{origin}, improved by a local search over segments and kept values"
     blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)

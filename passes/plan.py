@@ -104,6 +104,8 @@ def _describe(segment: Segment, name: str, indent: str) -> list[str]:
         what += f", keeps {whole} other values"
     lines = [f"{indent}{name} ({what}, {len(segment.nodes)} nodes): "
              f"{segment.nodes[0]} .. {segment.nodes[-1]} -> {', '.join(segment.outputs)}"]
+    lines.extend(f"{indent}  rematerializes {r.value} from {', '.join(r.sources) or 'parameters'} "
+                 f"({len(r.nodes)} ops, no grad)" for r in segment.remat)
     for index, child in enumerate(segment.children):
         lines.extend(_describe(child, f"{name}.{index}", indent + "  "))
     return lines

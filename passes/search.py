@@ -10,7 +10,8 @@ that asks the simulator directly is affordable.
 A :class:`PlanLayout` describes a plan by flags over the op positions: where top-level segments
 start and whether each is recomputed, where the children of a recomputed segment start and
 whether each is recomputed again, and which values recomputed segments keep from forward
-(:mod:`passes.keeps`). A move flips one flag; it is kept when the plan's score is no worse:
+(:mod:`passes.keeps`), and which inputs they drop after forward and rematerialize
+(:mod:`passes.remat`). A move flips one flag; it is kept when the plan's score is no worse:
 first how far its simulated peak is over the budget, then its recompute
 (:attr:`passes.plan.Plan.cost_key`). Moves are drawn from a seeded generator: the same graph
 and budget give the same plan.
@@ -28,6 +29,7 @@ from passes.costgraph import op_nodes
 from passes.keeps import keepable
 from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments
+from passes.remat import rematerializable, with_remat
 from passes.segments import PlanError, Segment, cost_key, make_segments, nested
 from passes.simulate import simulate
 
@@ -44,9 +46,10 @@ class PlanLayout:
     child_start: list[bool]  # inside a recomputed top segment: a child starts here
     child_recompute: list[bool]  # read at a child's start
     keep: list[bool]  # kept from forward by the recomputed segment (or child) it sits in
+    remat: list[bool]  # dropped after forward by the recomputed segments it is an input of (passes.remat)
 
     def flags(self) -> list[list[bool]]:
-        return [self.top_start, self.top_recompute, self.child_start, self.child_recompute, self.keep]
+        return [self.top_start, self.top_recompute, self.child_start, self.child_recompute, self.keep, self.remat]
 
 
 def _runs(starts: Sequence[bool], first: int, last: int) -> list[tuple[int, int]]:
@@ -92,14 +95,18 @@ def build(graph: nx.DiGraph, layout: PlanLayout, memo: dict | None = None) -> tu
                 boundary_bytes(graph, (*parent.inputs, *parent.outputs)) == float("inf"):
             raise PlanError("a nested segment over ops that may not be recomputed, or with an uncuttable edge")
         segments.append(parent)
-    return tuple(segments)
+    remat = {ops[p] for p, flag in enumerate(layout.remat) if flag}
+    if not remat:
+        return tuple(segments)
+    picks = [(i, v) for i, s in enumerate(segments) if s.recompute for v in s.inputs if v in remat]
+    return with_remat(graph, segments, picks, PlanError)
 
 
 def layout_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanLayout:
     """The layout nearest ``segments``: children of children are read as one child."""
     position = {name: p for p, name in enumerate(op_nodes(graph))}
     n = len(position)
-    layout = PlanLayout(*([False] * n for _ in range(5)))
+    layout = PlanLayout(*([False] * n for _ in range(6)))
     for segment in segments:
         first = position[segment.nodes[0]]
         layout.top_start[first], layout.top_recompute[first] = True, segment.recompute
@@ -109,6 +116,8 @@ def layout_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanLayout:
         for inner in (segment, *segment.children):
             for name in inner.saved_inside:
                 layout.keep[position[name]] = True
+        for remat in segment.remat:
+            layout.remat[position[remat.value]] = True
     return layout
 
 
@@ -117,15 +126,19 @@ def score(graph: nx.DiGraph, segments: Sequence[Segment], budget_bytes: float) -
     return (max(0, simulate(graph, segments).peak_bytes - budget_bytes), *cost_key(graph, segments))
 
 
-def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed: int = 0) -> Plan | None:
+def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed: int = 0,
+           remat: bool = True) -> Plan | None:
     """The best plan a hill climb from each of ``starts`` finds: the least over ``budget_bytes``,
     then the least recompute (it may not fit; ``None`` for graphs over :data:`SEARCH_MAX_OPS`
-    ops). The moves are split evenly among the starts."""
+    ops). The moves are split evenly among the starts; ``remat=False`` leaves out the moves that
+    rematerialize segment inputs (the plan space before them)."""
     ops = op_nodes(graph)
     if len(ops) > SEARCH_MAX_OPS or not starts or len(ops) < 2:
         return None
     rng = random.Random(seed)
     keepable_at = [p for p, name in enumerate(ops) if keepable(graph, name)]
+    remat_at = [p for p, name in enumerate(ops) if remat and rematerializable(graph, name)]
+    choices = {4: keepable_at, 5: remat_at}
     moves = SEARCHED_OPS // len(ops) // len(starts)
     best: tuple | None = None
     memo: dict = {}
@@ -133,10 +146,10 @@ def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed:
         layout = layout_of(graph, start.segments)
         current = (score(graph, start.segments, budget_bytes), start.segments)
         for _ in range(moves):
-            kind = rng.randrange(5)
-            if kind == 4 and not keepable_at:
+            kind = rng.randrange(6)
+            if kind in choices and not choices[kind]:
                 continue
-            position = rng.choice(keepable_at) if kind == 4 else rng.randrange(1 if kind in (0, 2) else 0, len(ops))
+            position = rng.choice(choices[kind]) if kind in choices else rng.randrange(1 if kind in (0, 2) else 0, len(ops))
             flags = layout.flags()[kind]
             flags[position] = not flags[position]
             try:

@@ -23,6 +23,7 @@ import networkx as nx
 
 from passes.costgraph import draws_random, in_order, is_activation, keeps_order, op_nodes
 from passes.kept_bytes import boundary_bytes
+from passes.remat import Remat, kept_inputs, remat_nodes, validate_remat
 
 
 class PlanError(ValueError):
@@ -61,6 +62,9 @@ class Segment:
     ``facts`` (recomputed segments of a :class:`passes.plan.Plan`) say what codegen needs
     to know of the cost graph; they follow from the fields above and the graph, so they
     take no part in comparing segments.
+    ``remat`` (top-level recomputed segments only) are inputs dropped after forward and
+    recomputed without gradients from kept values when the segment is recomputed
+    (:mod:`passes.remat`).
     """
 
     nodes: tuple[str, ...]
@@ -70,6 +74,7 @@ class Segment:
     saved_inside: tuple[str, ...] = ()
     children: tuple[Segment, ...] = ()
     facts: RecomputeFacts | None = field(default=None, compare=False, repr=False)
+    remat: tuple[Remat, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -150,7 +155,9 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
     for segment in segments:
         if not segment.recompute:
             continue
-        ran, _ = recompute_steps(graph, segment)
+        ran, stop = recompute_steps(graph, segment)
+        if ran or stop is not None:  # a recompute that runs at all first rematerializes the inputs
+            again.extend(remat_nodes(segment))
         again.extend(_without_kept(step_nodes(ran), segment, cached))
         for child in segment.children:
             again.extend(recomputed_nodes(graph, [child], cached=child in ran))
@@ -245,9 +252,12 @@ def _split_unrecomputable(graph: nx.DiGraph, nodes: list[str], recompute: bool):
 
 
 def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str, ...]:
-    """Activations kept at the edges of recomputed segments."""
-    kept = {v for s in segments if s.recompute for v in (*s.inputs, *s.outputs)
-            if is_activation(graph, v)}
+    """Activations kept at the edges of recomputed segments (and the sources of inputs they
+    rematerialize), but the values only rematerialized inputs."""
+    held = {v for s in segments if s.recompute for v in kept_inputs(s)}
+    dropped = {r.value for s in segments for r in s.remat} - held
+    edges = held | {v for s in segments if s.recompute for v in s.outputs}
+    kept = {v for v in edges if is_activation(graph, v) and v not in dropped}
     return tuple(in_order(graph, kept))
 
 
@@ -276,6 +286,7 @@ def validate_plan(graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
         _validate_shape(graph, segment, f"segment {index}")
     if expected:
         raise PlanError(f"op nodes in no segment: {in_order(graph, expected)}")
+    validate_remat(graph, segments, PlanError)
 
 
 def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:

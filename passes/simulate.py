@@ -6,6 +6,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   moment on top of them and what it saves); a storage is freed once no later op reads it,
   no pending backward saved it and it is not a graph output. In a recomputed segment
   nothing is saved; the segment's inputs stay alive until its backward has run.
+* rematerialized inputs (:mod:`passes.remat`): a recomputed segment keeps their sources
+  instead of them; they are freed after their last forward use and made again, with the
+  temporaries of their chains, at the start of the segment's recompute.
 * backward, ops in reverse: a recomputed segment first runs forward again (this time
   saving; values kept from forward, ``saved_inside``, are reused, with the matmul outputs
   inside them, ``selective_extra_bytes``) as far as backward needs
@@ -26,7 +29,6 @@ This is an estimate; ``graphckpt.tools.measure`` is the truth it is checked agai
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
@@ -36,7 +38,9 @@ import networkx as nx
 
 from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
 from passes.kept_bytes import gradient_bytes, shared_parameters
+from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
+from passes.sim_memory import LiveMemory
 
 LOSS_WORKING_SET = 3
 
@@ -50,115 +54,6 @@ class Simulation:
     recompute_flops: int
     forward_flops: int
     recompute_bytes: int = 0  # bytes written by recomputation: the cost of pointwise work FLOPs miss
-
-
-@dataclass(frozen=True)
-class _Index:
-    """A cost graph's attributes and edges as plain dicts: the replay reads them millions
-    of times on large graphs, and networkx views are slow to index."""
-
-    attributes: dict[str, dict]
-    roots: dict[str, str]
-    readers: dict[str, tuple[str, ...]]
-    reads: dict[str, tuple[str, ...]]
-    activation_reads: dict[str, tuple[str, ...]]  # reads that are not parameters: what a read releases
-    grad_reads: dict[str, tuple[tuple[str, int], ...]]  # reads backward makes a gradient for, with its bytes
-    shared: dict[str, tuple[tuple[str, int], ...]]  # op -> (shared parameter, gradient bytes) it reads
-    shared_readers: dict[str, int]  # shared parameter -> readers whose backward adds to its gradient
-
-
-_INDEXES: WeakKeyDictionary[nx.DiGraph, _Index] = WeakKeyDictionary()
-
-
-def _index(graph: nx.DiGraph) -> _Index:
-    """The :class:`_Index` of ``graph``, built once (cost graphs do not change once built)."""
-    if graph not in _INDEXES:
-        _INDEXES[graph] = _Index(
-            attributes=dict(graph.nodes(data=True)),
-            roots={name: storage_root(graph, name) for name in graph},
-            readers={name: tuple(graph.successors(name)) for name in graph},
-            reads={name: tuple(graph.predecessors(name)) for name in graph},
-            activation_reads={name: tuple(v for v in graph.predecessors(name) if graph.nodes[v]["kind"] != "param")
-                              for name in graph},
-            grad_reads={name: tuple((v, gradient_bytes(graph, v)) for v in graph.predecessors(name)
-                                    if needs_grad(graph, v)) for name in graph},
-            shared=_shared_by_reader(graph),
-            shared_readers={param: len(readers) for param, _, readers in shared_parameters(graph)},
-        )
-    return _INDEXES[graph]
-
-
-def _shared_by_reader(graph: nx.DiGraph) -> dict[str, tuple[tuple[str, int], ...]]:
-    by_reader: dict[str, list[tuple[str, int]]] = {name: [] for name in graph}
-    for param, nbytes, readers in shared_parameters(graph):
-        for reader in readers:
-            by_reader[reader].append((param, nbytes))
-    return {name: tuple(params) for name, params in by_reader.items()}
-
-
-class _Memory:
-    """Live storages with the number of reasons each is alive, and the running peak.
-
-    Values of a segment being recomputed get storages of their own: the recompute makes new
-    tensors even where forward's are still alive. ``fresh`` is a stack with one set of
-    recomputed values per level of nesting; a value belongs to the innermost level naming it.
-    """
-
-    def __init__(self, graph: nx.DiGraph) -> None:
-        self.graph = graph
-        self.index = _index(graph)
-        self.holds: Counter = Counter()
-        self.live: dict = {}
-        self.fresh: list[set[str]] = []
-        self.grad_buffer: dict[str, tuple] = {}  # a value's gradient -> the buffer it is a view of
-        self.views_of: Counter = Counter()  # gradient buffer -> gradients viewing it
-        self.current = 0
-        self.peak = 0
-        self.pending_readers = Counter(self.index.shared_readers)  # shared parameter -> backward still to add
-
-    def key(self, name: str) -> tuple:
-        root = self.index.roots[name]
-        if not self.fresh:
-            return ("value", root)
-        for level in range(len(self.fresh) - 1, -1, -1):
-            if root in self.fresh[level]:
-                return ("recomputed", level, root)
-        return ("value", root)
-
-    def allocate(self, key: tuple, nbytes: int) -> None:
-        if key not in self.live and nbytes:
-            self.live[key] = nbytes
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-
-    def hold(self, name: str, times: int = 1, key: tuple | None = None) -> None:
-        """One more reason (``times`` more) for ``name``'s storage (``key``, when known) to live."""
-        self.holds[key or self.key(name)] += times
-
-    def release(self, name: str, times: int = 1, key: tuple | None = None) -> None:
-        """One reason fewer; the storage is freed when none is left."""
-        key = key or self.key(name)
-        self.holds[key] -= times
-        if self.holds[key] <= 0:
-            self.free(key)
-
-    def free(self, key: tuple) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def share_gradient(self, value: str, owner: str) -> None:
-        """``value``'s gradient is a view of ``owner``'s (a ``grad_views`` node's input)."""
-        buffer = self.grad_buffer.get(owner, ("grad", owner))
-        self.grad_buffer[value] = buffer
-        self.views_of[buffer] += 1
-
-    def free_gradient(self, value: str) -> None:
-        """Drop ``value``'s gradient; a shared buffer goes when its last view does."""
-        buffer = self.grad_buffer.pop(value, ("grad", value))
-        if buffer != ("grad", value) or self.views_of[buffer] == 0:
-            self.views_of[buffer] -= buffer != ("grad", value)
-            if self.views_of[buffer] <= 0:
-                self.views_of.pop(buffer, None)
-                self.free(buffer)
 
 
 def trained_outputs(graph: nx.DiGraph) -> list[str]:
@@ -176,7 +71,7 @@ def loss_working_bytes(graph: nx.DiGraph) -> int:
     return LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
 
 
-def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
+def _run_forward(memory: LiveMemory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
                  within: set[str] | None = None, keep: Sequence[str] = ()) -> None:
     """Compute ``nodes``; with ``save`` each op also holds what its backward needs.
 
@@ -210,7 +105,7 @@ def _run_forward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], save:
             memory.free(("selective-extra", name))
 
 
-def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
+def _run_backward(memory: LiveMemory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
     """Backward of ``nodes`` in reverse: gradients in, gradients out, saved values released.
 
     A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
@@ -262,14 +157,14 @@ def _run_backward(memory: _Memory, graph: nx.DiGraph, nodes: Sequence[str], grad
         memory.free(("extra", name))
 
 
-def _call_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, tag: tuple,
+def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, tag: tuple,
                      within: set[str] | None = None) -> None:
     """One checkpoint call of a recomputed segment, saving nothing: it holds the segment's
     inputs, and each random call its body makes (:func:`random_calls`: itself and every
     recomputed segment nested in it) copies the generator state, ``(*tag, id(call))``, when
     the body reaches it. Called in forward (``tag`` ``("rng",)``: the copies live until each
     call's backward) or rerun by an enclosing recompute (freed when that recompute ends)."""
-    for value in segment.inputs:
+    for value in kept_inputs(segment):  # a rematerialized input is not kept: its sources are
         memory.hold(value)
     done = 0
     for call in random_calls(graph, segment):  # in call order, so their first nodes in order
@@ -280,7 +175,7 @@ def _call_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, tag: 
     _run_forward(memory, graph, segment.nodes[done:], save=False, within=within, keep=segment.saved_inside)
 
 
-def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
+def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
     inputs and generator states (and their matmul outputs, when selective)."""
     for segment in segments:
@@ -290,7 +185,7 @@ def _forward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Seg
             _run_forward(memory, graph, segment.nodes, save=True)
 
 
-def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str],
+def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str],
                        ran: Sequence[Step] | None = None) -> None:
     """Backward of segments in reverse; each recomputed one is first run again, with its
     kept matmul outputs when they were cached (always at the top level; nested, only when
@@ -300,20 +195,21 @@ def _backward_sequence(memory: _Memory, graph: nx.DiGraph, segments: Sequence[Se
             _run_backward(memory, graph, segment.nodes, grads)
             continue
         _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
-        for value in segment.inputs:
+        for value in kept_inputs(segment):
             memory.release(value)
         memory.free(("rng", id(segment)))
 
 
-def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, grads: set[str],
+def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[str],
                          cached: bool) -> None:
     """Recompute a segment as far as :func:`recompute_steps` runs it (its children as a plan
     of their own), then run its backward."""
     ran, stop = recompute_steps(graph, segment)
     kept = set(segment.saved_inside) if cached else set()
     computed = step_nodes(ran)
-    memory.fresh.append(set(computed) - kept)
+    memory.fresh.append(set(computed) - kept | set(remat_nodes(segment)))
     within = set(computed)
+    remade = run_remat(memory, segment) if ran or stop is not None else set()  # before its own ops
     for value in stop.inputs if isinstance(stop, Segment) else graph.nodes[stop]["saved"] if stop else ():
         memory.hold(value)  # saved by the step the recompute stops at, which does not run
     rerun = ("rng-rerun", len(memory.fresh))
@@ -325,6 +221,8 @@ def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, g
             continue
         for child in steps:
             _call_recomputed(memory, graph, child, rerun, within=within)
+    for value in remade:  # the recompute is over: a rematerialized input lives on if backward saved it
+        memory.release(value)
     for value in kept:
         memory.release(value)
         memory.free(("selective-extra", value))  # what the recompute did not reach is dropped
@@ -338,7 +236,7 @@ def _backward_recomputed(memory: _Memory, graph: nx.DiGraph, segment: Segment, g
 
 def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
     """Peak live bytes of one forward + backward run segment by segment."""
-    memory = _Memory(graph)
+    memory = LiveMemory(graph)
     for name, kind in graph.nodes(data="kind"):
         if kind == "input":
             memory.hold(name, graph.out_degree(name))
@@ -377,7 +275,7 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     its simulated peak, in O(kept values): a plan above the budget by this alone need not
     be simulated."""
     roots = {storage_root(graph, value) for segment in segments if segment.recompute
-             for value in (*segment.inputs, *segment.saved_inside)}
+             for value in (*kept_inputs(segment), *segment.saved_inside)}
     inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments if segment.recompute
                 for value in segment.saved_inside)
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")

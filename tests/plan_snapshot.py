@@ -45,11 +45,14 @@ def graph_from_data(data: dict[str, Any]) -> nx.DiGraph:
 
 
 def segment_summary(segment: Any) -> dict[str, Any]:
-    """What a segment decides: its nodes, whether it is recomputed, what it keeps inside
-    and its children."""
-    return {"nodes": list(segment.nodes), "recompute": segment.recompute,
-            "saved_inside": list(segment.saved_inside),
-            "children": [segment_summary(c) for c in segment.children]}
+    """What a segment decides: its nodes, whether it is recomputed, what it keeps inside,
+    its children and the inputs it rematerializes (value and sources; only when it does)."""
+    summary = {"nodes": list(segment.nodes), "recompute": segment.recompute,
+               "saved_inside": list(segment.saved_inside),
+               "children": [segment_summary(c) for c in segment.children]}
+    if segment.remat:
+        summary["remat"] = [[r.value, list(r.sources)] for r in segment.remat]
+    return summary
 
 
 def plan_summary(plan: Any) -> dict[str, Any]:

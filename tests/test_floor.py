@@ -3,6 +3,7 @@ BudgetError beside the floor of graphckpt's own plans when it is lower."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -26,7 +27,9 @@ def test_true_floor_is_below_every_plan_and_reachable(seed: int) -> None:
 
 
 def test_budget_error_names_both_floors() -> None:
-    graph = random_cost_graph(random.Random(1), 10)
+    # Seed 1's graph had a gap until plans could rematerialize inputs: its plans now reach
+    # the true floor (test_plans_reach_the_true_floor_of_a_graph_they_missed); seed 2's has one.
+    graph = random_cost_graph(random.Random(2), 10)
     smallest = DynamicProgram(graph).smallest().peak_bytes
     floor = true_floor(graph, time_limit=20)
     assert floor is not None and floor.peak_bytes < smallest  # this graph has a gap to show
@@ -35,6 +38,19 @@ def test_budget_error_names_both_floors() -> None:
     error = raised.value
     assert error.true_floor_bytes is not None and error.true_floor_bytes < error.smallest_peak_bytes
     assert "true floor" in str(error) and "does not meet" in str(error)
+
+
+def test_plans_reach_the_true_floor_of_a_graph_they_missed() -> None:
+    """Random DAG of seed 1: the dynamic program's floor is above the true floor; plans that
+    rematerialize segment inputs (passes.remat) reach it, so the error names no lower floor."""
+    graph = random_cost_graph(random.Random(1), 10)
+    floor = true_floor(graph, time_limit=20)
+    assert floor is not None and floor.peak_bytes < DynamicProgram(graph).smallest().peak_bytes
+    assert fit_budget(graph, math.ceil(floor.peak_bytes)).peak_bytes <= floor.peak_bytes
+    with pytest.raises(BudgetError) as raised:
+        fit_budget(graph, int(floor.peak_bytes) - 1)
+    assert raised.value.smallest_peak_bytes == raised.value.true_floor_bytes
+    assert "true floor" not in str(raised.value)
 
 
 def test_no_true_floor_on_large_graphs() -> None:

@@ -199,13 +199,40 @@ def _rewrite_keeping_values(model: nn.Module, x: torch.Tensor, strategy: str, se
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
 
 
-def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_values: bool = False) -> None:
+def _rewrite_rematerializing(model: nn.Module, x: torch.Tensor, strategy: str, segments: int | None) -> nn.Module:
+    """A plan that rematerializes segment inputs (:mod:`passes.remat`): dropping every other
+    value a plan could drop (:mod:`passes.drops`) and that still gives a plan with those before,
+    or, when there is none, the ``strategy`` plan rematerializing every input it can."""
+    from graphckpt.api import Analysis, analyze, generate_rewrite
+    from passes.drops import drop_order, dropped_segments
+    from passes.plan import plan_of_segments
+    from passes.remat import greedy_remat
+    from passes.segments import PlanError
+
+    analysis = analyze(model, (x.clone(),), strategy=strategy, segments=segments)
+    graph = analysis.cost_graph
+    dropped: list[str] = []
+    for value in drop_order(graph)[::2]:
+        try:
+            dropped_segments(graph, [*dropped, value])
+        except PlanError:  # an op that saved it may not be recomputed, or its chain is not pure
+            continue
+        dropped.append(value)
+    chosen = dropped_segments(graph, dropped) if dropped else greedy_remat(graph, analysis.plan.segments, PlanError)
+    plan = plan_of_segments(graph, "remat", chosen)
+    return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
+
+
+def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_values: bool = False,
+                     remat: bool = False) -> None:
     model = RecipeModel(spec)
     model.train()
     reference = copy.deepcopy(model)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(spec.seed))
     if keep_values:
         rewritten = _rewrite_keeping_values(model, x, strategy, segments)
+    elif remat:
+        rewritten = _rewrite_rematerializing(model, x, strategy, segments)
     else:
         rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
@@ -295,6 +322,7 @@ def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
     for strategy, count in zip(STRATEGY_NAMES, segments, strict=True):
         _check_same_step(spec, strategy, count)
     _check_same_step(spec, "mincut", segments[2], keep_values=True)
+    _check_same_step(spec, "sqrt", segments[0], remat=True)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

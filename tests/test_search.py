@@ -39,13 +39,14 @@ def test_search_is_no_worse_than_its_start_and_repeatable(seed: int) -> None:
 
 def test_search_meets_a_budget_below_the_programs_floor() -> None:
     """Random DAG 11 of seed 0 (planner_gap's family): the MILP meets half of eager's peak; the
-    dynamic program's floor is 0.53x and the flat plans' above it, the searched plan fits."""
+    dynamic program's floor is 0.53x and the flat plans' above it; a plan below it fits (now the
+    plan dropping values, :mod:`passes.drops`, which the search starts from)."""
     rng = random.Random(0)
     graph = [random_cost_graph(rng, 16) for _ in range(12)][11]
     budget = int(0.5 * eager_peak(graph))
     assert DynamicProgram(graph).smallest().peak_bytes > budget
     plan = fit_budget(graph, budget)
-    assert plan.peak_bytes <= budget and "searched plan" in plan.notes[0]
+    assert plan.peak_bytes <= budget and ("searched plan" in plan.notes[0] or "dropping values" in plan.notes[0])
 
 
 def test_no_search_on_large_graphs() -> None:

@@ -1,0 +1,144 @@
+"""Dropped values: plans that keep what eager keeps but the values cheap to make again.
+
+Near eager's peak the exact optimum (:mod:`passes.checkmate`) keeps every expensive value and
+drops a few cheap ones after forward, making each again from kept values just before the
+backward that reads it. Segments over prefix cuts reach that only by recomputing whole runs of
+ops. With rematerialized inputs (:mod:`passes.remat`) a plan can say it directly: a value ``v``
+is *dropped* when every op that saved it for backward becomes a one-op recomputed segment that
+rematerializes ``v`` (and keeps its own output from forward, :attr:`Segment.saved_inside`, so
+it does not run again), and ``v``'s own op, when it saved its output, is recomputed too.
+
+:func:`drop_plan` chooses the dropped values greedily, two ways (the value that lowers the
+simulated peak most per unit of recompute first; or cheapest to make again per byte first), and
+takes the cheaper. Each try is one simulation, so it is for small graphs (the local search's,
+:data:`passes.search.SEARCH_MAX_OPS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import networkx as nx
+
+from passes.costgraph import op_nodes
+from passes.keeps import keepable
+from passes.plan import Plan, plan_of_segments
+from passes.remat import rematerializable, with_remat
+from passes.segments import PlanError, Segment, cost_key, make_segments
+from passes.simulate import simulate
+
+
+def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str]) -> tuple[Segment, ...]:
+    """The segments dropping ``dropped`` (see the module's docstring); :class:`PlanError` when
+    one of them cannot be (an op that saved it may not be recomputed, an impure chain)."""
+    dropped = set(dropped)
+    isolated = {name for name in op_nodes(graph)
+                if dropped & set(graph.nodes[name]["saved"])}  # the savers, the value's own op included
+    segments = make_segments(graph, [([name], name in isolated) for name in op_nodes(graph)])
+    kept_whole = []
+    for segment in segments:
+        name = segment.nodes[0]
+        own = segment.recompute and name not in dropped and keepable(graph, name)
+        saves_output = graph.nodes[name]["saves_from"] == "outputs"
+        kept_whole.append(replace(segment, saved_inside=(name,)) if own and saves_output else segment)
+    picks = [(index, value) for index, segment in enumerate(kept_whole) if segment.recompute
+             for value in segment.inputs if value in dropped]
+    if any(name in isolated and not s.recompute for s in kept_whole for name in s.nodes):
+        raise PlanError("an op that saved a dropped value may not be recomputed")
+    return with_remat(graph, kept_whole, picks, PlanError)
+
+
+def drop_order(graph: nx.DiGraph) -> list[str]:
+    """Values that could be dropped, cheapest to make again per byte first (ties: in order)."""
+    options = [name for name in op_nodes(graph) if rematerializable(graph, name)]
+    return sorted(options, key=lambda name: (graph.nodes[name]["flops"] / graph.nodes[name]["bytes"],
+                                             graph.nodes[name]["order"]))
+
+
+def drop_plan(graph: nx.DiGraph, budget_bytes: float, max_simulations: int = 300) -> Plan | None:
+    """The cheaper fitting plan of two greedy choices of dropped values (:func:`_best_first`,
+    :func:`_in_order`), each with the values no longer needed put back (:func:`_pruned`), at
+    most ``max_simulations`` simulations each; ``None`` when neither fits ``budget_bytes``.
+    Neither greedy wins everywhere: on the 40-op budget table at 0.7 of eager the first is
+    1.09x the optimum on one graph where the second is 1.02x."""
+    found = []
+    for greedy in (_best_first, _in_order):
+        chosen = greedy(graph, budget_bytes, max_simulations)
+        if chosen is not None:
+            chosen = _pruned(graph, chosen, budget_bytes, max_simulations)
+            found.append((cost_key(graph, dropped_segments(graph, chosen)), len(found), chosen))
+    if not found:
+        return None
+    chosen = min(found)[2]
+    return plan_of_segments(graph, "dropped values", dropped_segments(graph, chosen),
+                            [f"dropped values: {len(chosen)} values made again before their backward"])
+
+
+def _trial(graph: nx.DiGraph, dropped: list[str]) -> tuple[Segment, ...] | None:
+    try:
+        return dropped_segments(graph, dropped)
+    except PlanError:
+        return None
+
+
+def _best_first(graph: nx.DiGraph, budget_bytes: float, max_simulations: int) -> list[str] | None:
+    """Drop, step by step, the value of :func:`drop_order` that lowers the simulated peak most
+    per unit of recompute it adds, until the plan fits (``None`` if it never does)."""
+    chosen: list[str] = []
+    segments = dropped_segments(graph, ())
+    peak, cost, simulations = simulate(graph, segments).peak_bytes, cost_key(graph, segments)[0], 0
+    while peak > budget_bytes and simulations < max_simulations:
+        best: tuple[float, str, int, int] | None = None
+        for name in drop_order(graph):
+            trial = None if name in chosen or simulations >= max_simulations else _trial(graph, [*chosen, name])
+            if trial is None:
+                continue
+            simulations += 1
+            trial_peak, trial_cost = simulate(graph, trial).peak_bytes, cost_key(graph, trial)[0]
+            gain = (peak - trial_peak) / max(trial_cost - cost, 0.5)
+            if trial_peak < peak and (best is None or gain > best[0]):
+                best = (gain, name, trial_peak, trial_cost)
+        if best is None:
+            break
+        chosen, peak, cost = [*chosen, best[1]], best[2], best[3]
+    return chosen if peak <= budget_bytes else None
+
+
+def _in_order(graph: nx.DiGraph, budget_bytes: float, max_simulations: int) -> list[str] | None:
+    """Drop the values of :func:`drop_order` in that order, each kept in the set only when it
+    lowers the simulated peak, until the plan fits (two passes at most; ``None`` if it never
+    does)."""
+    chosen: list[str] = []
+    peak, simulations = simulate(graph, dropped_segments(graph, ())).peak_bytes, 0
+    for name in [*drop_order(graph), *drop_order(graph)]:
+        if peak <= budget_bytes or simulations >= max_simulations:
+            break
+        trial = None if name in chosen else _trial(graph, [*chosen, name])
+        if trial is None:
+            continue
+        simulations += 1
+        trial_peak = simulate(graph, trial).peak_bytes
+        if trial_peak < peak:
+            chosen, peak = [*chosen, name], trial_peak
+    return chosen if peak <= budget_bytes else None
+
+
+def _pruned(graph: nx.DiGraph, chosen: list[str], budget_bytes: float, max_simulations: int) -> list[str]:
+    """``chosen`` without the values, last chosen first, whose drop the fitting plan no longer
+    needs: a value dropped early lowered the peak then, and a later one may have done more."""
+    best = cost_key(graph, dropped_segments(graph, chosen))
+    for name in reversed(chosen[:]):
+        if max_simulations <= 0:
+            break
+        trial = [c for c in chosen if c != name]
+        try:
+            segments = dropped_segments(graph, trial)
+        except PlanError:
+            continue
+        if cost_key(graph, segments) >= best:
+            continue
+        max_simulations -= 1
+        if simulate(graph, segments).peak_bytes <= budget_bytes:
+            chosen, best = trial, cost_key(graph, segments)
+    return chosen

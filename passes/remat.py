@@ -1,0 +1,253 @@
+"""Rematerialized inputs: a recomputed segment's input dropped after forward and recomputed,
+without gradients, from kept values at the start of the segment's recompute.
+
+A recomputed segment keeps its inputs from forward until its backward. When an input ``v`` is
+cheap to compute again from values that stay alive anyway (another input of the segment, an
+input of an earlier recomputed segment, a value an earlier kept op saved for its backward, the
+model's inputs, parameters: :func:`held_at`), the segment can drop
+``v`` after its last forward use and compute it again from those *sources* when backward
+recomputes the segment: the ops between (:attr:`Remat.nodes`) run under ``no_grad`` just
+before the segment's own ops. This is the exact optimum's (:mod:`passes.checkmate`) "recompute
+a value from several kept values just before its use", which segments over prefix cuts alone
+cannot express.
+
+**Gradients.** The copy made in the recompute never carries a gradient: it is detached, with
+``requires_grad`` set as the forward value's (so the ops of the segment save the same tensors
+as in forward), and only fills the tensors backward saved. The gradient the segment computes
+for ``v`` flows along the autograd graph forward built, whose edge from the segment to ``v``'s
+producer exists because forward ran the segment on the real ``v``. So ``v`` may require grad
+and its producer may sit anywhere (a kept segment, an earlier recomputed one): no gradient
+is lost or counted twice, and the chain's parameters get no gradient from the copy. The rule
+the validation enforces is therefore about *values*, not gradients: the copy must equal
+forward's ``v`` (pure chain, unchanged sources), and the sources must be alive when the
+segment's recompute runs (:func:`held_at`).
+
+Only top-level recomputed segments rematerialize inputs (a nested child's recompute runs
+inside its parent's, where its inputs are recomputed values anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import networkx as nx
+
+from passes.costgraph import in_order
+from passes.sim_memory import LiveMemory
+
+
+@dataclass(frozen=True)
+class Remat:
+    """Segment input ``value`` rematerialized from ``sources`` (activations or model inputs that
+    stay alive; parameters are read by the ops themselves) by running ``nodes`` (in execution
+    order, ending with ``value``) without gradients at the start of the segment's recompute."""
+
+    value: str
+    sources: tuple[str, ...]
+    nodes: tuple[str, ...]
+
+
+class SegmentLike(Protocol):
+    """What this module reads of a :class:`passes.segments.Segment` (which imports this module)."""
+
+    nodes: tuple[str, ...]
+    recompute: bool
+    inputs: tuple[str, ...]
+    remat: tuple[Remat, ...]
+
+    @property
+    def children(self) -> Sequence[SegmentLike]: ...
+
+
+def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str]) -> Remat:
+    """The :class:`Remat` computing ``value`` from ``keep``: the ops on paths into ``value``
+    that start at a value of ``keep``, a model input or a parameter (the sources are the ones
+    of those that are not parameters and that the chain reads)."""
+    stop = set(keep)
+    chain, sources, todo = {value}, set(), [value]
+    while todo:
+        for u in graph.predecessors(todo.pop()):
+            kind = graph.nodes[u]["kind"]
+            if kind == "param" or u in chain:
+                continue
+            if u in stop or kind == "input":
+                sources.add(u)
+            else:
+                chain.add(u)
+                todo.append(u)
+    return Remat(value, tuple(in_order(graph, sources)), tuple(in_order(graph, chain)))
+
+
+def pure(graph: nx.DiGraph, name: str) -> bool:
+    """Whether running op ``name`` again without gradients gives forward's value and changes
+    nothing: recomputable, no random draw, no in-place write or state update kept in order,
+    no storage written later, and no ``state`` value read (it changed since)."""
+    attributes = graph.nodes[name]
+    return (attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
+            and not (attributes["random"] or attributes["ordered"] or attributes["state"])
+            and not any(graph.nodes[u]["state"] for u in graph.predecessors(name)))
+
+
+def held_at(graph: nx.DiGraph, segments: Sequence[SegmentLike], index: int) -> set[str]:
+    """Activations certainly alive when backward recomputes top-level segment ``index``, whose
+    backward comes before the segments before it: the graph's outputs; the inputs the
+    recomputed segments up to it keep from forward (not counting inputs they rematerialize);
+    the values recomputed segments before it keep inside (``saved_inside``, held until their
+    own recompute); and what the ops of kept segments before it saved for their backward."""
+    held = {v for v in graph if any(graph.nodes[w]["kind"] == "output" for w in graph.successors(v))}
+    for position, segment in enumerate(segments[: index + 1]):
+        before = position < index
+        if segment.recompute:
+            dropped = {r.value for r in segment.remat}
+            held |= {v for v in segment.inputs if v not in dropped}
+            if before and not segment.children:
+                held |= set(segment.saved_inside)
+        elif before:
+            held |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
+    return held
+
+
+def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: type[Exception]) -> None:
+    """Raise ``error`` naming the node unless every rematerialized input is safe: a top-level
+    recomputed segment's own input, owning its storage; its chain as :func:`remat_chain` builds
+    it, every op :func:`pure`; every source a model input or a value :func:`held_at` the
+    segment's recompute, not written later and not rematerialized itself."""
+    for index, segment in enumerate(segments):
+        for child in segment.children:
+            if child.remat or any(c.remat for c in child.children):
+                raise error(f"segment {index}: only top-level segments rematerialize inputs")
+        if not segment.remat:
+            continue
+        where = f"segment {index}"
+        if not segment.recompute:
+            raise error(f"{where} is kept: only recomputed segments rematerialize inputs")
+        held, values = held_at(graph, segments, index), [r.value for r in segment.remat]
+        if len(set(values)) != len(values):
+            raise error(f"{where} rematerializes an input twice: {values}")
+        for remat in segment.remat:
+            _validate_one(graph, remat, segment, held, f"{where} rematerializing {remat.value!r}", error)
+
+
+def _validate_one(graph: nx.DiGraph, remat: Remat, segment: SegmentLike, held: set[str], where: str,
+                  error: type[Exception]) -> None:
+    """Check one :class:`Remat` of ``segment`` (see :func:`validate_remat`)."""
+    value = remat.value
+    if value not in segment.inputs:
+        raise error(f"{where}: {value!r} is not an input of the segment")
+    if graph.nodes[value]["kind"] != "op" or graph.nodes[value]["alias_of"] is not None:
+        raise error(f"{where}: {value!r} must be a computed value owning its storage")
+    if remat != remat_chain(graph, value, remat.sources):
+        raise error(f"{where}: its nodes and sources are not the chain from {list(remat.sources)} to {value!r}")
+    for name in remat.nodes:
+        if not pure(graph, name):
+            raise error(f"{where}: {name!r} may not run again without gradients (random, in-place, "
+                        "state, or written later)")
+    for source in remat.sources:
+        attributes = graph.nodes[source]
+        if attributes["state"] or not attributes["cuttable"]:
+            raise error(f"{where}: source {source!r} changes after forward reads it")
+        if attributes["kind"] != "input" and source not in held:
+            raise error(f"{where}: source {source!r} is not kept when the segment is recomputed")
+
+
+def rematerializable(graph: nx.DiGraph, name: str) -> bool:
+    """Whether an input ``name`` could be rematerialized at all: a computed value owning
+    storage whose own op is :func:`pure` (its chain's ops are checked once its sources are known)."""
+    attributes = graph.nodes[name]
+    return attributes["alias_of"] is None and attributes["bytes"] > 0 and pure(graph, name)
+
+
+def remat_options(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[tuple[int, str]]:
+    """Every ``(segment index, input)`` a top-level recomputed segment could rematerialize:
+    its computed, :func:`rematerializable` inputs, in plan order."""
+    return [(index, value) for index, segment in enumerate(segments) if segment.recompute
+            for value in segment.inputs if graph.nodes[value]["kind"] == "op" and rematerializable(graph, value)]
+
+
+def greedy_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: type[Exception] = ValueError,
+                 every: int = 1) -> tuple[SegmentLike, ...]:
+    """``segments`` rematerializing every ``every``-th of :func:`remat_options` that still
+    gives a valid plan with the ones taken before (whatever it does to the peak): a plan that
+    uses the new kind wherever it can, for tests."""
+    picks: list[tuple[int, str]] = []
+    for option in remat_options(graph, segments)[::every]:
+        try:
+            validate_remat(graph, with_remat(graph, segments, [*picks, option], error), error)
+        except error:
+            continue
+        picks.append(option)
+    return with_remat(graph, segments, picks, error)
+
+
+def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterable[tuple[int, str]],
+               error: type[Exception] = ValueError) -> tuple[SegmentLike, ...]:
+    """``segments`` with top-level segment ``index`` rematerializing input ``value`` for each
+    ``(index, value)`` of ``picks`` (replacing what they rematerialized before), each from the
+    nearest values still held at that segment's recompute (:func:`held_at`, every pick's drop
+    counted); ``error`` when a pick is no input of a recomputed segment or the result fails
+    :func:`validate_remat` (a chain that is not pure, a source written after forward)."""
+    chosen: dict[int, list[str]] = {}
+    for index, value in picks:
+        if not segments[index].recompute or value not in segments[index].inputs or not rematerializable(graph, value):
+            raise error(f"segment {index} cannot rematerialize {value!r}")
+        chosen.setdefault(index, []).append(value)
+    dropped = [replace(s, remat=tuple(Remat(v, (), ()) for v in in_order(graph, chosen.get(i, []))))
+               for i, s in enumerate(segments)]
+    result = []
+    for index, segment in enumerate(dropped):
+        held = held_at(graph, dropped, index)
+        remats = tuple(remat_chain(graph, r.value, held - {r.value}) for r in segment.remat)
+        for remat in remats:
+            if not all(pure(graph, n) for n in remat.nodes):
+                raise error(f"segment {index}: the chain to {remat.value!r} runs an op that is not pure")
+        result.append(replace(segment, remat=remats))
+    validate_remat(graph, result, error)  # sources that change after forward, ...
+    return tuple(result)
+
+
+def remat_nodes(segment: SegmentLike) -> list[str]:
+    """The ops a recompute of ``segment`` runs to rematerialize its inputs, in order, each once."""
+    seen: dict[str, None] = {}
+    for remat in segment.remat:
+        seen.update(dict.fromkeys(remat.nodes))
+    return list(seen)
+
+
+def remat_sources(segment: SegmentLike) -> tuple[str, ...]:
+    """Sources of ``segment``'s rematerialized inputs that are not inputs of the segment: what
+    its checkpoint call is given beyond its inputs, and keeps until its backward."""
+    extra: dict[str, None] = {}
+    for remat in segment.remat:
+        extra.update((s, None) for s in remat.sources if s not in segment.inputs)
+    return tuple(extra)
+
+
+def kept_inputs(segment: SegmentLike) -> tuple[str, ...]:
+    """What ``segment``'s checkpoint call keeps from forward: its inputs but the rematerialized
+    ones, and the sources they are rematerialized from."""
+    dropped = {r.value for r in segment.remat}
+    return (*(v for v in segment.inputs if v not in dropped), *remat_sources(segment))
+
+
+def run_remat(memory: LiveMemory, segment: SegmentLike) -> set[str]:
+    """Replay the rematerialization at the start of ``segment``'s recompute onto ``memory``:
+    each op of the chains allocates its value (recomputed storage: the caller has put the
+    chain's nodes in ``memory.fresh``) and temporaries for a moment; a chain value is freed
+    after its last use in the chains. Returns the rematerialized values, held once each: the
+    caller releases them once the recompute has run (what backward saved of them stays)."""
+    index, chain = memory.index, remat_nodes(segment)
+    inside, targets = set(chain), {r.value for r in segment.remat}
+    for name in chain:
+        attributes, key = index.attributes[name], memory.key(name)
+        if attributes["alias_of"] is None:
+            memory.allocate(key, attributes["bytes"])
+        memory.hold(name, sum(r in inside for r in index.readers[name]) + (name in targets), key)
+        memory.allocate(("forward-extra", name), attributes["forward_extra_bytes"])
+        memory.free(("forward-extra", name))
+        for value in index.activation_reads[name]:
+            if value in inside:
+                memory.release(value)
+        memory.release(name, 0, key)
+    return targets

@@ -1,0 +1,204 @@
+"""Rematerialized segment inputs (:mod:`passes.remat`): a recomputed segment drops an input
+after forward and computes it again, without gradients, from kept values when backward
+recomputes it. Trains like eager, peaks where the simulator says, and the validation names
+what is wrong with a plan that may not do it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+
+from graphckpt.api import analyze
+from graphckpt.codegen import generate
+from graphckpt.tools import zoo
+from graphckpt.tools.measure import measure_step
+from passes.budget import fit_budget
+from passes.costgraph import op_nodes
+from passes.drops import drop_plan
+from passes.optimal import DynamicProgram
+from passes.plan import Plan, plan_of_segments
+from passes.remat import Remat, greedy_remat, remat_chain, with_remat
+from passes.search import search
+from passes.segments import PlanError, make_segments
+from passes.simulate import eager_peak
+from scripts.planner_gap import random_cost_graph
+from tests.equivalence import assert_trains_like, fresh_pair
+
+
+def _rematerializing(graph: nx.DiGraph, plan: Plan, every: int = 1) -> Plan:
+    """``plan`` rematerializing every input it can (every ``every``-th option)."""
+    return plan_of_segments(graph, "remat", greedy_remat(graph, plan.segments, PlanError, every))
+
+
+def _count(plan: Plan) -> int:
+    return sum(len(s.remat) for s in plan.segments)
+
+
+@pytest.mark.parametrize("strategy", ["mincut", "sqrt"])
+@pytest.mark.parametrize("name", zoo.names())
+def test_rematerialized_inputs_train_like_eager(name: str, strategy: str) -> None:
+    reference, model = fresh_pair(zoo.make(name)[0])
+    inputs = zoo.make(name)[1]
+    analysis = analyze(model, inputs, strategy=strategy)
+    plan = _rematerializing(analysis.cost_graph, analysis.plan)
+    if not _count(plan):  # unet's mincut plan: every chain runs an in-place ReLU
+        pytest.skip("no input of this plan has a pure chain to kept values")
+    rewritten = generate(analysis.captured.graph_module, model, plan)
+    assert "_remat(self" in rewritten.code and "rematerializes" in rewritten.code
+    for _ in range(2):  # the second step: running stats moved once per step, fresh calls
+        assert_trains_like(reference, model, rewritten, inputs)
+
+
+SIZES = {"mlp": {"depth": 12, "width": 256, "batch": 64}, "resnet": {"batch": 4}, "gpt": {"layers": 2, "batch": 8},
+         "unet": {"batch": 4}, "densenet": {"batch": 4}}
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("name", list(SIZES))
+def test_rematerialized_peak_is_the_simulated_one(name: str, every: int) -> None:
+    model, inputs = zoo.make(name, **SIZES[name])
+    analysis = analyze(model, inputs, strategy="mincut")
+    plan = _rematerializing(analysis.cost_graph, analysis.plan, every)
+    if not _count(plan):
+        pytest.skip("nothing to rematerialize")
+    measured = measure_step(generate(analysis.captured.graph_module, model, plan), inputs, zoo.scalar_loss,
+                            repeats=1).peak_bytes
+    assert abs(plan.peak_bytes / measured - 1) < 0.03, (plan.peak_bytes, measured)
+
+
+class _Producer(nn.Module):
+    """``v = linear_a(x)`` is read only by the recomputed segment ``relu(v) * w -> linear_b``:
+    linear_a's weight gets its gradient only through the segment's gradient for ``v``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_a, self.linear_b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.linear_a(x)
+        return self.linear_b(torch.relu(v) * self.w)
+
+
+def test_gradient_of_a_rematerialized_input_reaches_its_producer() -> None:
+    """The rule: the copy carries no gradient; the segment's gradient for ``v`` flows along
+    forward's graph to ``v``'s producer (a kept op here). A runtime that gave the segment a
+    detached ``v`` in forward, or that built the copy's graph instead, would leave
+    ``linear_a`` without (or with a doubled) gradient; one that did not match the copy's
+    ``requires_grad`` would save other tensors and fail checkpoint's check."""
+    torch.manual_seed(0)
+    reference, model = fresh_pair(_Producer())
+    inputs = (torch.randn(8, 16),)
+    analysis = analyze(model, inputs, strategy="sqrt")
+    graph = analysis.cost_graph
+    ops = op_nodes(graph)
+    v = next(n for n in ops if graph.nodes[n]["label"].startswith("linear_a"))
+    rest = ops[ops.index(v) + 1:]
+    segments = make_segments(graph, [(ops[:ops.index(v) + 1], False), (rest, True)])
+    segments = with_remat(graph, segments, [(1, v)], PlanError)
+    assert segments[1].remat == (Remat(v, ("x",), (v,)),)
+    plan = plan_of_segments(graph, "remat", segments)
+    rewritten = generate(analysis.captured.graph_module, model, plan)
+    assert "def segment_0_remat(self, x)" in rewritten.code
+    assert_trains_like(reference, model, rewritten, inputs)
+    assert model.linear_a.weight.grad is not None and model.linear_a.weight.grad.abs().sum() > 0
+
+
+def _mlp_graph() -> tuple[nx.DiGraph, list[str]]:
+    model, inputs = zoo.make("mlp", depth=6, width=32, batch=8)
+    graph = analyze(model, inputs, strategy="mincut").cost_graph
+    return graph, op_nodes(graph)
+
+
+def test_validation_names_a_source_that_is_not_kept() -> None:
+    graph, ops = _mlp_graph()
+    segments = make_segments(graph, [(ops[:4], True), (ops[4:8], True), (ops[8:], False)])
+    v = segments[1].inputs[0]
+    bad = replace(segments[1], remat=(remat_chain(graph, v, [ops[1]]),))  # inside segment 0: died in forward
+    with pytest.raises(PlanError, match=f"source '{ops[1]}' is not kept"):
+        plan_of_segments(graph, "bad", (segments[0], bad, segments[2]))
+
+
+def test_validation_names_an_impure_op_in_the_chain() -> None:
+    graph, ops = _mlp_graph()
+    graph = graph.copy()
+    segments = make_segments(graph, [(ops[:4], False), (ops[4:8], True), (ops[8:], False)])
+    v = segments[1].inputs[0]
+    remat = remat_chain(graph, v, ["x"])
+    graph.nodes[remat.nodes[1]]["random"] = True  # as if it were a dropout
+    with pytest.raises(PlanError, match=f"'{remat.nodes[1]}' may not run again"):
+        plan_of_segments(graph, "bad", (segments[0], replace(segments[1], remat=(remat,)), segments[2]))
+
+
+def test_validation_names_a_value_that_is_no_input_and_a_kept_segment() -> None:
+    graph, ops = _mlp_graph()
+    segments = make_segments(graph, [(ops[:4], False), (ops[4:8], True), (ops[8:], False)])
+    with pytest.raises(PlanError, match=f"'{ops[1]}' is not an input"):
+        plan_of_segments(graph, "bad", (segments[0], replace(segments[1], remat=(remat_chain(graph, ops[1], ["x"]),)),
+                                        segments[2]))
+    with pytest.raises(PlanError, match="segment 2 is kept"):
+        plan_of_segments(graph, "bad", (*segments[:2], replace(segments[2], remat=(
+            remat_chain(graph, segments[2].inputs[0], ["x"]),))))
+
+
+def test_a_rematerialized_input_is_not_a_checkpoint_and_lowers_the_peak() -> None:
+    graph, ops = _mlp_graph()
+    segments = make_segments(graph, [(ops[:4], True), (ops[4:8], True), (ops[8:], False)])
+    plain = plan_of_segments(graph, "plain", segments)
+    v = segments[1].inputs[0]
+    remade = plan_of_segments(graph, "remat", with_remat(graph, segments, [(1, v)], PlanError))
+    assert v in plain.checkpoints and v not in remade.checkpoints
+    assert remade.peak_bytes < plain.peak_bytes
+    assert remade.recompute_flops > plain.recompute_flops
+    assert f"rematerializes {v} from x" in str(remade)
+
+
+def _drop_plan(name: str, model: nn.Module, inputs: tuple) -> tuple[object, Plan | None]:
+    """A plan dropping values (:mod:`passes.drops`) at the lowest of a few budgets it meets."""
+    analysis = analyze(model, inputs, strategy="mincut")
+    graph = analysis.cost_graph
+    plans = (drop_plan(graph, int(fraction * eager_peak(graph))) for fraction in (0.8, 0.9, 0.97))
+    return analysis, next((plan for plan in plans if plan is not None), None)
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_plans_dropping_values_train_like_eager(name: str) -> None:
+    reference, model = fresh_pair(zoo.make(name)[0])
+    inputs = zoo.make(name)[1]
+    analysis, plan = _drop_plan(name, model, inputs)
+    if plan is None or not _count(plan):
+        pytest.skip("no plan dropping values fits")
+    rewritten = generate(analysis.captured.graph_module, model, plan)
+    for _ in range(2):
+        assert_trains_like(reference, model, rewritten, inputs)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "densenet", "unet"])
+def test_plans_dropping_values_peak_where_simulated(name: str) -> None:
+    model, inputs = zoo.make(name, **SIZES[name])
+    analysis, plan = _drop_plan(name, model, inputs)
+    if plan is None or not _count(plan):
+        pytest.skip("no plan dropping values fits")
+    measured = measure_step(generate(analysis.captured.graph_module, model, plan), inputs, zoo.scalar_loss,
+                            repeats=1).peak_bytes
+    assert abs(plan.peak_bytes / measured - 1) < 0.03, (plan.peak_bytes, measured)
+
+
+@pytest.mark.parametrize("index", [1, 3])
+def test_the_planner_meets_budgets_it_refused(index: int) -> None:
+    """Random DAGs 1 and 3 of planner_gap's 16-op budget table (seed 0): the MILP meets half of
+    eager's peak, and fit_budget refused it before plans could rematerialize inputs (every
+    plan of segments alone peaks above it)."""
+    rng = random.Random(0)
+    graph = [random_cost_graph(rng, 16) for _ in range(8)][index]
+    budget = int(0.5 * eager_peak(graph))
+    assert DynamicProgram(graph).smallest().peak_bytes > budget
+    assert search(graph, [DynamicProgram(graph).smallest()], budget, remat=False).peak_bytes > budget
+    plan = fit_budget(graph, budget)
+    assert plan.peak_bytes <= budget and _count(plan)
