@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from graphckpt.api import cost_model
-from graphckpt.runtime import frozen_running_stats
+from graphckpt.state import frozen_running_stats
 from graphckpt.torch_compat import NormBase
 from passes.blocks import recomputed_blocks
 from passes.budget import Budget, block_plan, parse_budget

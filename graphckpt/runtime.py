@@ -43,61 +43,8 @@ from torch.utils.checkpoint import (
 )
 
 from graphckpt.profile import kept_by_selective
-from graphckpt.state import RUNNING_STATS
+from graphckpt.state import StateInput, frozen_running_stats, scratch_state, unwrap_state
 from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema
-
-
-@contextlib.contextmanager
-def frozen_running_stats(norms: Sequence[NormBase]) -> Iterator[None]:
-    """Norm layers run exactly as in forward, but their running statistics are updated on
-    scratch copies that are dropped afterwards: a recompute must not count a batch twice.
-
-    (Turning ``track_running_stats`` off instead would change which tensors autograd saves,
-    which checkpointing rejects.)
-    """
-    originals = [{name: getattr(norm, name) for name in RUNNING_STATS} for norm in norms]
-    try:
-        for norm, buffers in zip(norms, originals, strict=True):
-            for name, buffer in buffers.items():
-                if buffer is not None:
-                    setattr(norm, name, buffer.clone())
-        yield
-    finally:
-        for norm, buffers in zip(norms, originals, strict=True):
-            for name, buffer in buffers.items():
-                setattr(norm, name, buffer)
-
-
-class _StateInput:
-    """A state tensor a segment updates in place, handed to ``checkpoint`` by reference:
-    checkpoint saves tensor inputs with their version, and the body's own update (a counter's
-    ``add_``) would fail that check in backward. ``scratch`` is the copy a recompute
-    updates instead (made by :class:`_Recomputing` before the recompute starts)."""
-
-    __slots__ = ("scratch", "tensor")
-
-    def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
-        self.scratch: Any = None
-
-
-@contextlib.contextmanager
-def scratch_state(state: Sequence[_StateInput]) -> Iterator[None]:
-    """A recompute's state updates go to copies, dropped afterwards (the same idea as
-    :func:`frozen_running_stats`, for state passed in rather than held by a module)."""
-    try:
-        for value in state:
-            value.scratch = value.tensor.clone() if isinstance(value.tensor, torch.Tensor) else value.tensor
-        yield
-    finally:
-        for value in state:
-            value.scratch = None
-
-
-def unwrap_state(args: Sequence[Any], recomputing: bool) -> tuple[Any, ...]:
-    """``args`` with each :class:`_StateInput` replaced by its tensor, or by its scratch copy
-    when ``recomputing``."""
-    return tuple((a.scratch if recomputing else a.tensor) if isinstance(a, _StateInput) else a for a in args)
 
 
 class _Dropped:
@@ -105,10 +52,11 @@ class _Dropped:
     keep it: ``tensor`` is the forward value while forward runs the body and ``None`` after,
     and a recompute makes a copy from the segment's sources (:meth:`SegmentModule._inputs`)."""
 
-    __slots__ = ("requires_grad", "tensor")
+    __slots__ = ("copy", "requires_grad", "tensor")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
+        self.copy: Any = None  # made when a recompute starts, taken by the body
         self.requires_grad = isinstance(tensor, torch.Tensor) and tensor.requires_grad
 
 
@@ -176,7 +124,7 @@ class SegmentModule(nn.Module):
         if not torch.is_grad_enabled() or not (_wants_grad(args) or self._trains_parameters()):
             return self.body(*args[:len(self.inputs)])  # the rest are sources of rematerialized inputs
         if self.state_inputs or self.remat_inputs:
-            args = tuple(_StateInput(a) if i in self.state_inputs else _Dropped(a) if i in self.remat_inputs else a
+            args = tuple(StateInput(a) if i in self.state_inputs else _Dropped(a) if i in self.remat_inputs else a
                          for i, a in enumerate(args))
         running = _innermost_running()
         if running is not None and running.recomputing:
@@ -184,7 +132,9 @@ class SegmentModule(nn.Module):
             # never backpropagated; it stands for the call made in the original forward.
             contexts = functools.partial(_refill_contexts, running.next_nested())
         else:
-            call = _Call(self.saved_inside, [a for a in args if isinstance(a, _StateInput)])
+            call = _Call(self.saved_inside, [a for a in args if isinstance(a, StateInput)])
+            if self.remat_inputs:
+                call.remake = functools.partial(self._remake, args)
             if running is not None:
                 running.call.nested.append(call)
             contexts = functools.partial(_call_contexts, self, call)
@@ -219,16 +169,23 @@ class SegmentModule(nn.Module):
         dropped = [inputs[i] for i in self.remat_inputs]
         if not dropped:
             return inputs
-        if all(d.tensor is not None for d in dropped):
-            copies = [d.tensor for d in dropped]
-        else:
-            with torch.no_grad(), frozen_running_stats(self.remat_norms):
-                made = self.remat(*(args[i] for i in self.remat_sources))
-            made = made if isinstance(made, tuple) else (made,)
-            copies = [m.detach().requires_grad_(d.requires_grad) for m, d in zip(made, dropped, strict=True)]
-        for position, value in zip(self.remat_inputs, copies, strict=True):
-            inputs[position] = value
+        if any(d.tensor is None and d.copy is None for d in dropped):
+            self._remake(args)
+        for position, box in zip(self.remat_inputs, dropped, strict=True):
+            inputs[position] = box.tensor if box.tensor is not None else box.copy
+            box.copy = None  # the body holds it now: freed once backward has used what it saved
         return inputs
+
+    def _remake(self, args: Sequence[Any]) -> None:
+        """Make the copies of the rematerialized inputs of a call with ``args`` from their
+        sources, without gradients. :class:`_Recomputing` calls it before the selective
+        policy's cache is entered: ops run inside it would shift the cache's count of each op."""
+        with torch.no_grad(), frozen_running_stats(self.remat_norms):
+            made = self.remat(*(args[i] for i in self.remat_sources))
+        made = made if isinstance(made, tuple) else (made,)
+        for position, value in zip(self.remat_inputs, made, strict=True):
+            box = args[position]
+            box.copy = value.detach().requires_grad_(box.requires_grad)
 
     def extra_repr(self) -> str:
         kernels = [name for name in self.saved_inside if name not in self.kept_whole]
@@ -258,9 +215,10 @@ class _Call:
     ``nested`` they stand for (``filled`` once one has).
     """
 
-    def __init__(self, saved_inside: Sequence[str], state: Sequence[_StateInput] = ()) -> None:
+    def __init__(self, saved_inside: Sequence[str], state: Sequence[StateInput] = ()) -> None:
         self.nested: list[_Call] = []
         self.state = tuple(state)  # what its recompute gets scratch copies of
+        self.remake: functools.partial | None = None  # makes its rematerialized inputs again
         self.filled = False
         self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -346,6 +304,8 @@ class _Recomputing(_Running):
         super().__enter__()
         self.stack.enter_context(frozen_running_stats(self.segment.norms()))
         self.stack.enter_context(scratch_state(self.call.state))
+        if self.call.remake is not None:  # before the selective cache: see SegmentModule._remake
+            self.call.remake()
         if self.segment.saved_inside and (self.segment.enclosing is None or self.call.filled):
             self.stack.enter_context(self.call.cached)
 

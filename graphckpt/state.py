@@ -17,7 +17,9 @@ This module finds such *state*: the buffers (and inputs) forward only updates
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -106,3 +108,56 @@ def state_keys(graph_module: fx.GraphModule, node: fx.Node, roots: Mapping[fx.No
     keys.update(norm_layer_keys(graph_module, node))
     keys.discard(None)
     return keys
+
+
+@contextlib.contextmanager
+def frozen_running_stats(norms: Sequence[NormBase]) -> Iterator[None]:
+    """Norm layers run exactly as in forward, but their running statistics are updated on
+    scratch copies that are dropped afterwards: a recompute must not count a batch twice.
+
+    (Turning ``track_running_stats`` off instead would change which tensors autograd saves,
+    which checkpointing rejects.)
+    """
+    originals = [{name: getattr(norm, name) for name in RUNNING_STATS} for norm in norms]
+    try:
+        for norm, buffers in zip(norms, originals, strict=True):
+            for name, buffer in buffers.items():
+                if buffer is not None:
+                    setattr(norm, name, buffer.clone())
+        yield
+    finally:
+        for norm, buffers in zip(norms, originals, strict=True):
+            for name, buffer in buffers.items():
+                setattr(norm, name, buffer)
+
+
+class StateInput:
+    """A state tensor a segment updates in place, handed to ``checkpoint`` by reference:
+    checkpoint saves tensor inputs with their version, and the body's own update (a counter's
+    ``add_``) would fail that check in backward. ``scratch`` is the copy a recompute
+    updates instead (made by :class:`_Recomputing` before the recompute starts)."""
+
+    __slots__ = ("scratch", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.scratch: Any = None
+
+
+@contextlib.contextmanager
+def scratch_state(state: Sequence[StateInput]) -> Iterator[None]:
+    """A recompute's state updates go to copies, dropped afterwards (the same idea as
+    :func:`frozen_running_stats`, for state passed in rather than held by a module)."""
+    try:
+        for value in state:
+            value.scratch = value.tensor.clone() if isinstance(value.tensor, torch.Tensor) else value.tensor
+        yield
+    finally:
+        for value in state:
+            value.scratch = None
+
+
+def unwrap_state(args: Sequence[Any], recomputing: bool) -> tuple[Any, ...]:
+    """``args`` with each :class:`StateInput` replaced by its tensor, or by its scratch copy
+    when ``recomputing``."""
+    return tuple((a.scratch if recomputing else a.tensor) if isinstance(a, StateInput) else a for a in args)

@@ -202,3 +202,23 @@ def test_the_planner_meets_budgets_it_refused(index: int) -> None:
     assert search(graph, [DynamicProgram(graph).smallest()], budget, remat=False).peak_bytes > budget
     plan = fit_budget(graph, budget)
     assert plan.peak_bytes <= budget and _count(plan)
+
+
+def test_a_chain_running_the_ops_a_segment_keeps_trains_like_eager() -> None:
+    """The chain makes a GELU again and the segment keeps a GELU from forward: the copy is
+    made before the selective policy's cache is entered, whose count of GELU calls a chain run
+    inside it would shift ("gelu invocation index 2 ... not found in storage", found by
+    test_recompute_matches_plan's random chains)."""
+    torch.manual_seed(0)
+    reference, model = fresh_pair(nn.Sequential(nn.Linear(32, 32), *(nn.GELU() for _ in range(6))))
+    inputs = (torch.randn(16, 32),)
+    analysis = analyze(model, inputs, strategy="sqrt")
+    graph = analysis.cost_graph
+    ops = op_nodes(graph)
+    segments = make_segments(graph, [(ops[:3], False), (ops[3:], True)])
+    segments = with_remat(graph, (segments[0], replace(segments[1], saved_inside=(ops[4],))), [(1, ops[2])], PlanError)
+    plan = plan_of_segments(graph, "remat", segments)
+    assert plan.segments[1].remat and plan.segments[1].saved_inside
+    rewritten = generate(analysis.captured.graph_module, model, plan)
+    for _ in range(2):
+        assert_trains_like(reference, model, rewritten, inputs)
