@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -58,6 +59,13 @@ class _Dropped:
         self.tensor = tensor
         self.copy: Any = None  # made when a recompute starts, taken by the body
         self.requires_grad = isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
+def _weakly(args: Sequence[Any]) -> tuple[Any, ...]:
+    """``args`` with weak references in place of tensors: a call's recompute remakes its
+    rematerialized inputs from sources its checkpoint keeps, until its backward and no
+    longer (a strong reference here kept them as long as the call itself lived)."""
+    return tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _wants_grad(args: Sequence[Any]) -> bool:
@@ -134,7 +142,7 @@ class SegmentModule(nn.Module):
         else:
             call = _Call(self.saved_inside, [a for a in args if isinstance(a, StateInput)])
             if self.remat_inputs:
-                call.remake = functools.partial(self._remake, args)
+                call.remake = functools.partial(self._remake, _weakly(args))
             if running is not None:
                 running.call.nested.append(call)
             contexts = functools.partial(_call_contexts, self, call)
@@ -180,6 +188,7 @@ class SegmentModule(nn.Module):
         """Make the copies of the rematerialized inputs of a call with ``args`` from their
         sources, without gradients. :class:`_Recomputing` calls it before the selective
         policy's cache is entered: ops run inside it would shift the cache's count of each op."""
+        args = [a() if isinstance(a, weakref.ref) else a for a in args]
         with torch.no_grad(), frozen_running_stats(self.remat_norms):
             made = self.remat(*(args[i] for i in self.remat_sources))
         made = made if isinstance(made, tuple) else (made,)

@@ -95,15 +95,16 @@ def held_at(graph: nx.DiGraph, segments: Sequence[SegmentLike], index: int) -> s
     backward comes before the segments before it: the graph's outputs; the inputs the
     recomputed segments up to it keep from forward (not counting inputs they rematerialize);
     the values recomputed segments before it keep inside (``saved_inside``, held until their
-    own recompute); and what the ops of kept segments before it saved for their backward."""
+    own recompute) and return (one the segment uses only inside never reaches the forward code
+    calling later segments); and what the ops of kept segments before it saved for their backward."""
     held = {v for v in graph if any(graph.nodes[w]["kind"] == "output" for w in graph.successors(v))}
     for position, segment in enumerate(segments[: index + 1]):
         before = position < index
         if segment.recompute:
             dropped = {r.value for r in segment.remat}
             held |= {v for v in segment.inputs if v not in dropped}
-            if before and not segment.children:
-                held |= set(segment.saved_inside)
+            if before and not segment.children:  # forward's value: only an output reaches later calls
+                held |= set(segment.saved_inside) & set(segment.outputs)
         elif before:
             held |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
     return held

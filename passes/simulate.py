@@ -37,7 +37,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.kept_bytes import gradient_bytes, shared_parameters
+from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.sim_memory import LiveMemory
