@@ -232,7 +232,7 @@ class _Call:
         self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
         if saved_inside:
-            policy = functools.partial(_keep_marked, self)
+            policy = functools.partial(_keep_marked, weakref.ref(self))  # no cycle: freed with its graph
             self.caching, self.cached = create_selective_checkpoint_contexts(policy)
 
 
@@ -344,13 +344,13 @@ def keep_end(value: Any) -> Any:
     return value
 
 
-def _keep_marked(call: _Call, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _keep_marked(call: weakref.ref[_Call], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """``call``'s selective policy: keep the outputs of ops run inside a mark its own body
     made (not a nested segment's: the innermost running body must be the one ``call``
     stands for), all of them for a node kept whole, the matmul/convolution kernels for a
     matmul node. The same marks run in forward and in the recompute, so both agree."""
     running = _innermost_running()
-    if running is None or running.keeper is not call or running.keeping is None:
+    if running is None or running.keeper is not call() or running.keeping is None:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if kept_by_selective(op, args, kwargs) or (running.keeping == "whole" and not _writes(op)):
         return CheckpointPolicy.MUST_SAVE

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -103,6 +104,28 @@ def test_nested_selective_segments_train_like_eager(last_child_recomputed: bool)
     rewritten = _rewrite(model, captured, graph, _nested_selective_plan(graph, last_child_recomputed))
     assert_trains_like(reference, model, rewritten, inputs)
     assert_trains_like(reference, model, rewritten, inputs, seed=1)  # a second step, fresh calls
+
+
+def test_a_selective_call_is_freed_with_its_graph_without_the_garbage_collector() -> None:
+    """A selective call's policy referred back to the call, a cycle: when no backward came
+    (a forward under grad whose output is dropped), the matmul outputs its cache keeps lived
+    until the garbage collector ran, and a rematerialization's sources with them."""
+    from graphckpt.runtime import _Call
+
+    def calls() -> int:
+        return sum(isinstance(o, _Call) for o in gc.get_objects())
+
+    model, inputs, graph, captured = _mlp(batch=8)
+    rewritten = _rewrite(model, captured, graph, _nested_selective_plan(graph))
+    gc.collect()
+    gc.disable()
+    try:
+        output = rewritten(*inputs)
+        assert calls() > 0
+        del output
+        assert calls() == 0
+    finally:
+        gc.enable()
 
 
 def test_nested_children_reuse_their_kept_matmul_outputs() -> None:
