@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphckpt.tools import zoo
+
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -60,3 +62,16 @@ def assert_trains_like(reference: nn.Module, model: nn.Module, rewritten: nn.Mod
 def fresh_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """``(reference, model)``: a deep copy to compare against, and the model itself."""
     return copy.deepcopy(model), model
+
+
+def zoo_pair(name: str) -> tuple[nn.Module, nn.Module, tuple]:
+    """``(reference, model, inputs)`` for the zoo model ``name`` (see :func:`fresh_pair`)."""
+    model, inputs = zoo.make(name)
+    return copy.deepcopy(model), model, inputs
+
+
+def assert_trains_like_twice(reference: nn.Module, model: nn.Module, rewritten: nn.Module, args: tuple) -> None:
+    """:func:`assert_trains_like` for two steps: the second checks that running statistics moved
+    once per step and that the rewritten module's calls start afresh."""
+    for _ in range(2):
+        assert_trains_like(reference, model, rewritten, args)

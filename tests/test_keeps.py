@@ -22,7 +22,7 @@ from passes.keeps import add_keeps, keepable, leaf_segments, ranked_keeps, with_
 from passes.plan import Plan, plan_of_segments
 from passes.simulate import eager_peak
 from scripts.planner_gap import random_cost_graph
-from tests.equivalence import assert_trains_like, fresh_pair
+from tests.equivalence import assert_trains_like_twice, zoo_pair
 
 
 def _every_other_keep(graph: nx.DiGraph, plan: Plan) -> Plan:
@@ -38,8 +38,7 @@ def _every_other_keep(graph: nx.DiGraph, plan: Plan) -> Plan:
 @pytest.mark.parametrize("strategy", ["mincut", "optimal"])
 @pytest.mark.parametrize("name", zoo.names())
 def test_per_value_keeps_train_like_eager(name: str, strategy: str) -> None:
-    reference, model = fresh_pair(zoo.make(name)[0])
-    inputs = zoo.make(name)[1]
+    reference, model, inputs = zoo_pair(name)
     analysis = analyze(model, inputs, strategy=strategy)
     graph = analysis.cost_graph
     plan = _every_other_keep(graph, analysis.plan)
@@ -49,8 +48,7 @@ def test_per_value_keeps_train_like_eager(name: str, strategy: str) -> None:
         assert any(not graph.nodes[n]["expensive"] for n in kept), "no pointwise value kept"
     rewritten = generate(analysis.captured.graph_module, model, plan)
     assert "keep_begin" in rewritten.code
-    for _ in range(2):  # the second step: running stats moved once per step, fresh calls
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
 
 
 SIZES = {"mlp": {"depth": 12, "width": 256, "batch": 64}, "resnet": {"batch": 4}, "gpt": {"layers": 2, "batch": 8},

@@ -37,7 +37,7 @@ from passes.optimal import (
 )
 from passes.simulate import eager_peak
 from passes.strategies import choose_plan
-from tests.equivalence import assert_trains_like, fresh_pair
+from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair, zoo_pair
 from tests.test_passes_properties import SETTINGS, cost_graphs
 
 BRUTE_FORCE_SLOTS = 40
@@ -169,16 +169,14 @@ def test_a_chain_of_equal_values_fills_whole_slots(size: int) -> None:
 def test_nested_plans_train_like_eager(name: str) -> None:
     """The program's smallest plan (the deepest nesting it builds) on every zoo model:
     outputs, gradients, BatchNorm buffers and dropout equal to eager over two steps."""
-    reference, model = fresh_pair(zoo.make(name)[0])
-    inputs = zoo.make(name)[1]
+    reference, model, inputs = zoo_pair(name)
     analysis = analyze(model, inputs, strategy="sqrt")
     plan = DynamicProgram(analysis.cost_graph).smallest()
     rewritten = generate(analysis.captured.graph_module, model, plan)
     if name in ("mlp", "gpt", "densenet"):
         assert max(s.depth for s in plan.segments) >= 2, "expected nesting"
         assert "self.segment_0_0(" in rewritten.code or "segment_1_0(" in rewritten.code
-    for _ in range(2):
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
 
 
 def test_slow_planning_shows_a_progress_bar_on_a_terminal() -> None:

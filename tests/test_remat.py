@@ -29,7 +29,7 @@ from passes.search import search
 from passes.segments import PlanError, make_segments
 from passes.simulate import eager_peak
 from scripts.planner_gap import random_cost_graph
-from tests.equivalence import assert_trains_like, fresh_pair
+from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair, zoo_pair
 
 
 def _rematerializing(graph: nx.DiGraph, plan: Plan, every: int = 1) -> Plan:
@@ -44,16 +44,14 @@ def _count(plan: Plan) -> int:
 @pytest.mark.parametrize("strategy", ["mincut", "sqrt"])
 @pytest.mark.parametrize("name", zoo.names())
 def test_rematerialized_inputs_train_like_eager(name: str, strategy: str) -> None:
-    reference, model = fresh_pair(zoo.make(name)[0])
-    inputs = zoo.make(name)[1]
+    reference, model, inputs = zoo_pair(name)
     analysis = analyze(model, inputs, strategy=strategy)
     plan = _rematerializing(analysis.cost_graph, analysis.plan)
     if not _count(plan):  # unet's mincut plan: every chain runs an in-place ReLU
         pytest.skip("no input of this plan has a pure chain to kept values")
     rewritten = generate(analysis.captured.graph_module, model, plan)
     assert "_remat(self" in rewritten.code and "rematerializes" in rewritten.code
-    for _ in range(2):  # the second step: running stats moved once per step, fresh calls
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
 
 
 SIZES = {"mlp": {"depth": 12, "width": 256, "batch": 64}, "resnet": {"batch": 4}, "gpt": {"layers": 2, "batch": 8},
@@ -185,14 +183,12 @@ def _drop_plan(name: str, model: nn.Module, inputs: tuple) -> tuple[object, Plan
 
 @pytest.mark.parametrize("name", zoo.names())
 def test_plans_dropping_values_train_like_eager(name: str) -> None:
-    reference, model = fresh_pair(zoo.make(name)[0])
-    inputs = zoo.make(name)[1]
+    reference, model, inputs = zoo_pair(name)
     analysis, plan = _drop_plan(name, model, inputs)
     if plan is None or not _count(plan):
         pytest.skip("no plan dropping values fits")
     rewritten = generate(analysis.captured.graph_module, model, plan)
-    for _ in range(2):
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "densenet", "unet"])
@@ -236,8 +232,7 @@ def test_a_chain_running_the_ops_a_segment_keeps_trains_like_eager() -> None:
     plan = plan_of_segments(graph, "remat", segments)
     assert plan.segments[1].remat and plan.segments[1].saved_inside
     rewritten = generate(analysis.captured.graph_module, model, plan)
-    for _ in range(2):
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
 
 
 def test_sources_are_let_go_with_the_checkpoint_keeping_them() -> None:

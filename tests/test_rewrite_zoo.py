@@ -8,7 +8,7 @@ import torch
 import graphckpt
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from tests.equivalence import assert_trains_like, fresh_pair
+from tests.equivalence import assert_trains_like_twice, zoo_pair
 
 STRATEGIES = ["sqrt", "articulation", "mincut", "auto", "optimal"]
 MEMORY_SIZES = {  # large enough that activations dominate the measured peak
@@ -23,12 +23,10 @@ MEMORY_SIZES = {  # large enough that activations dominate the measured peak
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", zoo.names())
 def test_outputs_gradients_and_buffers_equal_eager(name: str, strategy: str) -> None:
-    reference, model = fresh_pair(zoo.make(name)[0])
-    inputs = zoo.make(name)[1]
+    reference, model, inputs = zoo_pair(name)
     rewritten = graphckpt.rewrite(model, inputs, strategy=strategy)
     assert rewritten.meta["graphckpt_plan"].recomputed_segments, "nothing is recomputed"
-    for _ in range(2):  # the second step also checks running stats were updated once per step
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -73,8 +71,7 @@ def test_selective_plans_keep_matmuls_and_train_like_eager(name: str) -> None:
     from graphckpt.codegen import generate
     from passes.plan import Candidate, selective, simulated
 
-    reference, model = fresh_pair(zoo.make(name)[0])
-    inputs = zoo.make(name)[1]
+    reference, model, inputs = zoo_pair(name)
     analysis = analyze(model, inputs, strategy="mincut")
     flat = Candidate(analysis.plan.strategy, analysis.plan.segments)
     plan = simulated(analysis.cost_graph, selective(analysis.cost_graph, flat))
@@ -82,5 +79,4 @@ def test_selective_plans_keep_matmuls_and_train_like_eager(name: str) -> None:
     assert plan.recompute_flops < analysis.plan.recompute_flops
     rewritten = generate(analysis.captured.graph_module, model, plan)
     assert "keeps matmul/conv outputs" in rewritten.code
-    for _ in range(2):
-        assert_trains_like(reference, model, rewritten, inputs)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
