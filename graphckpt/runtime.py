@@ -189,6 +189,10 @@ class SegmentModule(nn.Module):
         sources, without gradients. :class:`_Recomputing` calls it before the selective
         policy's cache is entered: ops run inside it would shift the cache's count of each op."""
         args = [a() if isinstance(a, weakref.ref) else a for a in args]
+        if any(args[i] is None for i in self.remat_sources):
+            raise RuntimeError(f"graphckpt: segment {self.nodes[0]} .. {self.nodes[-1]} is recomputed after the "
+                               f"sources of its rematerialized inputs ({', '.join(self.remat_names)}) were freed; "
+                               "their checkpoint keeps them until its backward, so this is a bug: please report it")
         with torch.no_grad(), frozen_running_stats(self.remat_norms):
             made = self.remat(*(args[i] for i in self.remat_sources))
         made = made if isinstance(made, tuple) else (made,)

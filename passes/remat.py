@@ -97,17 +97,27 @@ def held_at(graph: nx.DiGraph, segments: Sequence[SegmentLike], index: int) -> s
     the values recomputed segments before it keep inside (``saved_inside``, held until their
     own recompute) and return (one the segment uses only inside never reaches the forward code
     calling later segments); and what the ops of kept segments before it saved for their backward."""
-    held = {v for v in graph if any(graph.nodes[w]["kind"] == "output" for w in graph.successors(v))}
-    for position, segment in enumerate(segments[: index + 1]):
-        before = position < index
+    return held_at_each(graph, segments[: index + 1])[index]
+
+
+def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:
+    """:func:`held_at` for every segment, in one pass over the plan."""
+    returned = {v for sink, kind in graph.nodes(data="kind") if kind == "output" for v in graph.predecessors(sink)}
+    earlier: set[str] = set()  # what the segments before the current one hold for it
+    result = []
+    for segment in segments:
+        own: set[str] = set()
         if segment.recompute:
             dropped = {r.value for r in segment.remat}
-            held |= {v for v in segment.inputs if v not in dropped}
-            if before and not segment.children:  # forward's value: only an output reaches later calls
-                held |= set(segment.saved_inside) & set(segment.outputs)
-        elif before:
-            held |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
-    return held
+            own = {v for v in segment.inputs if v not in dropped}
+        result.append(returned | earlier | own)
+        if not segment.recompute:
+            earlier |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
+        else:
+            earlier |= own
+            if not segment.children:  # forward's value: only an output reaches later calls
+                earlier |= set(segment.saved_inside) & set(segment.outputs)
+    return result
 
 
 def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: type[Exception]) -> None:
@@ -115,6 +125,7 @@ def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: ty
     recomputed segment's own input, owning its storage; its chain as :func:`remat_chain` builds
     it, every op :func:`pure`; every source a model input or a value :func:`held_at` the
     segment's recompute, not written later and not rematerialized itself."""
+    alive = held_at_each(graph, segments) if any(s.remat for s in segments) else []
     for index, segment in enumerate(segments):
         for child in segment.children:
             if child.remat or any(c.remat for c in child.children):
@@ -124,7 +135,7 @@ def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: ty
         where = f"segment {index}"
         if not segment.recompute:
             raise error(f"{where} is kept: only recomputed segments rematerialize inputs")
-        held, values = held_at(graph, segments, index), [r.value for r in segment.remat]
+        held, values = alive[index], [r.value for r in segment.remat]
         if len(set(values)) != len(values):
             raise error(f"{where} rematerializes an input twice: {values}")
         for remat in segment.remat:
@@ -196,9 +207,9 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
         chosen.setdefault(index, []).append(value)
     dropped = [replace(s, remat=tuple(Remat(v, (), ()) for v in in_order(graph, chosen.get(i, []))))
                for i, s in enumerate(segments)]
-    result = []
+    result, alive = [], held_at_each(graph, dropped)
     for index, segment in enumerate(dropped):
-        held = held_at(graph, dropped, index)
+        held = alive[index]
         remats = tuple(remat_chain(graph, r.value, held - {r.value}) for r in segment.remat)
         for remat in remats:
             if not all(pure(graph, n) for n in remat.nodes):
