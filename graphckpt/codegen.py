@@ -189,7 +189,7 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
         unmade = [name for name in remat_sources(planned) if name not in env]
         if unmade:  # copying it here would run its ops again in forward, outside the segment owning them
             raise ValueError(f"segment {planned.nodes[0]} .. {planned.nodes[-1]} rematerializes inputs from "
-                             f"{unmade}, which no earlier code returns: the plan is invalid (passes.remat.held_at)")
+                             f"{unmade}, which no earlier code returns: the plan is invalid (passes.remat.held_at_each)")
         for name in planned.inputs:
             copy_node(name)
         target = f"{prefix}{len(modules)}"

@@ -61,13 +61,6 @@ class _Dropped:
         self.requires_grad = isinstance(tensor, torch.Tensor) and tensor.requires_grad
 
 
-def _weakly(args: Sequence[Any]) -> tuple[Any, ...]:
-    """``args`` with weak references in place of tensors: a call's recompute remakes its
-    rematerialized inputs from sources its checkpoint keeps, until its backward and no
-    longer (a strong reference here kept them as long as the call itself lived)."""
-    return tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args)
-
-
 def _wants_grad(args: Sequence[Any]) -> bool:
     """Whether an input brings gradients into this call."""
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -142,7 +135,7 @@ class SegmentModule(nn.Module):
         else:
             call = _Call(self.saved_inside, [a for a in args if isinstance(a, StateInput)])
             if self.remat_inputs:
-                call.remake = functools.partial(self._remake, _weakly(args))
+                call.remake = functools.partial(self._remake, args)
             if running is not None:
                 running.call.nested.append(call)
             contexts = functools.partial(_call_contexts, self, call)
@@ -188,11 +181,6 @@ class SegmentModule(nn.Module):
         """Make the copies of the rematerialized inputs of a call with ``args`` from their
         sources, without gradients. :class:`_Recomputing` calls it before the selective
         policy's cache is entered: ops run inside it would shift the cache's count of each op."""
-        args = [a() if isinstance(a, weakref.ref) else a for a in args]
-        if any(args[i] is None for i in self.remat_sources):
-            raise RuntimeError(f"graphckpt: segment {self.nodes[0]} .. {self.nodes[-1]} is recomputed after the "
-                               f"sources of its rematerialized inputs ({', '.join(self.remat_names)}) were freed; "
-                               "their checkpoint keeps them until its backward, so this is a bug: please report it")
         with torch.no_grad(), frozen_running_stats(self.remat_norms):
             made = self.remat(*(args[i] for i in self.remat_sources))
         made = made if isinstance(made, tuple) else (made,)

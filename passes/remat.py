@@ -4,7 +4,7 @@ without gradients, from kept values at the start of the segment's recompute.
 A recomputed segment keeps its inputs from forward until its backward. When an input ``v`` is
 cheap to compute again from values that stay alive anyway (another input of the segment, an
 input of an earlier recomputed segment, a value an earlier kept op saved for its backward, the
-model's inputs, parameters: :func:`held_at`), the segment can drop
+model's inputs, parameters: :func:`held_at_each`), the segment can drop
 ``v`` after its last forward use and compute it again from those *sources* when backward
 recomputes the segment: the ops between (:attr:`Remat.nodes`) run under ``no_grad`` just
 before the segment's own ops. This is the exact optimum's (:mod:`passes.checkmate`) "recompute
@@ -20,7 +20,7 @@ and its producer may sit anywhere (a kept segment, an earlier recomputed one): n
 is lost or counted twice, and the chain's parameters get no gradient from the copy. The rule
 the validation enforces is therefore about *values*, not gradients: the copy must equal
 forward's ``v`` (pure chain, unchanged sources), and the sources must be alive when the
-segment's recompute runs (:func:`held_at`).
+segment's recompute runs (:func:`held_at_each`).
 
 Only top-level recomputed segments rematerialize inputs (a nested child's recompute runs
 inside its parent's, where its inputs are recomputed values anyway).
@@ -34,7 +34,7 @@ from typing import Protocol
 
 import networkx as nx
 
-from passes.costgraph import in_order
+from passes.costgraph import graph_outputs, in_order
 from passes.sim_memory import LiveMemory
 
 
@@ -90,19 +90,15 @@ def pure(graph: nx.DiGraph, name: str) -> bool:
             and not any(graph.nodes[u]["state"] for u in graph.predecessors(name)))
 
 
-def held_at(graph: nx.DiGraph, segments: Sequence[SegmentLike], index: int) -> set[str]:
-    """Activations certainly alive when backward recomputes top-level segment ``index``, whose
-    backward comes before the segments before it: the graph's outputs; the inputs the
+def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:
+    """For each top-level segment, the activations certainly alive when backward recomputes it
+    (its backward comes before the segments before it): the graph's outputs; the inputs the
     recomputed segments up to it keep from forward (not counting inputs they rematerialize);
     the values recomputed segments before it keep inside (``saved_inside``, held until their
     own recompute) and return (one the segment uses only inside never reaches the forward code
-    calling later segments); and what the ops of kept segments before it saved for their backward."""
-    return held_at_each(graph, segments[: index + 1])[index]
-
-
-def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:
-    """:func:`held_at` for every segment, in one pass over the plan."""
-    returned = {v for sink, kind in graph.nodes(data="kind") if kind == "output" for v in graph.predecessors(sink)}
+    calling later segments); and what the ops of kept segments before it saved for their
+    backward. One pass over the plan."""
+    returned = set(graph_outputs(graph))
     earlier: set[str] = set()  # what the segments before the current one hold for it
     result = []
     for segment in segments:
@@ -123,7 +119,7 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
 def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: type[Exception]) -> None:
     """Raise ``error`` naming the node unless every rematerialized input is safe: a top-level
     recomputed segment's own input, owning its storage; its chain as :func:`remat_chain` builds
-    it, every op :func:`pure`; every source a model input or a value :func:`held_at` the
+    it, every op :func:`pure`; every source a model input or a value :func:`held_at_each` the
     segment's recompute, not written later and not rematerialized itself."""
     alive = held_at_each(graph, segments) if any(s.remat for s in segments) else []
     for index, segment in enumerate(segments):
@@ -197,7 +193,7 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
                error: type[Exception] = ValueError) -> tuple[SegmentLike, ...]:
     """``segments`` with top-level segment ``index`` rematerializing input ``value`` for each
     ``(index, value)`` of ``picks`` (replacing what they rematerialized before), each from the
-    nearest values still held at that segment's recompute (:func:`held_at`, every pick's drop
+    nearest values still held at that segment's recompute (:func:`held_at_each`, every pick's drop
     counted); ``error`` when a pick is no input of a recomputed segment or the result fails
     :func:`validate_remat` (a chain that is not pure, a source written after forward)."""
     chosen: dict[int, list[str]] = {}

@@ -236,10 +236,10 @@ def test_a_chain_running_the_ops_a_segment_keeps_trains_like_eager() -> None:
 
 
 def test_sources_are_let_go_with_the_checkpoint_keeping_them() -> None:
-    """A selective call lives until the garbage collector takes it (its policy refers back
-    to it): a strong reference from the call to the sources of its rematerialized inputs kept
-    ``_8`` alive through the next segment's recompute, measured 1.12x the simulated peak
-    (found by the random-chain property test; the draw, with the plan's segments)."""
+    """A selective call lived until the garbage collector took it (its policy referred back
+    to it), and with it the sources of its rematerialized inputs: ``_8`` stayed alive through
+    the next segment's recompute, measured 1.12x the simulated peak (found by the random-chain
+    property test; the draw, with the plan's segments)."""
     from tests.test_recompute_matches_plan import OPS
 
     torch.manual_seed(0)
