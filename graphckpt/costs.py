@@ -19,7 +19,7 @@ from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parent
 from graphckpt.op_dedup import profile_runs
 from graphckpt.op_keys import training_matters
 from graphckpt.profile import NodeCost
-from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds
+from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
 from graphckpt.torch_compat import OpOverload
 from passes.costgraph import add_value, check_cost_graph
 
@@ -83,7 +83,8 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)
         costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
-        call, per_op = checkpoint_overheads(str(model_device(graph_module, args, kwargs)))
+        call, probe_per_op = checkpoint_overheads(str(model_device(graph_module, args, kwargs)))
+        per_op = max(probe_per_op, selective_overhead_per_op(graph_module, args, kwargs))
         return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, checkpoint_call_cost=call,
                        selective_op_cost=per_op)
     return Profile(costs, parents, rng_state_bytes=rng)

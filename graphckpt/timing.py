@@ -142,8 +142,7 @@ def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[
             if run == 1:
                 stopwatch.seconds.clear()  # the first run warms up
                 stopwatch.count_keys()
-            stopwatch.run(*[v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
-                            for v in inputs])
+            stopwatch.run(*_fresh(inputs))
     return {node.name: int(statistics.median(stopwatch.seconds[stopwatch.keys.get(node.name, node.name)]) * 1e9)
             for node in module.graph.nodes}
 
@@ -205,3 +204,58 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
     call = max(0.0, median["checkpoint"] - median["plain"])
     per_op = max(0.0, median["selective ops"] - median["ops"]) / OVERHEAD_OPS
     return int(call * 1e9), int(per_op * 1e9)
+
+
+SELECTIVE_ROUNDS = 3
+
+
+def _fresh(inputs: list[Any]) -> list[Any]:
+    """Copies of the inputs for one timed run (in-place ops may write into them)."""
+    return [v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in inputs]
+
+
+def selective_overhead_per_op(graph_module: fx.GraphModule, args: tuple,
+                              kwargs: Mapping[str, Any] | None = None) -> int:
+    """Nanoseconds a selective segment's policy adds to each op of this model, forward and
+    recompute together: the whole forward timed plainly and under torch's selective
+    checkpoint mode (matmul/convolution outputs kept, as a selective segment keeps them),
+    the difference spread over the graph's ops and doubled for the recompute, which runs
+    the same ops under the same kind of mode.
+
+    :func:`checkpoint_overheads` prices the mode on tiny one-argument ops; a model's ops
+    take more arguments, return more outputs and dispatch more ATen calls per node, and the
+    mode's Python work grows with all three: on HF LLaMA a plan of selective segments ran
+    its forward 33 ms slower than eager's, where the probe's price said 6 ms for forward
+    and recompute together. Runs leave no trace, as :func:`node_nanoseconds`'s do.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from graphckpt.profile import kept_by_selective
+
+    def keep_matmuls(ctx: Any, op: Any, *op_args: Any, **op_kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, op_args, op_kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    module = timing_copy(graph_module)
+    for inner in module.modules():  # not .train(): an exported module's raises
+        inner.training = graph_module.training
+    inputs = positional_inputs(graph_module, args, kwargs or {})
+    device = model_device(module, inputs)
+    ops = sum(node.op in ("call_function", "call_method", "call_module") for node in module.graph.nodes)
+    seconds: dict[str, list[float]] = {"plain": [], "selective": []}
+    with torch.random.fork_rng(), torch.enable_grad():
+        for round_index in range(SELECTIVE_ROUNDS + 1):
+            for name, times in seconds.items():
+                fresh = _fresh(inputs)
+                caching = create_selective_checkpoint_contexts(keep_matmuls)[0] if name == "selective" else None
+                synchronize(device)
+                start = time.perf_counter()
+                if caching is None:
+                    fx.Interpreter(module).run(*fresh)
+                else:
+                    with caching:
+                        fx.Interpreter(module).run(*fresh)
+                synchronize(device)
+                if round_index:  # the first round warms up
+                    times.append(time.perf_counter() - start)
+    extra = min(seconds["selective"]) - min(seconds["plain"])
+    return int(max(0.0, extra) * 2 / max(ops, 1) * 1e9)

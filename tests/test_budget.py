@@ -165,3 +165,25 @@ def test_checkpoint_overheads_are_measured_on_this_machine() -> None:
 
     call, per_op = checkpoint_overheads("cpu")
     assert call > 0 and per_op >= 0
+
+
+def test_selective_overhead_is_measured_on_the_models_forward_without_a_trace() -> None:
+    """A selective segment's per-op price comes from the model's own forward run under
+    torch's selective mode (its ops, not the probe's one-argument ones), and the runs leave
+    the running statistics and the inputs as they were; the cost graph takes the larger of
+    that price and the probe's."""
+    import torch
+
+    from graphckpt.capture import capture
+    from graphckpt.timing import checkpoint_overheads, selective_overhead_per_op
+
+    model, inputs = zoo.make("resnet", widths=(4, 8), blocks_per_stage=1, batch=4)
+    graph_module = capture(model, inputs, None).graph_module
+    buffers, copies = [b.clone() for b in graph_module.buffers()], [x.clone() for x in inputs]
+    assert selective_overhead_per_op(graph_module, inputs) >= 0
+    assert all(torch.equal(a, b) for a, b in zip(buffers, graph_module.buffers(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(copies, inputs, strict=True))
+    from graphckpt.api import cost_model
+
+    _, graph = cost_model(model, inputs, cost="time")
+    assert graph.graph["selective_op_cost"] >= checkpoint_overheads("cpu")[1]
