@@ -120,6 +120,21 @@ def timing_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
     return module
 
 
+def _timing_run(graph_module: fx.GraphModule, args: tuple,
+                kwargs: Mapping[str, Any] | None) -> tuple[fx.GraphModule, list[Any]]:
+    """The module timing runs call (a :func:`timing_copy` in the original's training mode)
+    and the positional inputs they are given, copied afresh for each run (:func:`_fresh`)."""
+    module = timing_copy(graph_module)
+    for inner in module.modules():  # not .train(): an exported module's raises
+        inner.training = graph_module.training
+    return module, positional_inputs(graph_module, args, kwargs or {})
+
+
+def _fresh(inputs: list[Any]) -> list[Any]:
+    """Copies of the inputs for one timed run (in-place ops may write into them)."""
+    return [v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in inputs]
+
+
 def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,
                      repeats: int = REPEATS, *, dedup: bool | None = None) -> dict[str, int]:
     """Median nanoseconds of each node's forward over ``repeats`` runs after a warm-up.
@@ -131,10 +146,7 @@ def node_nanoseconds(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[
     statistics untouched), copies of the inputs (in-place ops may write into them) and a
     forked RNG.
     """
-    module = timing_copy(graph_module)
-    for inner in module.modules():  # not .train(): an exported module's raises
-        inner.training = graph_module.training
-    inputs = positional_inputs(graph_module, args, kwargs or {})
+    module, inputs = _timing_run(graph_module, args, kwargs)
     keyed = dedup_enabled(dedup)
     stopwatch = _Stopwatch(module, model_device(module, inputs), keyed=keyed, repeats=repeats)
     with torch.random.fork_rng(), torch.enable_grad():
@@ -162,7 +174,7 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
     and the overhead is everything: the median of interleaved rounds of each probe run
     plainly and checkpointed, forward and backward each. The call's probe is one op that
     saves its input, so backward really starts its recompute, which stops at once: that
-    start and the early stop's exception are most of a call's cost (about 0.15 ms on a
+    start and the early stop's exception are most of a call's cost (about 0.11 ms on a
     2-core CPU; a probe whose ops save nothing never recomputes and prices a call at a
     seventh of that). The selective probe's ops save their inputs too, so its recompute
     reruns them under the policy as a real segment's does.
@@ -209,11 +221,6 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
 SELECTIVE_ROUNDS = 3
 
 
-def _fresh(inputs: list[Any]) -> list[Any]:
-    """Copies of the inputs for one timed run (in-place ops may write into them)."""
-    return [v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in inputs]
-
-
 def selective_overhead_per_op(graph_module: fx.GraphModule, args: tuple,
                               kwargs: Mapping[str, Any] | None = None) -> int:
     """Nanoseconds a selective segment's policy adds to each op of this model, forward and
@@ -235,10 +242,7 @@ def selective_overhead_per_op(graph_module: fx.GraphModule, args: tuple,
     def keep_matmuls(ctx: Any, op: Any, *op_args: Any, **op_kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, op_args, op_kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
 
-    module = timing_copy(graph_module)
-    for inner in module.modules():  # not .train(): an exported module's raises
-        inner.training = graph_module.training
-    inputs = positional_inputs(graph_module, args, kwargs or {})
+    module, inputs = _timing_run(graph_module, args, kwargs)
     device = model_device(module, inputs)
     ops = sum(node.op in ("call_function", "call_method", "call_module") for node in module.graph.nodes)
     seconds: dict[str, list[float]] = {"plain": [], "selective": []}

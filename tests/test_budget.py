@@ -174,6 +174,7 @@ def test_selective_overhead_is_measured_on_the_models_forward_without_a_trace() 
     that price and the probe's."""
     import torch
 
+    from graphckpt.api import cost_model
     from graphckpt.capture import capture
     from graphckpt.timing import checkpoint_overheads, selective_overhead_per_op
 
@@ -183,7 +184,5 @@ def test_selective_overhead_is_measured_on_the_models_forward_without_a_trace() 
     assert selective_overhead_per_op(graph_module, inputs) >= 0
     assert all(torch.equal(a, b) for a, b in zip(buffers, graph_module.buffers(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(copies, inputs, strict=True))
-    from graphckpt.api import cost_model
-
     _, graph = cost_model(model, inputs, cost="time")
     assert graph.graph["selective_op_cost"] >= checkpoint_overheads("cpu")[1]
