@@ -359,3 +359,9 @@ def _writes(op: Any) -> bool:
 def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """A selective policy that keeps nothing: what the policy machinery costs by itself."""
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective policy that keeps every matmul/convolution output, as a selective segment
+    keeps its matmul nodes': what the policy costs on a model's own ops."""
+    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE

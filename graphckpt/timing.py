@@ -8,6 +8,7 @@ planner minimises recomputed nanoseconds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -235,12 +236,9 @@ def selective_overhead_per_op(graph_module: fx.GraphModule, args: tuple,
     its forward 33 ms slower than eager's, where the probe's price said 6 ms for forward
     and recompute together. Runs leave no trace, as :func:`node_nanoseconds`'s do.
     """
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    from graphckpt.profile import kept_by_selective
-
-    def keep_matmuls(ctx: Any, op: Any, *op_args: Any, **op_kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, op_args, op_kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+    from graphckpt.runtime import keep_matmul_outputs
 
     module, inputs = _timing_run(graph_module, args, kwargs)
     device = model_device(module, inputs)
@@ -250,14 +248,12 @@ def selective_overhead_per_op(graph_module: fx.GraphModule, args: tuple,
         for round_index in range(SELECTIVE_ROUNDS + 1):
             for name, times in seconds.items():
                 fresh = _fresh(inputs)
-                caching = create_selective_checkpoint_contexts(keep_matmuls)[0] if name == "selective" else None
+                mode = (create_selective_checkpoint_contexts(keep_matmul_outputs)[0] if name == "selective"
+                        else contextlib.nullcontext())
                 synchronize(device)
                 start = time.perf_counter()
-                if caching is None:
+                with mode:
                     fx.Interpreter(module).run(*fresh)
-                else:
-                    with caching:
-                        fx.Interpreter(module).run(*fresh)
                 synchronize(device)
                 if round_index:  # the first round warms up
                     times.append(time.perf_counter() - start)

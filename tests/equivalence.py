@@ -67,7 +67,7 @@ def fresh_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 def zoo_pair(name: str) -> tuple[nn.Module, nn.Module, tuple]:
     """``(reference, model, inputs)`` for the zoo model ``name`` (see :func:`fresh_pair`)."""
     model, inputs = zoo.make(name)
-    return copy.deepcopy(model), model, inputs
+    return (*fresh_pair(model), inputs)
 
 
 def assert_trains_like_twice(reference: nn.Module, model: nn.Module, rewritten: nn.Module, args: tuple) -> None:
