@@ -9,6 +9,9 @@ becomes a :class:`graphckpt.runtime.SegmentModule` called from forward, e.g.::
         layers_12 = getattr(self.layers, "12")(gelu_11)
         ...
 
+except a segment that only drops values an op saves (:func:`passes.remat.runs_by_hooks`),
+which becomes a :class:`graphckpt.dropping.DropModule` (``drop_0``, ...).
+
 ``print(gm.code)`` shows forward followed by every segment's body.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from graphckpt.dropping import DropModule
 from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
@@ -46,15 +50,21 @@ class RewrittenModule(fx.GraphModule):
         return list(_walk_segments(self))
 
     @property
+    def drops(self) -> list[tuple[str, DropModule]]:
+        """Every op run with dropped inputs (:class:`graphckpt.dropping.DropModule`) by name."""
+        return [(name, child) for name, child in self.named_children() if isinstance(child, DropModule)]
+
+    @property
     def code(self) -> str:
         header = self.meta.get("graphckpt_header", "")
         bodies = []
-        for name, segment in self.segments:
+        for name, segment in [*self.segments, *self.drops]:
             body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
             bodies.append(f"# {name}: {segment.extra_repr()}{body}")
             if segment.remat is not None:
+                when = "its recompute runs first" if isinstance(segment, SegmentModule) else "backward runs"
                 remat = segment.remat.code.replace("def forward(self, ", f"def {name}_remat(self, ", 1)
-                bodies.append(f"# {name}_remat: what {name}'s recompute runs first, without gradients, "
+                bodies.append(f"# {name}_remat: what {when}, without gradients, "
                               f"to make again the inputs forward dropped{remat}")
         return "\n".join([header + super().code, *bodies])
 
@@ -141,6 +151,21 @@ def _remat_module(source: fx.GraphModule, planned: PlannedSegment) -> tuple[fx.G
         "remat_sources": tuple(arguments.index(name) for name in sources), "remat_names": tuple(sources)}
 
 
+def _drop_module(source: fx.GraphModule, planned: PlannedSegment) -> DropModule:
+    """The runtime module of a segment run by hooks: its one op, and what makes its
+    rematerialized inputs again."""
+    originals = {n.name: n for n in source.graph.nodes}
+    body = fx.Graph()
+    env = {name: body.placeholder(name) for name in planned.inputs}
+    for name in planned.nodes:
+        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+    results = [env[name] for name in planned.outputs]
+    body.output(results[0] if len(results) == 1 else tuple(results))
+    remat, wiring = _remat_module(source, planned)
+    return DropModule(fx.GraphModule(_attribute_table(body, source), body, "DropBody"), remat,
+                      nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, **wiring)
+
+
 def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> SegmentModule:
     """The runtime module of one recomputed segment. Its body takes the segment's inputs and
     returns its outputs; nested recomputed children become segments called from the body."""
@@ -177,10 +202,12 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
 
 def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
                    segments: tuple[PlannedSegment, ...], env: dict[str, fx.Node],
-                   copy_node: Callable[[str], None], prefix: str) -> dict[str, SegmentModule]:
+                   copy_node: Callable[[str], None], prefix: str) -> dict[str, SegmentModule | DropModule]:
     """Emit a sequence of planned segments into ``target_graph``: kept ones inline, each
-    recomputed one as a call of a new :class:`SegmentModule` (returned by name)."""
-    modules: dict[str, SegmentModule] = {}
+    recomputed one as a call of a new :class:`SegmentModule` or, run by hooks, a new
+    :class:`DropModule` (returned by name)."""
+    modules: dict[str, SegmentModule | DropModule] = {}
+    drops = 0
     for planned in segments:
         if not planned.recompute:
             for name in planned.nodes:
@@ -192,8 +219,12 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
                              f"{unmade}, which no earlier code returns: the plan is invalid (passes.remat.held_at_each)")
         for name in planned.inputs:
             copy_node(name)
-        target = f"{prefix}{len(modules)}"
-        modules[target] = _segment_module(source, planned, target)
+        if _facts(planned).by_hooks:
+            target, drops = f"drop_{drops}", drops + 1
+            modules[target] = _drop_module(source, planned)
+        else:
+            target = f"{prefix}{len(modules) - drops}"
+            modules[target] = _segment_module(source, planned, target)
         _emit_call(target_graph, target, planned, env)
     return modules
 

@@ -56,6 +56,7 @@ class Profile:
     rng_state_bytes: int = 0  # what a checkpoint keeps to replay random draws, in the model's memory
     checkpoint_call_cost: int = 0  # in cost_unit: one checkpoint call's own cost (measured for "ns")
     selective_op_cost: int = 0  # in cost_unit: each op of a selective segment, beyond its work
+    dropped_value_cost: int = 0  # in cost_unit: each value an op run by hooks drops, beyond its remake
 
 
 COSTS = ("flops", "time")
@@ -83,10 +84,10 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)
         costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
-        call, probe_per_op = checkpoint_overheads(str(model_device(graph_module, args, kwargs)))
-        per_op = max(probe_per_op, selective_overhead_per_op(graph_module, args, kwargs))
-        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, checkpoint_call_cost=call,
-                       selective_op_cost=per_op)
+        overheads = checkpoint_overheads(str(model_device(graph_module, args, kwargs)))
+        per_op = max(overheads.selective_op, selective_overhead_per_op(graph_module, args, kwargs))
+        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, checkpoint_call_cost=overheads.call,
+                       selective_op_cost=per_op, dropped_value_cost=overheads.dropped_value)
     return Profile(costs, parents, rng_state_bytes=rng)
 
 
@@ -139,7 +140,8 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile),
-                       checkpoint_call_cost=profile.checkpoint_call_cost, selective_op_cost=profile.selective_op_cost)
+                       checkpoint_call_cost=profile.checkpoint_call_cost, selective_op_cost=profile.selective_op_cost,
+                       dropped_value_cost=profile.dropped_value_cost)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         if lifted:

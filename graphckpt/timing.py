@@ -14,7 +14,7 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -164,12 +164,22 @@ OVERHEAD_OPS = 16  # pointwise ops in the probe that prices a selective segment'
 OVERHEAD_ROUNDS = 41
 
 
+class Overheads(NamedTuple):
+    """What checkpointing itself adds to a training step, in nanoseconds
+    (:func:`checkpoint_overheads`)."""
+
+    call: int  # one checkpoint call
+    selective_op: int  # each op run under a selective segment's policy
+    dropped_value: int  # each value an op run by hooks drops (graphckpt.dropping), beyond its remake
+
+
 @functools.cache
-def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
+def checkpoint_overheads(device: str = "cpu") -> Overheads:
     """Nanoseconds that checkpointing itself adds to a training step on ``device``: one
     checkpoint call (inputs and RNG state kept, its recompute started in backward and
-    stopped early), and each op run under a selective segment's policy, forward and
-    recompute together.
+    stopped early), each op run under a selective segment's policy, forward and recompute
+    together, and each value dropped by hooks (:class:`graphckpt.dropping.DropModule`: the
+    hooks, the handle, the no-grad call making it again, less that op's own work).
 
     Measured once per process and device on probes of tiny ops, where the work is nothing
     and the overhead is everything: the median of interleaved rounds of each probe run
@@ -198,11 +208,20 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
     def selective() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(recompute_everything)
 
+    dropping = _dropping_probe()
+
+    def made_again_plainly() -> torch.Tensor:  # the dropped probe's work, its remake included
+        with torch.no_grad():
+            x.sin()
+        return x.sin().cos()
+
     steps: dict[str, Callable[[], torch.Tensor]] = {
         "plain": lambda: one_saving_op(x),
         "checkpoint": lambda: checkpoint(one_saving_op, x, use_reentrant=False),
         "ops": lambda: checkpoint(saving_ops, x, use_reentrant=False),
         "selective ops": lambda: checkpoint(saving_ops, x, use_reentrant=False, context_fn=selective),
+        "made again": made_again_plainly,
+        "dropped": lambda: dropping(x.sin(), x),
     }
     times: dict[str, list[float]] = defaultdict(list)
     for round_index in range(OVERHEAD_ROUNDS):
@@ -216,7 +235,18 @@ def checkpoint_overheads(device: str = "cpu") -> tuple[int, int]:
     median = {name: statistics.median(values) for name, values in times.items()}
     call = max(0.0, median["checkpoint"] - median["plain"])
     per_op = max(0.0, median["selective ops"] - median["ops"]) / OVERHEAD_OPS
-    return int(call * 1e9), int(per_op * 1e9)
+    dropped = max(0.0, median["dropped"] - median["made again"])
+    return Overheads(int(call * 1e9), int(per_op * 1e9), int(dropped * 1e9))
+
+
+def _dropping_probe() -> torch.nn.Module:
+    """A :class:`graphckpt.dropping.DropModule` running ``cos`` (which saves its input) on a
+    value it drops and makes again with ``sin`` from the value's source."""
+    from graphckpt.dropping import DropModule
+
+    body, remat = fx.symbolic_trace(lambda value: value.cos()), fx.symbolic_trace(lambda source: source.sin())
+    return DropModule(body, remat, nodes=("cos",), inputs=("value",), outputs=("cos",), remat_inputs=(0,),
+                      remat_sources=(1,), remat_names=("source",))
 
 
 SELECTIVE_ROUNDS = 3

@@ -26,6 +26,10 @@ Graph attributes, all optional:
 ``selective_op_cost`` (default 0)
     What each op of a selective segment costs beyond its own work, forward and recompute
     together (torch's selective-checkpoint policy sees every op), in ``cost_unit``.
+``dropped_value_cost`` (default 0)
+    What each value a segment run by saved-tensor hooks drops costs beyond the ops that make
+    it again (:func:`passes.remat.runs_by_hooks`: the hooks, the recipe, one no-grad call),
+    in ``cost_unit``.
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,

@@ -16,7 +16,7 @@ takes the cheaper. Each try is one simulation, so it is for small graphs (the lo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 import networkx as nx
@@ -29,24 +29,107 @@ from passes.segments import PlanError, Segment, cost_key, make_segments
 from passes.simulate import simulate
 
 
-def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str]) -> tuple[Segment, ...]:
-    """The segments dropping ``dropped`` (see the module's docstring); :class:`PlanError` when
-    one of them cannot be (an op that saved it may not be recomputed, an impure chain)."""
+def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[Segment] = ()) -> tuple[Segment, ...]:
+    """The segments dropping ``dropped`` (see the module's docstring) on top of ``base``, a
+    plan's segments (default: everything kept): its recomputed segments stay, rematerializing
+    a dropped value they read, and its kept ones are split around the ops that saved a
+    dropped value. :class:`PlanError` when that cannot be (an op that saved it is recomputed
+    by ``base`` or may not be recomputed, an impure chain)."""
     dropped = set(dropped)
     isolated = {name for name in op_nodes(graph)
                 if dropped & set(graph.nodes[name]["saved"])}  # the savers, the value's own op included
-    segments = make_segments(graph, [([name], name in isolated) for name in op_nodes(graph)])
-    kept_whole = []
-    for segment in segments:
-        name = segment.nodes[0]
-        own = segment.recompute and name not in dropped and keepable(graph, name)
-        saves_output = graph.nodes[name]["saves_from"] == "outputs"
-        kept_whole.append(replace(segment, saved_inside=(name,)) if own and saves_output else segment)
-    picks = [(index, value) for index, segment in enumerate(kept_whole) if segment.recompute
+    segments: list[Segment] = []
+    for segment in base or make_segments(graph, [(op_nodes(graph), False)]):
+        if segment.recompute:
+            if isolated & set(segment.nodes):
+                raise PlanError("an op that saved a dropped value is recomputed by the plan under it")
+            segments.append(segment)
+            continue
+        for piece in make_segments(graph, [([name], name in isolated) for name in segment.nodes]):
+            name = piece.nodes[0]
+            if name in isolated and not piece.recompute:
+                raise PlanError("an op that saved a dropped value may not be recomputed")
+            own = piece.recompute and name not in dropped and keepable(graph, name)
+            saves_output = graph.nodes[name]["saves_from"] == "outputs"
+            segments.append(replace(piece, saved_inside=(name,)) if own and saves_output else piece)
+    picks = [(index, value) for index, segment in enumerate(segments) if segment.recompute
              for value in segment.inputs if value in dropped]
-    if any(name in isolated and not s.recompute for s in kept_whole for name in s.nodes):
-        raise PlanError("an op that saved a dropped value may not be recomputed")
-    return with_remat(graph, kept_whole, picks, PlanError)
+    return with_remat(graph, segments, picks, PlanError)
+
+
+def drops_on_top(graph: nx.DiGraph, bases: Sequence[Plan], budget_bytes: float) -> Plan | None:
+    """The cheapest plan fitting ``budget_bytes`` made by dropping values on top of one of
+    ``bases`` (:func:`dropped_segments`): for each base, the shortest prefix of the values it
+    could drop (:func:`drop_order`) that fits, found by bisection, one simulation a try. For
+    graphs of any size, where :func:`drop_plan`'s greedy takes a simulation per value: a
+    transformer's plan keeps its matmul outputs and drops the pointwise values between them,
+    what torch.compile's partitioner recomputes."""
+    found: list[tuple[tuple[int, int, int], int, Plan, list[str]]] = []
+    for index, base in enumerate(bases):
+        options = _droppable_on(graph, base.segments)
+        fitting = _shortest_fitting_prefix(graph, base.segments, options, budget_bytes)
+        if fitting is not None:
+            segments = dropped_segments(graph, fitting, base.segments)
+            found.append((cost_key(graph, segments), index, base, fitting))
+    if not found:
+        return None
+    _, _, base, chosen = min(found, key=lambda item: item[:2])
+    return plan_of_segments(graph, "dropped values", dropped_segments(graph, chosen, base.segments),
+                            [f"dropped values: {len(chosen)} values made again before their backward, "
+                             f"on top of a {base.strategy} plan with {len(base.segments)} segments"])
+
+
+def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16) -> list[str]:
+    """The values of :func:`drop_order` that ``segments`` can drop together, in that order:
+    made and saved only by ops of kept segments, each added with those before it only when
+    the plan stays valid (checked a ``chunk`` at a time, one by one in a chunk that fails)."""
+    kept = {name for s in segments if not s.recompute for name in s.nodes}
+    savers: dict[str, list[str]] = {}
+    for name in op_nodes(graph):
+        for value in graph.nodes[name]["saved"]:
+            savers.setdefault(value, []).append(name)
+    options = [v for v in drop_order(graph) if v in kept and savers.get(v) and all(s in kept for s in savers[v])]
+    chosen: list[str] = []
+    for start in range(0, len(options), chunk):
+        block = options[start:start + chunk]
+        if _valid(graph, [*chosen, *block], segments):
+            chosen += block
+            continue
+        for value in block:
+            if _valid(graph, [*chosen, value], segments):
+                chosen.append(value)
+    return chosen
+
+
+def _valid(graph: nx.DiGraph, dropped: list[str], segments: Sequence[Segment]) -> bool:
+    try:
+        dropped_segments(graph, dropped, segments)
+    except PlanError:
+        return False
+    return True
+
+
+def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], options: list[str],
+                             budget_bytes: float) -> list[str] | None:
+    """The shortest prefix of ``options`` whose plan fits ``budget_bytes``, by bisection
+    (dropping more lowers the peak, all but always); ``None`` when all of them do not fit."""
+    def fits(count: int) -> bool:
+        try:
+            trial = dropped_segments(graph, options[:count], segments)
+        except PlanError:
+            return False
+        return simulate(graph, trial).peak_bytes <= budget_bytes
+
+    if not options or not fits(len(options)):
+        return None
+    low, high = 0, len(options)  # fits(high); low: not known to fit
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return options[:high]
 
 
 def drop_order(graph: nx.DiGraph) -> list[str]:

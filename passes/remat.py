@@ -56,6 +56,7 @@ class SegmentLike(Protocol):
     recompute: bool
     inputs: tuple[str, ...]
     remat: tuple[Remat, ...]
+    saved_inside: tuple[str, ...]
 
     @property
     def children(self) -> Sequence[SegmentLike]: ...
@@ -78,6 +79,22 @@ def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str]) -> Remat:
                 chain.add(u)
                 todo.append(u)
     return Remat(value, tuple(in_order(graph, sources)), tuple(in_order(graph, chain)))
+
+
+def runs_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
+    """Whether a recomputed segment needs no checkpoint call: one op whose recompute runs
+    nothing but the chains of its rematerialized inputs, because it saves no output of its
+    own or keeps it whole from forward (the segments of a plan dropping values,
+    :mod:`passes.drops`). Its op then runs as eager code and only the copies of the
+    rematerialized inputs it saves are dropped, each made again when backward unpacks it
+    (:class:`graphckpt.dropping.DropModule`): a few microseconds, where a checkpoint call
+    costs about a tenth of a millisecond. Memory is the same or less (it keeps only the
+    inputs the op saves, the call all of them)."""
+    if not (segment.recompute and segment.remat and not segment.children and len(segment.nodes) == 1):
+        return False
+    (name,) = segment.nodes
+    attributes = graph.nodes[name]
+    return attributes["saves_from"] != "outputs" or (name in segment.saved_inside and not attributes["expensive"])
 
 
 def pure(graph: nx.DiGraph, name: str) -> bool:

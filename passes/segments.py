@@ -23,7 +23,7 @@ import networkx as nx
 
 from passes.costgraph import draws_random, in_order, is_activation, keeps_order, op_nodes
 from passes.kept_bytes import boundary_bytes
-from passes.remat import Remat, kept_inputs, remat_nodes, validate_remat
+from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
 
 
 class PlanError(ValueError):
@@ -41,7 +41,9 @@ class RecomputeFacts:
     ``state_inputs``: positions in ``inputs`` of ``state`` values (buffers it updates in
     place), which a recompute gets scratch copies of. ``kept_whole``: the ``saved_inside``
     values kept whole (every op of the node), not only their matmul/convolution kernels as
-    for an ``expensive`` node.
+    for an ``expensive`` node. ``by_hooks``: it runs its one op as eager code with saved-tensor
+    hooks dropping its rematerialized inputs, not through a checkpoint call
+    (:func:`passes.remat.runs_by_hooks`).
     """
 
     kept_bytes: float
@@ -49,6 +51,7 @@ class RecomputeFacts:
     reruns: tuple[str, ...]
     state_inputs: tuple[int, ...]
     kept_whole: tuple[str, ...] = ()
+    by_hooks: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment) -> Segment:
         reruns=tuple(rerun_nodes(graph, segment)),
         state_inputs=tuple(i for i, name in enumerate(segment.inputs) if graph.nodes[name]["state"]),
         kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
+        by_hooks=runs_by_hooks(graph, segment),
     )
     return replace(segment, children=tuple(with_facts(graph, c) for c in segment.children), facts=facts)
 
@@ -179,15 +183,22 @@ def cost_key(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[int, int, 
 
 def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     """What checkpointing itself costs a step, beyond the ops it reruns: each checkpoint
-    call, and each op of a selective segment (the graph's ``checkpoint_call_cost`` and
-    ``selective_op_cost``, 0 unless measured). Without it a plan of many small or selective
-    segments looks cheaper than it runs (GPT-2 at per-block's memory stepped 1.27x
-    per-block's with pointwise ops counted free)."""
+    call, each op of a selective segment, and each value a segment run by hooks drops
+    (the graph's ``checkpoint_call_cost``, ``selective_op_cost`` and ``dropped_value_cost``,
+    0 unless measured). Without it a plan of many small or selective segments looks cheaper
+    than it runs (GPT-2 at per-block's memory stepped 1.27x per-block's with pointwise ops
+    counted free)."""
     call, per_op = graph.graph.get("checkpoint_call_cost", 0), graph.graph.get("selective_op_cost", 0)
-    if not call and not per_op:
+    per_drop = graph.graph.get("dropped_value_cost", 0)
+    if not call and not per_op and not per_drop:
         return 0
-    return int(sum(call * s.recompute + per_op * len(s.nodes) * bool(s.recompute and s.saved_inside)
-                   + overhead_cost(graph, s.children) for s in segments))
+    total = 0
+    for s in segments:
+        if runs_by_hooks(graph, s):
+            total += per_drop * len(s.remat)
+        elif s.recompute:
+            total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children)
+    return int(total)
 
 
 def _without_kept(nodes: list[str], segment: Segment, cached: bool) -> list[str]:

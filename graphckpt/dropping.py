@@ -1,0 +1,145 @@
+"""What a rewritten module runs for a dropped value: one op as eager code, with the copies of
+its dropped inputs it saves for backward replaced by a recipe that makes them again.
+
+A plan dropping values (:mod:`passes.drops`) makes each op that saves a dropped value a
+recomputed segment of one op that recomputes nothing but the value's chain
+(:func:`passes.remat.runs_by_hooks`). Such a segment needs none of ``torch.utils.checkpoint``:
+a :class:`DropModule` runs the op under ``torch.autograd.graph.saved_tensors_hooks`` whose
+pack hook swaps each saved tensor sharing a dropped input's storage (the input itself, or a
+view of it such as a ``Linear``'s flattened input) for a small handle. Forward's value is then
+held by nothing once forward is done with it. When backward unpacks a handle, the call's
+rematerialized inputs are made again from their sources without gradients (``drop_i_remat``
+in ``print(gm.code)``), once for all the handles of the call, and the handle returns the
+same view of the new copy.
+
+**Gradients.** The copies only fill what the op saved: the gradient still flows along the
+graph forward built, from the op to the dropped value's producer, as for a rematerialized
+input of a checkpointed segment (:mod:`passes.remat`). The chain is pure (validated by the
+plan), so the copy equals forward's value; autocast is replayed as forward ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphckpt.state import frozen_running_stats
+from graphckpt.torch_compat import NormBase
+
+
+class _Remade:
+    """The rematerialized inputs of one call, made again once per backward: by the first
+    handle unpacked, held until the last one is (then dropped again; a second backward makes
+    them once more)."""
+
+    __slots__ = ("autocast", "module", "pending", "sources", "values")
+
+    def __init__(self, module: DropModule, sources: tuple[Any, ...]) -> None:
+        self.module, self.sources = module, sources
+        self.autocast = _autocast_now(sources)
+        self.values: tuple[torch.Tensor, ...] | None = None
+        self.pending = 0  # handles packed and not yet unpacked
+
+    def take(self, index: int) -> torch.Tensor:
+        if self.values is None:
+            with self.autocast:
+                self.values = self.module.remake(self.sources)
+        value = self.values[index]
+        self.pending -= 1
+        if self.pending <= 0:
+            self.values = None
+        return value
+
+
+class _Handle:
+    """What autograd keeps in place of a saved tensor that shares a dropped input's storage:
+    which input, and the saved tensor's view of it."""
+
+    __slots__ = ("index", "offset", "remade", "size", "stride")
+
+    def __init__(self, remade: _Remade, index: int, saved: torch.Tensor) -> None:
+        self.remade, self.index = remade, index
+        self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
+
+    def unpack(self) -> torch.Tensor:
+        value = self.remade.take(self.index)
+        if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
+            return value
+        return value.as_strided(self.size, self.stride, self.offset)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _unpack(packed: Any) -> Any:
+    return packed.unpack() if isinstance(packed, _Handle) else packed
+
+
+def _autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
+    """A context that runs code under the autocast state in force now, for the device of
+    ``values`` (a no-op when autocast is off there)."""
+    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    if not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=torch.get_autocast_dtype(device),
+                          cache_enabled=torch.is_autocast_cache_enabled())
+
+
+class DropModule(nn.Module):
+    """One op of a rewritten module whose saved copies of some inputs are dropped after
+    forward and made again when backward needs them (see the module's docstring).
+
+    Called with the op's inputs, then the sources of the dropped ones that are not inputs.
+    ``remat`` computes the dropped inputs (at positions ``remat_inputs``) from the arguments
+    at ``remat_sources``; the body and ``remat`` are plain attributes, not submodules, so
+    parameters and ``state_dict`` keys stay those of the original model.
+    """
+
+    def __init__(self, body: fx.GraphModule, remat: fx.GraphModule, *, nodes: Sequence[str],
+                 inputs: Sequence[str], outputs: Sequence[str], remat_inputs: Sequence[int],
+                 remat_sources: Sequence[int], remat_names: Sequence[str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "remat", remat)
+        self.nodes, self.inputs, self.outputs = tuple(nodes), tuple(inputs), tuple(outputs)
+        self.remat_inputs, self.remat_sources = tuple(remat_inputs), tuple(remat_sources)
+        self.remat_names = tuple(remat_names)
+        self.remakes = 0  # how many times backward made the dropped inputs again
+        self.remat_norms = [m for m in remat.modules() if isinstance(m, NormBase) and m.track_running_stats]
+
+    def forward(self, *args: Any) -> Any:
+        inputs = args[:len(self.inputs)]
+        if not torch.is_grad_enabled():
+            return self.body.forward(*inputs)
+        remade = _Remade(self, tuple(args[i] for i in self.remat_sources))
+        dropped = {inputs[i].untyped_storage().data_ptr(): (position, inputs[i].dtype)
+                   for position, i in enumerate(self.remat_inputs) if isinstance(inputs[i], torch.Tensor)}
+
+        def pack(saved: torch.Tensor) -> Any:
+            hit = dropped.get(saved.untyped_storage().data_ptr())
+            if hit is None or saved.dtype != hit[1]:
+                return saved
+            remade.pending += 1
+            return _Handle(remade, hit[0], saved)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                return self.body.forward(*inputs)  # not fx's call wrapper: ~10 us a call
+        finally:
+            dropped.clear()  # the hooks may outlive the call: hold no storage of forward's
+
+    def remake(self, sources: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """The dropped inputs made again from ``sources``, without gradients."""
+        self.__dict__["remakes"] += 1  # not nn.Module's __setattr__: a few microseconds a call
+        with torch.no_grad(), frozen_running_stats(self.remat_norms) if self.remat_norms else _NOTHING:
+            made = self.remat.forward(*sources)
+        return made if isinstance(made, tuple) else (made,)
+
+    def extra_repr(self) -> str:
+        remade = ", ".join(self.inputs[i] for i in self.remat_inputs)
+        return (f"runs {', '.join(self.nodes)} as eager code; drops {remade} after forward and makes it "
+                f"again from {', '.join(self.remat_names)} when backward needs it")
