@@ -13,7 +13,7 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
-from passes.drops import drop_plan, drops_on_top
+from passes.drops import DROPS_MAX_OPS, drop_plan, drops_on_top
 from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.keeps import best_with_keeps, leaf_segments
@@ -237,7 +237,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
     dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
-    on_top = drops_on_top(graph, _drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes)
+    on_top = (drops_on_top(graph, _drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes)
+              if len(op_nodes(graph)) <= DROPS_MAX_OPS else None)
     if on_top is not None and (dropping is None or on_top.cost_key < dropping.cost_key):
         dropping = on_top
     if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
@@ -268,7 +269,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
 
 
-DROP_BASES = 8
+DROP_BASES = 4
 
 
 def _drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: int, chosen: Plan | None) -> list[Plan]:

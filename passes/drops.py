@@ -57,6 +57,9 @@ def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[S
     return with_remat(graph, segments, picks, PlanError)
 
 
+DROPS_MAX_OPS = 1500  # larger graphs: each validity check walks the whole plan, ~30 ms at 10k ops
+
+
 def drops_on_top(graph: nx.DiGraph, bases: Sequence[Plan], budget_bytes: float) -> Plan | None:
     """The cheapest plan fitting ``budget_bytes`` made by dropping values on top of one of
     ``bases`` (:func:`dropped_segments`): for each base, the shortest prefix of the values it
