@@ -243,8 +243,10 @@ def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[st
 def _header(plan: Plan, method: str) -> str:
     depth = max((s.depth for s in plan.segments), default=0)
     nesting = f", nested {depth} deep (segment_i_j runs inside segment_i's recompute)" if depth > 1 else ""
+    hooked = sum(1 for s in plan.recomputed_segments if s.facts is not None and s.facts.by_hooks)
+    dropping = f"; {hooked} of them ops run with dropped inputs (drop_i)" if hooked else ""
     lines = [f"# graphckpt: strategy {plan.strategy}, captured with {method}; "
-             f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}"]
+             f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}{dropping}"]
     for kept in plan.checkpoint_details:
         lines.append(f"#   keeps {kept.name}: {kept.shape} {kept.dtype} ({format_bytes(kept.bytes)})")
     return "\n".join(lines) + "\n"
