@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase
+from graphckpt.torch_compat import NormBase, storage_key
 
 
 class _Remade:
@@ -116,11 +116,11 @@ class DropModule(nn.Module):
         if not torch.is_grad_enabled():
             return self.body.forward(*inputs)
         remade = _Remade(self, tuple(args[i] for i in self.remat_sources))
-        dropped = {inputs[i].untyped_storage().data_ptr(): (position, inputs[i].dtype)
+        dropped = {storage_key(inputs[i]): (position, inputs[i].dtype)
                    for position, i in enumerate(self.remat_inputs) if isinstance(inputs[i], torch.Tensor)}
 
         def pack(saved: torch.Tensor) -> Any:
-            hit = dropped.get(saved.untyped_storage().data_ptr())
+            hit = dropped.get(storage_key(saved))
             if hit is None or saved.dtype != hit[1]:
                 return saved
             remade.pending += 1

@@ -13,7 +13,7 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.costgraph import op_nodes
-from passes.drops import DROPS_MAX_OPS, drop_plan, drops_on_top
+from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
 from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.keeps import best_with_keeps, leaf_segments
@@ -237,7 +237,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
     dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
-    on_top = (drops_on_top(graph, _drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes)
+    on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes)
               if len(op_nodes(graph)) <= DROPS_MAX_OPS else None)
     if on_top is not None and (dropping is None or on_top.cost_key < dropping.cost_key):
         dropping = on_top
@@ -267,22 +267,6 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
-
-
-DROP_BASES = 4
-
-
-def _drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: int, chosen: Plan | None) -> list[Plan]:
-    """The plans worth dropping values on top of (:func:`passes.drops.drops_on_top`), all above
-    the budget and cheaper than ``chosen`` (dropping only adds recompute): everything kept,
-    and of ``plans`` the :data:`DROP_BASES` nearest the budget (the least to drop) and the
-    :data:`DROP_BASES` cheapest."""
-    everything = build_plan(graph, "eager", [(op_nodes(graph), False)])
-    above = {repr(_layout(p.segments)): p for p in [everything, *plans]
-             if p.peak_bytes > budget_bytes and (chosen is None or p.cost_key < chosen.cost_key)}
-    nearest = sorted(above.values(), key=lambda p: p.peak_bytes)[:DROP_BASES]
-    cheapest = sorted(above.values(), key=lambda p: p.cost_key)[:DROP_BASES]
-    return list({id(p): p for p in [everything, *nearest, *cheapest] if id(p) in map(id, above.values())}.values())
 
 
 BLOCKS_MARGIN = 0.02

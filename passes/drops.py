@@ -82,6 +82,23 @@ def drops_on_top(graph: nx.DiGraph, bases: Sequence[Plan], budget_bytes: float) 
                              f"on top of a {base.strategy} plan with {len(base.segments)} segments"])
 
 
+DROP_BASES = 4
+
+
+def drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, chosen: Plan | None) -> list[Plan]:
+    """The plans worth dropping values on top of (:func:`drops_on_top`), all above the budget
+    and cheaper than ``chosen`` (dropping only adds recompute): everything kept, and of
+    ``plans`` the :data:`DROP_BASES` nearest the budget (the least to drop) and the
+    :data:`DROP_BASES` cheapest, each layout once."""
+    everything = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
+    above = {p.segments: p for p in [everything, *plans]
+             if p.peak_bytes > budget_bytes and (chosen is None or p.cost_key < chosen.cost_key)}
+    nearest = sorted(above.values(), key=lambda p: p.peak_bytes)[:DROP_BASES]
+    cheapest = sorted(above.values(), key=lambda p: p.cost_key)[:DROP_BASES]
+    candidates = [p for p in (above.get(everything.segments), *nearest, *cheapest) if p is not None]
+    return list({id(p): p for p in candidates}.values())
+
+
 def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16) -> list[str]:
     """The values of :func:`drop_order` that ``segments`` can drop together, in that order:
     made and saved only by ops of kept segments, each added with those before it only when
