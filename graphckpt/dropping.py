@@ -30,6 +30,8 @@ from torch import fx, nn
 from graphckpt.state import frozen_running_stats
 from graphckpt.torch_compat import NormBase, storage_key
 
+_NOTHING = contextlib.nullcontext()  # reusable: enters and exits as often as asked
+
 
 class _Remade:
     """The rematerialized inputs of one call, made again once per backward: by the first
@@ -72,9 +74,6 @@ class _Handle:
         return value.as_strided(self.size, self.stride, self.offset)
 
 
-_NOTHING = contextlib.nullcontext()
-
-
 def _unpack(packed: Any) -> Any:
     return packed.unpack() if isinstance(packed, _Handle) else packed
 
@@ -84,7 +83,7 @@ def _autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
     ``values`` (a no-op when autocast is off there)."""
     device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
     if not torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
+        return _NOTHING
     return torch.autocast(device, dtype=torch.get_autocast_dtype(device),
                           cache_enabled=torch.is_autocast_cache_enabled())
 

@@ -67,17 +67,17 @@ def drops_on_top(graph: nx.DiGraph, bases: Sequence[Plan], budget_bytes: float) 
     graphs of any size, where :func:`drop_plan`'s greedy takes a simulation per value: a
     transformer's plan keeps its matmul outputs and drops the pointwise values between them,
     what torch.compile's partitioner recomputes."""
-    found: list[tuple[tuple[int, int, int], int, Plan, list[str]]] = []
+    found: list[tuple[tuple[int, int, int], int, Plan, list[str], tuple[Segment, ...]]] = []
     for index, base in enumerate(bases):
         options = _droppable_on(graph, base.segments)
         fitting = _shortest_fitting_prefix(graph, base.segments, options, budget_bytes)
         if fitting is not None:
-            segments = dropped_segments(graph, fitting, base.segments)
-            found.append((cost_key(graph, segments), index, base, fitting))
+            chosen, segments = fitting
+            found.append((cost_key(graph, segments), index, base, chosen, segments))
     if not found:
         return None
-    _, _, base, chosen = min(found, key=lambda item: item[:2])
-    return plan_of_segments(graph, "dropped values", dropped_segments(graph, chosen, base.segments),
+    _, _, base, chosen, segments = min(found, key=lambda item: item[:2])
+    return plan_of_segments(graph, "dropped values", segments,
                             [f"dropped values: {len(chosen)} values made again before their backward, "
                              f"on top of a {base.strategy} plan with {len(base.segments)} segments"])
 
@@ -130,15 +130,21 @@ def _valid(graph: nx.DiGraph, dropped: list[str], segments: Sequence[Segment]) -
 
 
 def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], options: list[str],
-                             budget_bytes: float) -> list[str] | None:
+                             budget_bytes: float) -> tuple[list[str], tuple[Segment, ...]] | None:
     """The shortest prefix of ``options`` whose plan fits ``budget_bytes``, by bisection
-    (dropping more lowers the peak, all but always); ``None`` when all of them do not fit."""
+    (dropping more lowers the peak, all but always), with that plan's segments; ``None``
+    when all of them do not fit."""
+    fitting: dict[int, tuple[Segment, ...]] = {}
+
     def fits(count: int) -> bool:
         try:
             trial = dropped_segments(graph, options[:count], segments)
         except PlanError:
             return False
-        return simulate(graph, trial).peak_bytes <= budget_bytes
+        if simulate(graph, trial).peak_bytes > budget_bytes:
+            return False
+        fitting[count] = trial
+        return True
 
     if not options or not fits(len(options)):
         return None
@@ -149,7 +155,7 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], opt
             high = middle
         else:
             low = middle
-    return options[:high]
+    return options[:high], fitting[high]
 
 
 def drop_order(graph: nx.DiGraph) -> list[str]:
