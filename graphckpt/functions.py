@@ -57,7 +57,7 @@ class _DrawsRandom(TorchDispatchMode):
         self.random = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.random = self.random or draws_random_numbers(func)
+        self.random = self.random or draws_random_numbers(func, args, kwargs)
         return func(*args, **(kwargs or {}))
 
 

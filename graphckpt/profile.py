@@ -26,7 +26,6 @@ from graphckpt.scratch import KERNEL_EXTRA, call_key, measure_kernel_scratch
 from graphckpt.torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
-    argument_names,
     draws_random_numbers,
     fake_module_copy,
     flop_counter,
@@ -73,7 +72,8 @@ def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
 
 EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
                            "mkldnn_convolution", "convolution_overrideable", "cudnn_convolution",
-                           "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"})
+                           "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"})
 
 
 def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
@@ -84,12 +84,7 @@ def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool
     another place in the stream (T5 on CUDA got other dropout masks in backward, and
     gradients 60% off). The profile and the runtime's policy both ask this one function.
     """
-    if func.overloadpacket.__name__ not in EXPENSIVE_OPS:
-        return False
-    if not draws_random_numbers(func):
-        return True
-    bound = {**dict(zip(argument_names(func), args, strict=False)), **kwargs}
-    return bound.get("dropout_p", 1.0) == 0
+    return func.overloadpacket.__name__ in EXPENSIVE_OPS and not draws_random_numbers(func, args, kwargs)
 
 
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
@@ -157,7 +152,7 @@ class _OpKinds(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
             self.last = func.overloadpacket.__name__
-        self.random = self.random or draws_random_numbers(func)
+        self.random = self.random or draws_random_numbers(func, args, kwargs)
         is_expensive = kept_by_selective(func, args, kwargs or {})
         self.expensive = self.expensive or is_expensive
         self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -76,10 +76,25 @@ def fake_empty(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, 
         return FakeTensor(mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
 
 
-def draws_random_numbers(func: OpOverload) -> bool:
-    """Whether an ATen op draws from the random number generator (dropout, ``rand``...):
-    ``torch.Tag.nondeterministic_seeded`` among its tags. Checked on 2.5, 2.6, 2.13."""
-    return torch.Tag.nondeterministic_seeded in func.tags
+def draws_random_numbers(func: OpOverload, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> bool:
+    """Whether this call of an ATen op draws from the random number generator (dropout,
+    ``rand``...): ``torch.Tag.nondeterministic_seeded`` among the op's tags, unless the call
+    says it draws nothing: ``dropout_p=0`` (fused attention without dropout, what Hugging Face
+    models pass in training when their attention dropout is 0) or ``train=False``. Without
+    ``args`` it answers for the op. Checked on 2.5, 2.6, 2.13.
+
+    >>> draws_random_numbers(torch.ops.aten.native_dropout.default, (torch.ones(2), 0.5, False))
+    False
+    """
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    if not args and not kwargs:
+        return True
+    schema = op_schema(func).arguments
+    bound = {argument.name: argument.default_value for argument in schema if argument.has_default_value()}
+    bound.update(zip((argument.name for argument in schema), args, strict=False))
+    bound.update(kwargs or {})
+    return bound.get("train") is not False and bound.get("dropout_p") != 0
 
 
 def storage_key(tensor: torch.Tensor) -> int:

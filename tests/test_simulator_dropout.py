@@ -5,6 +5,8 @@ one tensor twice. Simulated peaks are checked against measured ones on this mach
 
 from __future__ import annotations
 
+import copy
+
 import networkx as nx
 import pytest
 import torch
@@ -18,7 +20,7 @@ from passes.heuristics import sqrt_candidate
 from passes.kept_bytes import shared_parameters
 from passes.plan import Plan, from_positions, plan_of_segments, selective, simulated
 from passes.segments import Segment, make_segments, nested
-from tests.equivalence import default_loss
+from tests.equivalence import assert_trains_like, default_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,6 +57,27 @@ def test_selective_segment_over_math_attention_holds_its_inner_matmul_outputs() 
     plan = simulated(graph, candidate)
     assert any(ops[attention] in s.saved_inside for s in plan.segments)
     rewritten = generate_rewrite(model, Analysis(captured, graph, plan))
+    measured = _measured(rewritten, kwargs)
+    assert abs(measured - plan.peak_bytes) <= 0.03 * measured, (plan.peak_bytes, measured)
+
+
+def test_fused_attention_without_dropout_is_kept_by_selective_segments() -> None:
+    """With dropout 0 (what Hugging Face models pass in training when their attention dropout
+    is 0), CPU attention is one fused call that draws no random numbers, whatever its op's
+    tags say: the profile marks it neither random nor cheap, a selective segment keeps its
+    output from forward instead of running the most expensive op of the layer again, and the
+    step is eager's step, within 3% of the simulated peak."""
+    model, kwargs = _gpt2(dropout=0.0)
+    reference = copy.deepcopy(model)
+    captured, graph = cost_model(model, (), example_kwargs=kwargs)
+    ops = op_nodes(graph)
+    attention = next(i for i, n in enumerate(ops) if "scaled_dot_product_attention" in n)
+    assert not graph.nodes[ops[attention]]["random"] and graph.nodes[ops[attention]]["expensive"]
+    candidate = selective(graph, from_positions(graph, "test", [attention - 12, attention + 4]))
+    plan = simulated(graph, candidate)
+    assert any(ops[attention] in s.saved_inside for s in plan.segments)
+    rewritten = generate_rewrite(model, Analysis(captured, graph, plan))
+    assert_trains_like(reference, model, rewritten, (), kwargs)
     measured = _measured(rewritten, kwargs)
     assert abs(measured - plan.peak_bytes) <= 0.03 * measured, (plan.peak_bytes, measured)
 
