@@ -87,10 +87,16 @@ def test_selective_segments_recompute_calls_that_draw_random_numbers() -> None:
     """A fused attention with dropout is recomputed, not kept: a kept result draws nothing
     in the recompute, and every later random op of the segment then drew other numbers."""
     from graphckpt.profile import kept_by_selective
+    from graphckpt.torch_compat import draws_random_numbers
 
     attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
     q = torch.zeros(1, 1, 2, 2)
     assert kept_by_selective(attention, (q, q, q, None, False, 0.0), {})
     assert not kept_by_selective(attention, (q, q, q, None, False), {"dropout_p": 0.1})
+    cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not draws_random_numbers(cpu_attention, (q, q, q, 0.0), {})
+    assert draws_random_numbers(cpu_attention, (q, q, q), {"dropout_p": 0.1})
+    assert not draws_random_numbers(torch.ops.aten.native_dropout.default, (q, 0.5, False))
+    assert draws_random_numbers(torch.ops.aten.native_dropout.default, (q, 0.0, True))  # draws all the same
     assert kept_by_selective(torch.ops.aten.mm.default, (q, q), {})
     assert not kept_by_selective(torch.ops.aten.relu.default, (q,), {})

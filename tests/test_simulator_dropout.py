@@ -61,21 +61,19 @@ def test_selective_segment_over_math_attention_holds_its_inner_matmul_outputs() 
     assert abs(measured - plan.peak_bytes) <= 0.03 * measured, (plan.peak_bytes, measured)
 
 
-def test_fused_attention_without_dropout_is_kept_by_selective_segments() -> None:
+def test_fused_attention_without_dropout_draws_no_random_numbers() -> None:
     """With dropout 0 (what Hugging Face models pass in training when their attention dropout
     is 0), CPU attention is one fused call that draws no random numbers, whatever its op's
-    tags say: the profile marks it neither random nor cheap, a selective segment keeps its
-    output from forward instead of running the most expensive op of the layer again, and the
-    step is eager's step, within 3% of the simulated peak."""
+    tags say: the profile does not mark it random, so a segment recomputing it copies no
+    generator state, and the rewritten step is eager's step within 3% of the simulated peak."""
     model, kwargs = _gpt2(dropout=0.0)
     reference = copy.deepcopy(model)
     captured, graph = cost_model(model, (), example_kwargs=kwargs)
     ops = op_nodes(graph)
     attention = next(i for i, n in enumerate(ops) if "scaled_dot_product_attention" in n)
-    assert not graph.nodes[ops[attention]]["random"] and graph.nodes[ops[attention]]["expensive"]
-    candidate = selective(graph, from_positions(graph, "test", [attention - 12, attention + 4]))
-    plan = simulated(graph, candidate)
-    assert any(ops[attention] in s.saved_inside for s in plan.segments)
+    assert not graph.nodes[ops[attention]]["random"]
+    plan = simulated(graph, from_positions(graph, "test", [attention - 12, attention + 4]))
+    assert not any(s.facts.draws_random for s in plan.recomputed_segments)
     rewritten = generate_rewrite(model, Analysis(captured, graph, plan))
     assert_trains_like(reference, model, rewritten, (), kwargs)
     measured = _measured(rewritten, kwargs)
