@@ -76,8 +76,8 @@ EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_con
                            "_scaled_dot_product_cudnn_attention"})
 # CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu``) is left out on purpose:
 # a selective segment keeps every expensive output it holds, with no choice per segment, and
-# keeping attention's made HF GPT-2's plans at torch.compile 0.5's peak 121-124 ms of predicted
-# recompute where they had 106 (measured 1.065-1.076x compile's step where they had 1.034x).
+# keeping attention's made HF GPT-2's plans at torch.compile 0.5's peak slower, predicted and
+# measured (commit 703200b).
 
 
 def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:

@@ -81,7 +81,8 @@ def draws_random_numbers(func: OpOverload, args: tuple = (), kwargs: Mapping[str
     ``rand``...): ``torch.Tag.nondeterministic_seeded`` among the op's tags, unless the call
     says it draws nothing: ``dropout_p=0`` (fused attention without dropout, what Hugging Face
     models pass in training when their attention dropout is 0) or ``train=False``. Without
-    ``args`` it answers for the op. Checked on 2.5, 2.6, 2.13.
+    ``args`` it answers for the op. The schema's defaults stand in for arguments not passed
+    (``Argument.has_default_value``/``default_value``). Checked on 2.13.
 
     >>> draws_random_numbers(torch.ops.aten.native_dropout.default, (torch.ones(2), 0.5, False))
     False
