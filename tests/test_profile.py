@@ -100,3 +100,21 @@ def test_selective_segments_recompute_calls_that_draw_random_numbers() -> None:
     assert draws_random_numbers(torch.ops.aten.native_dropout.default, (q, 0.0, True))  # draws all the same
     assert kept_by_selective(torch.ops.aten.mm.default, (q, q), {})
     assert not kept_by_selective(torch.ops.aten.relu.default, (q,), {})
+
+
+def test_draws_random_numbers_matches_what_the_generator_sees() -> None:
+    """The call-level answer is checked against the generator itself: a call said to draw
+    nothing leaves the next ``rand`` where it was, one said to draw moves it. (CPU's fused
+    attention refuses dropout; with dropout, attention runs the math kernel's own dropout.)"""
+    from graphckpt.torch_compat import draws_random_numbers
+
+    q = torch.ones(1, 1, 4, 4)
+    calls = [(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.0)),
+             (torch.ops.aten.native_dropout.default, (q, 0.0, True)),
+             (torch.ops.aten.native_dropout.default, (q, 0.5, False))]
+    for op, args in calls:
+        torch.manual_seed(0)
+        untouched = torch.rand(1)
+        torch.manual_seed(0)
+        op(*args)
+        assert draws_random_numbers(op, args) == (torch.rand(1) != untouched).item(), (op, args[1:])
