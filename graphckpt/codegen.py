@@ -125,6 +125,11 @@ def _facts(planned: PlannedSegment) -> RecomputeFacts:
     return planned.facts
 
 
+def _return(graph: fx.Graph, values: list[fx.Node]) -> None:
+    """End ``graph`` returning ``values``: one value as itself, more as a tuple."""
+    graph.output(values[0] if len(values) == 1 else tuple(values))
+
+
 def _remat_module(source: fx.GraphModule, planned: PlannedSegment) -> tuple[fx.GraphModule | None, dict[str, Any]]:
     """The module computing ``planned``'s rematerialized inputs from their sources (one
     placeholder per source, the inputs' values returned in order: :mod:`passes.remat`), and
@@ -143,8 +148,7 @@ def _remat_module(source: fx.GraphModule, planned: PlannedSegment) -> tuple[fx.G
 
     for name in dict.fromkeys(n for r in planned.remat for n in r.nodes):
         env[name] = graph.node_copy(originals[name], read)
-    values = [env[r.value] for r in planned.remat]
-    graph.output(values[0] if len(values) == 1 else tuple(values))
+    _return(graph, [env[r.value] for r in planned.remat])
     arguments = [*planned.inputs, *remat_sources(planned)]
     return fx.GraphModule(_attribute_table(graph, source), graph, "RematBody"), {
         "remat_inputs": tuple(planned.inputs.index(r.value) for r in planned.remat),
@@ -159,8 +163,7 @@ def _drop_module(source: fx.GraphModule, planned: PlannedSegment) -> DropModule:
     env = {name: body.placeholder(name) for name in planned.inputs}
     for name in planned.nodes:
         env[name] = body.node_copy(originals[name], lambda n: env[n.name])
-    results = [env[name] for name in planned.outputs]
-    body.output(results[0] if len(results) == 1 else tuple(results))
+    _return(body, [env[name] for name in planned.outputs])
     remat, wiring = _remat_module(source, planned)
     return DropModule(fx.GraphModule(_attribute_table(body, source), body, "DropBody"), remat,
                       nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, **wiring)
@@ -187,8 +190,7 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
 
     children = planned.children or (PlannedSegment(planned.nodes, False, planned.inputs, planned.outputs),)
     modules = _emit_segments(body, source, children, env, copy_node, prefix=f"{target}_")
-    results = [env[name] for name in planned.outputs]
-    body.output(results[0] if len(results) == 1 else tuple(results))
+    _return(body, [env[name] for name in planned.outputs])
     attributes = {**_attribute_table(body, source, skip=modules), **modules}
     remat, wiring = _remat_module(source, planned)
     segment = SegmentModule(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes,

@@ -26,7 +26,7 @@ from passes.keeps import keepable
 from passes.plan import Plan, plan_of_segments
 from passes.remat import rematerializable, with_remat
 from passes.segments import PlanError, Segment, cost_key, make_segments
-from passes.simulate import simulate
+from passes.simulate import eager_segments, simulate
 
 
 def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[Segment] = ()) -> tuple[Segment, ...]:
@@ -39,7 +39,7 @@ def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[S
     isolated = {name for name in op_nodes(graph)
                 if dropped & set(graph.nodes[name]["saved"])}  # the savers, the value's own op included
     segments: list[Segment] = []
-    for segment in base or make_segments(graph, [(op_nodes(graph), False)]):
+    for segment in base or eager_segments(graph):
         if segment.recompute:
             if isolated & set(segment.nodes):
                 raise PlanError("an op that saved a dropped value is recomputed by the plan under it")
@@ -90,7 +90,7 @@ def drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, ch
     and cheaper than ``chosen`` (dropping only adds recompute): everything kept, and of
     ``plans`` the :data:`DROP_BASES` nearest the budget (the least to drop) and the
     :data:`DROP_BASES` cheapest, each layout once."""
-    everything = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
+    everything = plan_of_segments(graph, "eager", eager_segments(graph))
     above = {p.segments: p for p in [everything, *plans]
              if p.peak_bytes > budget_bytes and (chosen is None or p.cost_key < chosen.cost_key)}
     nearest = sorted(above.values(), key=lambda p: p.peak_bytes)[:DROP_BASES]
