@@ -181,10 +181,29 @@ def test_pareto_flops_axis(runner: CliRunner, tmp_path: Path) -> None:
     assert png.exists()
 
 
-def test_demo_shows_cut_and_measurements(runner: CliRunner) -> None:
-    text = ok(invoke(runner, "demo", "--steps", "1", "--target", GPT))
-    for expected in ("model:", "segments", "checkpoints", "measured peak", "eager", "graphckpt", "ratio: peak"):
-        assert expected in text
+def test_demo_measures_the_trade_offs_and_shows_the_best_cut(runner: CliRunner) -> None:
+    text = ok(invoke(runner, "demo", "--steps", "2", "--target", "zoo:gpt?layers=3&d=32&heads=2&seq=32&batch=2"))
+    for expected in ("model:", "measured peak", "eager", "per-block", "graphckpt at per-block's peak", "graphckpt 0.5",
+                     "segments", "at per-block checkpointing's memory:", "best trade-off: graphckpt",
+                     "ratio: peak"):
+        assert expected in text, expected
+
+
+def test_best_trade_off_buys_most_memory_per_step_time() -> None:
+    from graphckpt.tools.bench import Result
+    from graphckpt.tools.demo import best_trade_off, memory_per_time
+
+    def result(name: str, kind: str, peak: float, step: float) -> Result:
+        return Result(name, kind, "", 0, step, peak_ratio=peak, time_ratio=step)
+
+    results = [result("eager", "eager", 1.0, 1.0), result("per-block", "per-block", 0.2, 1.5),
+               result("graphckpt a", "graphckpt", 0.2, 1.45), result("graphckpt b", "graphckpt", 0.5, 1.1),
+               result("graphckpt c", "graphckpt", 1.0, 0.99)]
+    assert memory_per_time(results[3]) > memory_per_time(results[2]) > memory_per_time(results[1])
+    assert memory_per_time(results[4]) == 0.0  # saves nothing, however fast
+    assert memory_per_time(result("free", "graphckpt", 0.9, 0.98)) == float("inf")
+    assert best_trade_off(results).name == "graphckpt b"  # the per-block anchor is never ours
+    assert best_trade_off(results[:2]) is None
 
 
 # ---------------------------------------------------------------- user targets

@@ -327,46 +327,36 @@ def pareto(
 @app.command()
 @friendly
 def demo(
-    steps: StepsOpt = 3,
+    steps: StepsOpt = 5,
     target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
 ) -> None:
-    """Rewrite a zoo transformer at the memory of per-block checkpointing (what
-    ``gradient_checkpointing_enable()`` gives) with the least recompute, show the cut, and
-    train a few steps: eager, per-block checkpointing and graphckpt."""
-    from dataclasses import replace
-
-    from graphckpt.api import generate_rewrite, plan_cost_graph
+    """Plan a zoo transformer at per-block checkpointing's memory (what
+    ``gradient_checkpointing_enable()`` gives) and at 0.5 and 0.3 of eager's, measure each
+    beside eager and per-block in interleaved rounds, and show the cut of the best trade-off."""
     from graphckpt.tools import zoo
-    from graphckpt.tools.anchors import Variant, block_anchor
-    from graphckpt.tools.measure import measure_step
+    from graphckpt.tools.demo import best_trade_off, demo_variants, trade_off_line, versus_per_block
     from graphckpt.tools.report import inspect_view, plan_document
 
     loaded = _load(target, None)
     console = out()
     console.print(f"model: {loaded.description}")
-    analysis, _ = _analyze(loaded, "blocks", cost="time")  # measured op time: FLOPs call pointwise ops free
-    per_block_peak = analysis.plan.peak_bytes
-    analysis = replace(analysis, plan=plan_cost_graph(analysis.cost_graph, budget=per_block_peak))
-    console.print(f"budget: per-block checkpointing's simulated peak, {format_bytes(per_block_peak)}; "
-                  "recompute priced in measured op time (cost='time')")
-    console.print(inspect_view(plan_document(analysis.cost_graph, analysis.plan, target=target,
-                                             capture=analysis.captured.method, strategy="optimal")))
-    anchor = block_anchor(loaded.model, loaded.inputs)
-    rewritten = generate_rewrite(loaded.model, analysis)  # the plan shown above, not a second capture
-    modules = {"eager": loaded.model, "per-block checkpointing": anchor.module if isinstance(anchor, Variant) else None,
-               "graphckpt": rewritten}
-    table = Table(title=f"training step, median of {steps}", title_justify="left", title_style="bold")
-    for header in ("", "measured peak", "step time"):
-        table.add_column(header, justify="right" if header else "left")
-    with quiet_profiler():
-        measured = {name: measure_step(module, loaded.inputs, zoo.scalar_loss, repeats=steps)
-                    for name, module in modules.items() if module is not None}
-    for name, result in measured.items():
-        table.add_row(name, format_bytes(result.peak_bytes), f"{result.step_seconds * 1e3:.0f} ms")
-    console.print(table)
-    eager, ours = measured["eager"], measured["graphckpt"]
-    console.print(f"ratio: peak {ours.peak_bytes / max(eager.peak_bytes, 1):.2f}x eager, step time "
-                  f"{ours.step_seconds / eager.step_seconds:.2f}x eager")
+    built = _build("capturing, costing (measured op times) and planning",
+                   lambda: demo_variants(loaded.model, loaded.inputs, zoo.scalar_loss))
+    results = _measure(built.variants, loaded.inputs, steps)
+    _report_measured(results, built.skipped, f"training step: median of {steps} interleaved rounds, {_threads()}",
+                     False)
+    best = best_trade_off(results)
+    if best is None:
+        note_line("no graphckpt plan saved memory on this model")
+        return
+    plan = next(v.plan for v in built.variants if v.name == best.name)
+    console.print(inspect_view(plan_document(built.modelled.cost_graph, plan, target=target,
+                                             capture=built.modelled.captured.method, strategy="optimal"),
+                               checkpoints=False))
+    for line in (versus_per_block(results), trade_off_line(best, results)):
+        if line is not None:
+            console.print(line, soft_wrap=True)
+    console.print(f"ratio: peak {best.peak_ratio:.2f}x eager, step time {best.time_ratio:.2f}x eager")
 
 
 TIMED_COMMANDS = ("demo", "bench", "pareto")  # they time training steps

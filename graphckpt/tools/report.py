@@ -199,9 +199,11 @@ def summary_text(document: Mapping[str, Any]) -> Text:
     return text
 
 
-def inspect_view(document: Mapping[str, Any]) -> Group:
-    """What ``graphckpt inspect`` prints: the summary, segments and checkpoints tables."""
-    return Group(summary_text(document), _segment_table(document), _checkpoint_table(document))
+def inspect_view(document: Mapping[str, Any], *, checkpoints: bool = True) -> Group:
+    """What ``graphckpt inspect`` prints: the summary, segments and (unless ``checkpoints``
+    is false, as in the demo, where they run to dozens of rows) checkpoints tables."""
+    tables = (_segment_table(document), _checkpoint_table(document)) if checkpoints else (_segment_table(document),)
+    return Group(summary_text(document), *tables)
 
 
 def compare_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
