@@ -5,10 +5,12 @@
     graphckpt.disable(model)
 
 :func:`enable` plans over the whole model as :func:`graphckpt.rewrite` does, but only among
-plans a module tree can carry out itself: recompute whole blocks (the repeated layers of a
+plans a module tree can carry out itself: recompute blocks (the repeated layers of a
 ``ModuleList``/``Sequential``, or the modules named in ``blocks=``), all of them or, to fit a
-budget, as few as it needs (:func:`passes.budget.block_plan`). Each recomputed block's
-``forward`` is then wrapped in ``torch.utils.checkpoint`` on the instance, so
+budget, the mix that recomputes least: some blocks whole, some selectively (their matmul and
+convolution outputs kept from forward, as torch's selective checkpointing does), the rest not
+at all (:func:`passes.budget.block_plan`). Each recomputed block's ``forward`` is then
+wrapped in ``torch.utils.checkpoint`` on the instance, so
 
 * the model is still an instance of its class (``generate``, ``save_pretrained``, Trainer);
 * the block's own forward hooks run (FSDP2's ``fully_shard`` per block all-gathers its
@@ -19,8 +21,8 @@ budget, as few as it needs (:func:`passes.budget.block_plan`). Each recomputed b
 * a recompute replays the random draws of forward and does not update BatchNorm's running
   statistics a second time.
 
-Plans that recompute inside a block (selective or nested segments) need the rewritten graph:
-use :func:`graphckpt.rewrite` for those.
+Plans that cut inside a block (nested segments, values dropped or kept one by one) need the
+rewritten graph: use :func:`graphckpt.rewrite` for those.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from graphckpt.api import cost_model
+from graphckpt.runtime import keep_matmul_outputs
 from graphckpt.state import frozen_running_stats
 from graphckpt.torch_compat import NormBase
-from passes.blocks import recomputed_blocks
+from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, block_plan, parse_budget
 from passes.plan import Plan
 from passes.simulate import eager_peak
@@ -49,8 +52,9 @@ PLAN_ATTRIBUTE = "graphckpt_plan"
 def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapping[str, Any] | None = None,
            budget: Budget | None = None, cost: str = "flops", blocks: Sequence[str] | None = None) -> nn.Module:
     """Checkpoint ``model``'s blocks in place and return ``model``: every block, or for
-    ``budget`` (a fraction of eager's simulated peak, bytes, or ``"2GiB"``) the fewest
-    that fit it. ``model.graphckpt_plan`` holds the plan; :func:`disable` undoes it.
+    ``budget`` (a fraction of eager's simulated peak, bytes, or ``"2GiB"``) the mix of
+    blocks recomputed whole and selectively that fits it with the least recompute.
+    ``model.graphckpt_plan`` holds the plan; :func:`disable` undoes it.
 
     Raises :class:`passes.segments.PlanError` when the model has no blocks and
     :class:`passes.budget.BudgetError` naming the smallest peak when the budget is too small.
@@ -66,8 +70,9 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     if shapes:
         note = f"enable: planned for inputs of shapes {shapes}; other shapes run the same blocks checkpointed"
         plan = replace(plan, notes=(*plan.notes, note))
+    selective = set(selective_blocks(graph, plan.segments))
     for name in recomputed_blocks(graph, plan.segments):
-        checkpoint_forward(model.get_submodule(name))
+        checkpoint_forward(model.get_submodule(name), selective=name in selective)
     object.__setattr__(model, PLAN_ATTRIBUTE, plan)
     return model
 
@@ -94,10 +99,11 @@ def enabled_plan(model: nn.Module) -> Plan | None:
     return model.__dict__.get(PLAN_ATTRIBUTE)
 
 
-def checkpoint_forward(module: nn.Module) -> None:
+def checkpoint_forward(module: nn.Module, *, selective: bool = False) -> None:
     """Wrap ``module``'s forward, on the instance, in non-reentrant ``checkpoint`` while it
-    trains with gradients; its hooks (called by ``nn.Module.__call__``) stay outside."""
-    module.__dict__["forward"] = CheckpointedForward(module)
+    trains with gradients; its hooks (called by ``nn.Module.__call__``) stay outside.
+    ``selective``: keep its matmul/convolution outputs from forward and rerun only the rest."""
+    module.__dict__["forward"] = CheckpointedForward(module, selective=selective)
 
 
 class CheckpointedForward:
@@ -105,8 +111,9 @@ class CheckpointedForward:
     as it is otherwise (``eval()``, ``no_grad``). An object, not a closure, so that a deep copy
     or a pickle of the model (EMA copies, ``torch.save``) carries it bound to the copy."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, selective: bool = False) -> None:
         self.module = module
+        self.selective = selective
         self.replaced = module.__dict__.get("forward")  # an instance forward set before, if any
         self.original = module.forward
         self.recomputations = 0  # how often backward has rerun it
@@ -116,14 +123,19 @@ class CheckpointedForward:
             return self.original(*args, **kwargs)
         if torch.compiler.is_compiling():  # a compiled block (regional compilation): the
             # partitioner recomputes from the graph, so there is no recompute to count or guard
-            return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            context = {"context_fn": _selective_contexts} if self.selective else {}
+            return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True, **context, **kwargs)
         return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=self._contexts, **kwargs)
 
     def _contexts(self) -> tuple[Any, Any]:
-        """Forward as it is; the recompute counted, with running statistics kept as forward
-        left them (a recompute must not count a batch twice)."""
-        return contextlib.nullcontext(), self._recomputing()
+        """Forward as it is (keeping matmul outputs, if selective); the recompute counted,
+        with running statistics kept as forward left them (a recompute must not count a batch
+        twice)."""
+        if not self.selective:
+            return contextlib.nullcontext(), self._recomputing()
+        caching, cached = _selective_contexts()
+        return caching, _both(cached, self._recomputing())
 
     @contextlib.contextmanager
     def _recomputing(self) -> Iterator[None]:
@@ -131,6 +143,18 @@ class CheckpointedForward:
         norms = [m for m in self.module.modules() if isinstance(m, NormBase) and m.track_running_stats]
         with frozen_running_stats(norms):
             yield
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    """torch's selective checkpointing contexts keeping every matmul/convolution output, as a
+    selective segment of the plan keeps its matmul nodes' (:func:`graphckpt.runtime.keep_matmul_outputs`)."""
+    return create_selective_checkpoint_contexts(keep_matmul_outputs)
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def _shapes(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> list[tuple[int, ...]]:

@@ -11,12 +11,13 @@ its own cost model rates worse.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import groupby
 
 import networkx as nx
 
 from passes.costgraph import op_nodes
-from passes.plan import Segment
+from passes.plan import Candidate, Segment
 from passes.segments import make_segments
 
 
@@ -59,3 +60,50 @@ def recomputed_blocks(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> tuple
     plan such as :func:`passes.budget.block_plan`'s); ops outside every block are never among them."""
     names = (graph.nodes[s.nodes[0]].get("block", "") for s in segments if s.recompute)
     return tuple(dict.fromkeys(name for name in names if name))
+
+
+def selective_blocks(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> tuple[str, ...]:
+    """The blocks of :func:`recomputed_blocks` that ``segments`` recompute selectively
+    (their matmul/convolution outputs kept from forward, :func:`block_mixes`)."""
+    names = (graph.nodes[s.nodes[0]].get("block", "") for s in segments if s.recompute and s.saved_inside)
+    return tuple(dict.fromkeys(name for name in names if name))
+
+
+MIXES_UP_TO = 24  # blocks; past it, only plans with every block recomputed one way or the other
+
+
+def block_mixes(graph: nx.DiGraph, every: Candidate) -> list[Candidate]:
+    """Block-aligned plans between eager and ``every`` (every block recomputed): the first
+    ``whole`` blocks recomputed whole, the next ``kept`` selectively (their matmul and
+    convolution outputs kept from forward, :func:`passes.plan.selective`), the rest not
+    recomputed. What a module tree can carry out in place (``graphckpt.enable``), and between
+    per-block checkpointing and eager the cheapest way to spend memory: a selective block
+    reruns only its cheap ops. Past :data:`MIXES_UP_TO` blocks only the mixes recomputing
+    every block, and the selective prefixes, are listed (the rest grow as blocks squared).
+    ``every`` itself and the prefixes recomputed whole (:func:`passes.budget.partially_recomputed`)
+    are not repeated.
+    """
+    count = sum(s.recompute for s in every.segments)
+    if not any(graph.nodes[n]["expensive"] for n in graph):
+        return []
+    pairs = [(whole, kept) for whole in range(count + 1) for kept in range(1, count - whole + 1)
+             if count <= MIXES_UP_TO or whole + kept == count or whole == 0]
+    return [_mixed(graph, every, whole, kept) for whole, kept in pairs]
+
+
+def _mixed(graph: nx.DiGraph, every: Candidate, whole: int, kept: int) -> Candidate:
+    """``every`` with its first ``whole`` recomputed segments as they are, the next ``kept``
+    selective, the others not recomputed."""
+    segments, seen = [], 0
+    for segment in every.segments:
+        if segment.recompute:
+            seen += 1
+            if seen > whole + kept:
+                segment = replace(segment, recompute=False)
+            elif seen > whole:
+                segment = replace(segment, saved_inside=tuple(n for n in segment.nodes if graph.nodes[n]["expensive"]))
+        segments.append(segment)
+    merged = make_segments(graph, [(s.nodes, s.recompute) for s in segments])
+    inside = {s.nodes: s.saved_inside for s in segments if s.recompute}
+    segments = tuple(replace(s, saved_inside=inside.get(s.nodes, ())) for s in merged)
+    return Candidate(f"blocks ({whole} whole, {kept} selective)", segments, every.notes)

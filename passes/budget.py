@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import networkx as nx
 
+from passes.blocks import block_mixes
 from passes.costgraph import op_nodes
 from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
 from passes.floor import true_floor
@@ -336,9 +337,10 @@ def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budge
 
 def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
     """Per-block checkpointing that a module tree can carry out in place: every block
-    recomputed, or for ``budget_bytes`` the plan of least recompute among recomputing the
-    first r blocks that fits it (eager when eager fits). Each recomputed segment is one
-    block's run, so ``graphckpt.enable`` can checkpoint the block's own ``forward``.
+    recomputed, or for ``budget_bytes`` the plan of least recompute that fits it among
+    recomputing the first r blocks whole and the next s selectively
+    (:func:`passes.blocks.block_mixes`; eager when eager fits). Each recomputed segment is
+    one block's run, so ``graphckpt.enable`` can checkpoint the block's own ``forward``.
 
     Raises :class:`passes.segments.PlanError` when the graph names no blocks, and
     :class:`BudgetError` naming the smallest peak when no such plan fits.
@@ -351,7 +353,8 @@ def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
         return simulated(graph, every)
     if eager_peak(graph) <= budget_bytes:
         return _eager_fits(graph, "blocks", budget_bytes)
-    chosen, tried = cheapest_fitting(graph, [every, *partially_recomputed(graph, every)], budget_bytes, None)
+    flat = [every, *partially_recomputed(graph, every), *block_mixes(graph, every)]
+    chosen, tried = cheapest_fitting(graph, flat, budget_bytes, None)
     if chosen is None:
         raise _unreachable(graph, budget_bytes, tried)
     return chosen

@@ -4,6 +4,7 @@ as a candidate of every budget search."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -139,3 +140,22 @@ def test_block_plans_recompute_whole_blocks_and_as_few_as_a_budget_needs() -> No
     with pytest.raises(BudgetError) as refused:
         block_plan(graph, every.peak_bytes - 1)
     assert refused.value.smallest_peak_bytes == every.peak_bytes
+
+
+def test_block_mixes_recompute_blocks_whole_then_selectively_and_price_between_eager_and_every_block() -> None:
+    from passes.blocks import block_mixes, recomputed_blocks, selective_blocks
+    from passes.heuristics import blocks_candidate
+    from passes.plan import simulated
+
+    model, inputs = zoo.make("gpt", layers=4, batch=2)
+    _, graph = cost_model(model, inputs)
+    every = blocks_candidate(graph)
+    mixes = block_mixes(graph, every)
+    assert len(mixes) == 4 * 5 // 2  # (whole, selective) with 1 <= selective <= 4 - whole
+    names = tuple(f"blocks.{i}" for i in range(4))
+    for mix in mixes:
+        whole, kept = (int(count) for count in re.findall(r"\d+", mix.strategy))
+        assert recomputed_blocks(graph, mix.segments) == names[:whole + kept]
+        assert selective_blocks(graph, mix.segments) == names[whole:whole + kept]
+        assert cost_key(graph, mix.segments) < cost_key(graph, every.segments)
+        assert simulated(graph, mix).peak_bytes >= simulated(graph, every).peak_bytes
