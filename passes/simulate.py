@@ -284,6 +284,17 @@ def eager_peak(graph: nx.DiGraph) -> int:
     return _EAGER_PEAKS[graph]
 
 
+_FORWARD_FLOPS: WeakKeyDictionary[nx.DiGraph, int] = WeakKeyDictionary()
+
+
+def forward_flops(graph: nx.DiGraph) -> int:
+    """What one forward computes (every op's ``flops``); summed once per cost graph, not
+    once per simulated plan."""
+    if graph not in _FORWARD_FLOPS:
+        _FORWARD_FLOPS[graph] = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
+    return _FORWARD_FLOPS[graph]
+
+
 def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     """Bytes alive when forward ends that a plan cannot avoid: the inputs of its recomputed
     segments and the values they keep from forward, each storage once. A lower bound on
@@ -300,7 +311,7 @@ def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
     recompute_flops, recompute_bytes = recompute_totals(graph, segments)
-    forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
+    forward = forward_flops(graph)
     return Simulation(
         peak_bytes=_step_peak(graph, segments),
         eager_peak_bytes=eager_peak(graph),
