@@ -91,7 +91,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         grad_from.append(attributes["requires_grad"] and attributes["kind"] in ("op", "input"))
     roots = [index if alias is None else ids[alias] for index, alias in enumerate(columns["alias_of"])]
     grad_bytes = [columns["bytes"][root] for root in roots]  # :func:`passes.kept_bytes.gradient_bytes`
-    reads = [[ids[v] for v in graph.pred[name]] for name in names]
+    pred, succ = graph.pred, graph.succ  # each graph.pred makes a new view: bound once
+    reads = [[ids[v] for v in pred[name]] for name in names]
     shared: list[list[tuple[int, int]]] = [[] for _ in names]
     shared_readers: dict[int, int] = {}
     for number, (_, nbytes, readers) in enumerate(shared_parameters(graph)):
@@ -105,7 +106,7 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         owns=[alias is None for alias in columns["alias_of"]],
         nbytes=columns["bytes"],
         roots=roots,
-        readers=[tuple(ids[r] for r in graph.succ[name]) for name in names],
+        readers=[tuple(ids[r] for r in succ[name]) for name in names],
         activation_reads=[tuple(v for v in read if not is_param[v]) for read in reads],
         saved=[tuple(map(ids.__getitem__, saved)) for saved in columns["saved"]],
         released_early=[tuple(map(ids.__getitem__, early)) for early in columns["released_early"]],
