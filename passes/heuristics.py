@@ -168,14 +168,20 @@ def blocks_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Pro
 def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
     """The plan of lowest simulated peak among sqrt, articulation and mincut (less
     recompute breaks ties); its ``strategy`` names the winner. Candidates with the same
-    segments (on a chain of blocks the three often agree) are simulated once."""
+    segments (on a chain of blocks the three often agree) are simulated once. ``progress``
+    hears ``(done, 3)`` as each candidate is made and simulated (seconds each at 50k nodes)."""
     simulated_by_segments: dict[tuple, Plan] = {}
-    plans = []
-    for make in (mincut_candidate, articulation_candidate, sqrt_candidate):
+    plans: list[Plan] = []
+    makers = (mincut_candidate, articulation_candidate, sqrt_candidate)
+    for make in makers:
+        if progress is not None:
+            progress(len(plans), len(makers))
         candidate = make(graph, segments)
         if candidate.segments not in simulated_by_segments:
             simulated_by_segments[candidate.segments] = simulated(graph, candidate)
         plan = replace(simulated_by_segments[candidate.segments], strategy=candidate.strategy, notes=candidate.notes)
         plans.append(no_worse_than_eager(graph, plan))
+    if progress is not None:
+        progress(len(plans), len(makers))
     best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
     return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))
