@@ -252,9 +252,11 @@ def check_cost_graph(graph: nx.DiGraph) -> None:
 
 
 def in_order(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> list[str]:
-    """The given nodes (default: all) sorted by execution order."""
-    chosen = graph.nodes if nodes is None else nodes
-    return sorted(chosen, key=lambda name: graph.nodes[name]["order"])
+    """The given nodes (default: all, sorted once per graph: :func:`all_in_order`) sorted
+    by execution order."""
+    if nodes is None:
+        return all_in_order(graph)
+    return sorted(nodes, key=lambda name: graph.nodes[name]["order"])
 
 
 def per_graph(function: Callable[[nx.DiGraph], list]) -> Callable[[nx.DiGraph], list]:
@@ -271,6 +273,13 @@ def per_graph(function: Callable[[nx.DiGraph], list]) -> Callable[[nx.DiGraph], 
         return list(memo[graph][1])
 
     return memoised
+
+
+@per_graph
+def all_in_order(graph: nx.DiGraph) -> list[str]:
+    """Every node in execution order (a sort reading every node's attribute dict: planning
+    asks for it from several passes)."""
+    return sorted(graph.nodes, key=lambda name: graph.nodes[name]["order"])
 
 
 @per_graph

@@ -23,24 +23,20 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import replace
-from itertools import accumulate
+from weakref import WeakKeyDictionary
 
 import networkx as nx
 
 from passes.blocks import block_segments
-from passes.costgraph import op_nodes
 from passes.cuts import (
     INF,
     Frontiers,
     articulation_points,
     balanced_targets,
-    last_reader,
     min_cut_between,
     nearest_positions,
-    op_positions,
-    op_weights,
+    op_layout,
     prefix_costs,
-    sqrt_segment_count,
 )
 from passes.plan import Candidate, Plan, Progress, from_positions, plan_of_segments, simulated
 from passes.segments import make_segments
@@ -49,19 +45,19 @@ from passes.simulate import eager_segments
 
 def sqrt_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
     """About √n segments balanced by bytes, each boundary at an allowed prefix cut."""
-    ops = op_nodes(graph)
-    count = segments or sqrt_segment_count(graph)
+    layout = op_layout(graph)
+    count = segments or layout.segment_count
     costs = prefix_costs(graph)
-    cumulative = list(accumulate(op_weights(graph, ops)))
     allowed = [i for i, cost in enumerate(costs[:-1]) if cost < INF]
-    positions = nearest_positions(cumulative, allowed, balanced_targets(op_weights(graph, ops), count))
+    positions = nearest_positions(layout.cumulative, allowed, balanced_targets(layout.weights, count))
     return from_positions(graph, "sqrt", positions)
 
 
 def articulation_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
     """√n-style boundaries chosen among articulation points; min-cut when there are none."""
-    ops, position = op_positions(graph)
-    count = segments or sqrt_segment_count(graph)
+    layout = op_layout(graph)
+    ops, position = layout.ops, layout.position
+    count = segments or layout.segment_count
     costs = prefix_costs(graph)
     candidates = [position[n] for n in articulation_points(graph)
                   if position[n] < len(ops) - 1 and costs[position[n]] < INF]
@@ -70,19 +66,30 @@ def articulation_candidate(graph: nx.DiGraph, segments: int | None = None) -> Ca
         note = (f"articulation: only {len(candidates)} articulation point(s); "
                 "used min-cut boundaries instead")
         return replace(fallback, notes=(note, *fallback.notes))
-    cumulative = list(accumulate(op_weights(graph, ops)))
-    targets = balanced_targets(op_weights(graph, ops), count)
-    return from_positions(graph, "articulation", nearest_positions(cumulative, candidates, targets))
+    targets = balanced_targets(layout.weights, count)
+    return from_positions(graph, "articulation", nearest_positions(layout.cumulative, candidates, targets))
+
+
+_MINCUTS: WeakKeyDictionary[nx.DiGraph, dict[tuple[int, int | None], Candidate]] = WeakKeyDictionary()
 
 
 def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
-    """Minimum-bytes vertex cuts, one per window between balanced positions."""
-    ops, position = op_positions(graph)
-    last = last_reader(graph, position)
-    count = segments or sqrt_segment_count(graph)
-    weights = op_weights(graph, ops)
-    cumulative = list(accumulate(weights))
-    marks = nearest_positions(cumulative, list(range(len(ops))), balanced_targets(weights, count))
+    """Minimum-bytes vertex cuts, one per window between balanced positions; found once per
+    cost graph and segment count (a flow per window, the slowest heuristic, and articulation
+    falls back to it on graphs without articulation points)."""
+    found = _MINCUTS.setdefault(graph, {})
+    key = (len(graph), segments)  # like passes.costgraph.per_graph: a graph still gaining nodes is cut again
+    if key not in found:
+        found[key] = _mincut_candidate(graph, segments)
+    return found[key]
+
+
+def _mincut_candidate(graph: nx.DiGraph, segments: int | None) -> Candidate:
+    """:func:`mincut_candidate`, not memoised."""
+    layout = op_layout(graph)
+    ops, position, last = layout.ops, layout.position, layout.last
+    count = segments or layout.segment_count
+    marks = nearest_positions(layout.cumulative, list(range(len(ops))), balanced_targets(layout.weights, count))
     reach = max(1, len(ops) // (4 * count))
     cuts, notes, previous_high = [], [], 0
     frontiers = Frontiers(position, last)
@@ -91,7 +98,7 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
         if high <= low:
             continue
         previous_high = high
-        found = min_cut_between(graph, ops, position, last, low, high, mark, frontiers.at(low))
+        found = min_cut_between(graph, ops, position, last, low, high, mark, frontiers.at(low), layout.keep)
         if found is None:
             notes.append(f"mincut: no allowed boundary between {ops[low]} and {ops[high - 1]}")
             continue
@@ -160,7 +167,21 @@ def blocks_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Pro
 
 def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
     """The plan of lowest simulated peak among sqrt, articulation and mincut (less
-    recompute breaks ties); its ``strategy`` names the winner."""
-    plans = [strategy(graph, segments=segments) for strategy in (mincut_plan, articulation_plan, sqrt_plan)]
+    recompute breaks ties); its ``strategy`` names the winner. Candidates with the same
+    segments (on a chain of blocks the three often agree) are simulated once. ``progress``
+    hears ``(done, 3)`` as each candidate is made and simulated (seconds each at 50k nodes)."""
+    simulated_by_segments: dict[tuple, Plan] = {}
+    plans: list[Plan] = []
+    makers = (mincut_candidate, articulation_candidate, sqrt_candidate)
+    for make in makers:
+        if progress is not None:
+            progress(len(plans), len(makers))
+        candidate = make(graph, segments)
+        if candidate.segments not in simulated_by_segments:
+            simulated_by_segments[candidate.segments] = simulated(graph, candidate)
+        plan = replace(simulated_by_segments[candidate.segments], strategy=candidate.strategy, notes=candidate.notes)
+        plans.append(no_worse_than_eager(graph, plan))
+    if progress is not None:
+        progress(len(plans), len(makers))
     best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
     return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))

@@ -85,8 +85,9 @@ def ranked_keeps(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[P
     saving per byte first (ties: earlier values first, so the order is deterministic)."""
     order = {name: graph.nodes[name]["order"] for name in graph}
     options = [(path, name) for path, segment in leaf_segments(segments)
+               for kept in (set(segment.saved_inside),)  # a set: a tuple scanned per node made this n^2
                for name in rerun_nodes(graph, segment, cached=False)
-               if name not in segment.saved_inside and keepable(graph, name)]
+               if name not in kept and keepable(graph, name)]
     return sorted(options, key=lambda option: (-keep_value(graph, option[1]), order[option[1]]))
 
 

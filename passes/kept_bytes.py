@@ -27,13 +27,12 @@ def _parameter_readers(graph: nx.DiGraph) -> dict[str, tuple[int, list[str]]]:
     the parameter in ``param_grads``. A ``param`` goes by the model's name for it when it has
     one, so a module's own weight read elsewhere as a value is one parameter."""
     readers: dict[str, tuple[int, list[str]]] = {}
-    for name in in_order(graph):
-        attributes = graph.nodes[name]
+    for name, attributes in zip(in_order(graph), map(graph.nodes.__getitem__, in_order(graph)), strict=True):
         if attributes["kind"] == "param" and attributes["param_grad_bytes"]:
             key, nbytes = (*attributes["param_grads"], (name, attributes["param_grad_bytes"]))[0]
             ops = [r for r in graph.successors(name) if _in_backward(graph, r)]
             readers.setdefault(key, (nbytes, []))[1].extend(ops)
-        elif _in_backward(graph, name):
+        elif attributes["kind"] == "op" and attributes["requires_grad"]:  # _in_backward, attributes at hand
             for key, nbytes in attributes["param_grads"]:
                 readers.setdefault(key, (nbytes, []))[1].append(name)
     return readers

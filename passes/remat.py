@@ -256,23 +256,23 @@ def kept_inputs(segment: SegmentLike) -> tuple[str, ...]:
     return (*(v for v in segment.inputs if v not in dropped), *remat_sources(segment))
 
 
-def run_remat(memory: LiveMemory, segment: SegmentLike) -> set[str]:
+def run_remat(memory: LiveMemory, segment: SegmentLike) -> set[int]:
     """Replay the rematerialization at the start of ``segment``'s recompute onto ``memory``:
     each op of the chains allocates its value (recomputed storage: the caller has put the
     chain's nodes in ``memory.fresh``) and temporaries for a moment; a chain value is freed
-    after its last use in the chains. Returns the rematerialized values, held once each: the
-    caller releases them once the recompute has run (what backward saved of them stays)."""
-    index, chain = memory.index, remat_nodes(segment)
-    inside, targets = set(chain), {r.value for r in segment.remat}
-    for name in chain:
-        attributes, key = index.attributes[name], memory.key(name)
-        if attributes["alias_of"] is None:
-            memory.allocate(key, attributes["bytes"])
-        memory.hold(name, sum(r in inside for r in index.readers[name]) + (name in targets), key)
-        memory.allocate(("forward-extra", name), attributes["forward_extra_bytes"])
-        memory.free(("forward-extra", name))
-        for value in index.activation_reads[name]:
+    after its last use in the chains. Returns the ids of the rematerialized values, held once
+    each: the caller releases them once the recompute has run (what backward saved of them stays)."""
+    index = memory.index
+    chain = index.id_list(remat_nodes(segment))
+    inside, targets = set(chain), set(index.id_list(r.value for r in segment.remat))
+    for node in chain:
+        key = memory.key(node)
+        if index.owns[node]:
+            memory.allocate(key, index.nbytes[node])
+        memory.hold(node, sum(r in inside for r in index.readers[node]) + (node in targets), key)
+        memory.touch(index.forward_extra[node])
+        for value in index.activation_reads[node]:
             if value in inside:
                 memory.release(value)
-        memory.release(name, 0, key)
+        memory.release(node, 0, key)
     return targets

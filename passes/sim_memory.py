@@ -2,36 +2,68 @@
 
 :mod:`passes.simulate` replays a plan's step over a :class:`LiveMemory`; this module holds the
 bookkeeping it replays onto (reasons a storage lives, recomputed copies per nesting level,
-gradient buffers shared by views, summed gradients of shared parameters) and the plain-dict
-index of a cost graph the replay reads (:func:`graph_index`), so the replay's own module is
-about the order things happen in.
+gradient buffers shared by views, summed gradients of shared parameters) and the index of a
+cost graph the replay reads (:func:`graph_index`), so the replay's own module is about the
+order things happen in.
+
+The replay runs on integer node ids and flat lists built once per graph, and names what it
+allocates by integer keys (:func:`slot`): on a 50k-node graph the name-keyed dicts of
+attribute dicts and the tuple keys it used to build outgrew the CPU caches, so each of its
+millions of steps got slower as graphs grew (the plan stages grew as n^1.14-1.35 from 10k
+to 50k nodes where their work is linear).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import needs_grad, storage_root
-from passes.kept_bytes import gradient_bytes, shared_parameters
+from passes.kept_bytes import shared_parameters
+
+# What an integer key names, beside the node (:func:`slot`); a value's storage is VALUE.
+SLOT_KINDS = 9
+VALUE, EXTRA, FORWARD_EXTRA, SELECTIVE_EXTRA, GRAD_PARTIAL, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, BACKWARD_EXTRA = \
+    range(SLOT_KINDS)
+
+
+def slot(node: int, kind: int) -> int:
+    """The integer key of ``kind`` bytes belonging to node id ``node`` (forward's storage
+    for :data:`VALUE`; :meth:`LiveMemory.key` adds the nesting level of a recomputed copy)."""
+    return node * SLOT_KINDS + kind
 
 
 @dataclass(frozen=True)
 class GraphIndex:
-    """A cost graph's attributes and edges as plain dicts: the replay reads them millions
-    of times on large graphs, and networkx views are slow to index."""
+    """A cost graph's attributes and edges as flat lists indexed by node id (``ids[name]``):
+    the replay reads them millions of times on large graphs, and networkx views and
+    per-node attribute dicts are slow to index and large to keep in cache."""
 
-    attributes: dict[str, dict]
-    roots: dict[str, str]
-    readers: dict[str, tuple[str, ...]]
-    reads: dict[str, tuple[str, ...]]
-    activation_reads: dict[str, tuple[str, ...]]  # reads that are not parameters: what a read releases
-    grad_reads: dict[str, tuple[tuple[str, int], ...]]  # reads backward makes a gradient for, with its bytes
-    shared: dict[str, tuple[tuple[str, int], ...]]  # op -> (shared parameter, gradient bytes) it reads
-    shared_readers: dict[str, int]  # shared parameter -> readers whose backward adds to its gradient
+    ids: dict[str, int]
+    names: list[str]
+    owns: list[bool]  # the node owns its storage (not an alias)
+    nbytes: list[int]
+    roots: list[int]  # the id owning each node's storage
+    readers: list[tuple[int, ...]]
+    activation_reads: list[tuple[int, ...]]  # reads that are not parameters: what a read releases
+    saved: list[tuple[int, ...]]
+    released_early: list[tuple[int, ...]]
+    saved_extra: list[int]
+    forward_extra: list[int]
+    selective_extra: list[int]
+    backward_extra: list[int]
+    param_grad: list[int]
+    grad_views: list[bool]
+    grad_reads: list[tuple[tuple[int, int], ...]]  # reads backward makes a gradient for, with its bytes
+    shared: list[tuple[tuple[int, int], ...]]  # op -> (shared parameter's id, gradient bytes) it reads
+    shared_readers: dict[int, int]  # shared parameter's id (after the nodes') -> readers adding to its gradient
+
+    def id_list(self, names: Iterable[str]) -> list[int]:
+        """The ids of ``names``, in order."""
+        ids = self.ids
+        return [ids[name] for name in names]
 
 
 _GRAPH_INDEXES: WeakKeyDictionary[nx.DiGraph, GraphIndex] = WeakKeyDictionary()
@@ -40,89 +72,137 @@ _GRAPH_INDEXES: WeakKeyDictionary[nx.DiGraph, GraphIndex] = WeakKeyDictionary()
 def graph_index(graph: nx.DiGraph) -> GraphIndex:
     """The :class:`GraphIndex` of ``graph``, built once (cost graphs do not change once built)."""
     if graph not in _GRAPH_INDEXES:
-        _GRAPH_INDEXES[graph] = GraphIndex(
-            attributes=dict(graph.nodes(data=True)),
-            roots={name: storage_root(graph, name) for name in graph},
-            readers={name: tuple(graph.successors(name)) for name in graph},
-            reads={name: tuple(graph.predecessors(name)) for name in graph},
-            activation_reads={name: tuple(v for v in graph.predecessors(name) if graph.nodes[v]["kind"] != "param")
-                              for name in graph},
-            grad_reads={name: tuple((v, gradient_bytes(graph, v)) for v in graph.predecessors(name)
-                                    if needs_grad(graph, v)) for name in graph},
-            shared=_shared_by_reader(graph),
-            shared_readers={param: len(readers) for param, _, readers in shared_parameters(graph)},
-        )
+        _GRAPH_INDEXES[graph] = _build_index(graph)
     return _GRAPH_INDEXES[graph]
 
 
-def _shared_by_reader(graph: nx.DiGraph) -> dict[str, tuple[tuple[str, int], ...]]:
-    by_reader: dict[str, list[tuple[str, int]]] = {name: [] for name in graph}
-    for param, nbytes, readers in shared_parameters(graph):
+def _build_index(graph: nx.DiGraph) -> GraphIndex:
+    """:class:`GraphIndex` lists from one pass over ``graph``'s nodes, each node's attributes
+    read together (a pass per attribute touched every attribute dict again: 10x slower at 50k
+    nodes than at 10k, once the dicts outgrow the caches), then one over its edges."""
+    names = list(graph)
+    ids = {name: index for index, name in enumerate(names)}
+    columns: dict[str, list] = {key: [] for key in _COLUMNS}
+    is_param, grad_from = [], []
+    for attributes in map(graph.nodes.__getitem__, names):
+        for key, column in columns.items():
+            column.append(attributes[key])
+        is_param.append(attributes["kind"] == "param")
+        grad_from.append(attributes["requires_grad"] and attributes["kind"] in ("op", "input"))
+    roots = [index if alias is None else ids[alias] for index, alias in enumerate(columns["alias_of"])]
+    grad_bytes = [columns["bytes"][root] for root in roots]  # :func:`passes.kept_bytes.gradient_bytes`
+    pred, succ = graph.pred, graph.succ  # each graph.pred makes a new view: bound once
+    reads = [[ids[v] for v in pred[name]] for name in names]
+    shared: list[list[tuple[int, int]]] = [[] for _ in names]
+    shared_readers: dict[int, int] = {}
+    for number, (_, nbytes, readers) in enumerate(shared_parameters(graph)):
+        param = len(names) + number  # parameters go by the model's names, not always nodes: ids past the nodes'
+        shared_readers[param] = len(readers)
         for reader in readers:
-            by_reader[reader].append((param, nbytes))
-    return {name: tuple(params) for name, params in by_reader.items()}
+            shared[ids[reader]].append((param, nbytes))
+    return GraphIndex(
+        ids=ids,
+        names=names,
+        owns=[alias is None for alias in columns["alias_of"]],
+        nbytes=columns["bytes"],
+        roots=roots,
+        readers=[tuple(ids[r] for r in succ[name]) for name in names],
+        activation_reads=[tuple(v for v in read if not is_param[v]) for read in reads],
+        saved=[tuple(map(ids.__getitem__, saved)) for saved in columns["saved"]],
+        released_early=[tuple(map(ids.__getitem__, early)) for early in columns["released_early"]],
+        saved_extra=columns["saved_extra_bytes"],
+        forward_extra=columns["forward_extra_bytes"],
+        selective_extra=columns["selective_extra_bytes"],
+        backward_extra=columns["backward_extra_bytes"],
+        param_grad=columns["param_grad_bytes"],
+        grad_views=[bool(views) for views in columns["grad_views"]],
+        grad_reads=[tuple((v, grad_bytes[v]) for v in read if grad_from[v]) for read in reads],
+        shared=[tuple(params) for params in shared],
+        shared_readers=shared_readers,
+    )
+
+
+_COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
+            "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views")
 
 
 class LiveMemory:
     """Live storages with the number of reasons each is alive, and the running peak.
 
-    Values of a segment being recomputed get storages of their own: the recompute makes new
+    Keys are integers (:func:`slot`), or tuples for the few generator-state copies. Values
+    of a segment being recomputed get storages of their own: the recompute makes new
     tensors even where forward's are still alive. ``fresh`` is a stack with one set of
-    recomputed values per level of nesting; a value belongs to the innermost level naming it.
+    recomputed node ids per level of nesting; a value belongs to the innermost level naming it.
     """
 
     def __init__(self, graph: nx.DiGraph) -> None:
         self.graph = graph
         self.index = graph_index(graph)
-        self.holds: Counter = Counter()
+        self.size = len(self.index.names)
+        self.holds: dict = {}
         self.live: dict = {}
-        self.fresh: list[set[str]] = []
-        self.grad_buffer: dict[str, tuple] = {}  # a value's gradient -> the buffer it is a view of
-        self.views_of: Counter = Counter()  # gradient buffer -> gradients viewing it
+        self.fresh: list[set[int]] = []
+        self.grad_buffer: dict[int, int] = {}  # a value's gradient -> the buffer key it is a view of
+        self.views_of: dict[int, int] = {}  # gradient buffer key -> gradients viewing it
         self.current = 0
         self.peak = 0
-        self.pending_readers = Counter(self.index.shared_readers)  # shared parameter -> backward still to add
+        self.pending_readers = dict(self.index.shared_readers)  # shared parameter -> backward still to add
 
-    def key(self, name: str) -> tuple:
-        root = self.index.roots[name]
-        if not self.fresh:
-            return ("value", root)
-        for level in range(len(self.fresh) - 1, -1, -1):
-            if root in self.fresh[level]:
-                return ("recomputed", level, root)
-        return ("value", root)
+    def key(self, node: int) -> int:
+        """The key of ``node``'s storage: forward's, or the innermost recompute's copy."""
+        root = self.index.roots[node]
+        fresh = self.fresh
+        for level in range(len(fresh) - 1, -1, -1):
+            if root in fresh[level]:
+                return ((level + 1) * self.size + root) * SLOT_KINDS + VALUE
+        return root * SLOT_KINDS + VALUE
 
-    def allocate(self, key: tuple, nbytes: int) -> None:
-        if key not in self.live and nbytes:
+    def allocate(self, key: int | tuple, nbytes: int) -> None:
+        """``nbytes`` more live under ``key``, unless ``key`` is live already (or nothing)."""
+        if nbytes and key not in self.live:
             self.live[key] = nbytes
             self.current += nbytes
-            self.peak = max(self.peak, self.current)
+            if self.current > self.peak:
+                self.peak = self.current
 
-    def hold(self, name: str, times: int = 1, key: tuple | None = None) -> None:
-        """One more reason (``times`` more) for ``name``'s storage (``key``, when known) to live."""
-        self.holds[key or self.key(name)] += times
+    def touch(self, nbytes: int) -> None:
+        """``nbytes`` live for a moment only (temporaries freed right after they are made)."""
+        if self.current + nbytes > self.peak:
+            self.peak = self.current + nbytes
 
-    def release(self, name: str, times: int = 1, key: tuple | None = None) -> None:
+    def hold(self, node: int, times: int = 1, key: int | None = None) -> None:
+        """One more reason (``times`` more) for ``node``'s storage (``key``, when known) to live."""
+        if key is None:
+            key = self.key(node)
+        self.holds[key] = self.holds.get(key, 0) + times
+
+    def release(self, node: int, times: int = 1, key: int | None = None) -> None:
         """One reason fewer; the storage is freed when none is left."""
-        key = key or self.key(name)
-        self.holds[key] -= times
-        if self.holds[key] <= 0:
-            self.free(key)
+        if key is None:
+            key = self.key(node)
+        left = self.holds.get(key, 0) - times
+        self.holds[key] = left
+        if left <= 0:
+            self.current -= self.live.pop(key, 0)
 
-    def free(self, key: tuple) -> None:
+    def free(self, key: int | tuple) -> None:
+        """Drop whatever is live under ``key``."""
         self.current -= self.live.pop(key, 0)
 
-    def share_gradient(self, value: str, owner: str) -> None:
+    def share_gradient(self, value: int, owner: int) -> None:
         """``value``'s gradient is a view of ``owner``'s (a ``grad_views`` node's input)."""
-        buffer = self.grad_buffer.get(owner, ("grad", owner))
+        buffer = self.grad_buffer.get(owner, owner * SLOT_KINDS + GRAD)
         self.grad_buffer[value] = buffer
-        self.views_of[buffer] += 1
+        self.views_of[buffer] = self.views_of.get(buffer, 0) + 1
 
-    def free_gradient(self, value: str) -> None:
+    def free_gradient(self, value: int) -> None:
         """Drop ``value``'s gradient; a shared buffer goes when its last view does."""
-        buffer = self.grad_buffer.pop(value, ("grad", value))
-        if buffer != ("grad", value) or self.views_of[buffer] == 0:
-            self.views_of[buffer] -= buffer != ("grad", value)
-            if self.views_of[buffer] <= 0:
+        own = value * SLOT_KINDS + GRAD
+        buffer = self.grad_buffer.pop(value, own)
+        views = self.views_of.get(buffer, 0)
+        if buffer != own or views == 0:
+            views -= buffer != own
+            self.views_of[buffer] = views
+            if views <= 0:
                 self.views_of.pop(buffer, None)
                 self.free(buffer)

@@ -40,7 +40,7 @@ from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, 
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
-from passes.sim_memory import LiveMemory
+from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECTIVE_EXTRA, LiveMemory, slot
 
 LOSS_WORKING_SET = 3
 
@@ -71,108 +71,114 @@ def loss_working_bytes(graph: nx.DiGraph) -> int:
     return LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
 
 
-def _run_forward(memory: LiveMemory, graph: nx.DiGraph, nodes: Sequence[str], save: bool,
-                 within: set[str] | None = None, keep: Sequence[str] = ()) -> None:
-    """Compute ``nodes``; with ``save`` each op also holds what its backward needs.
+def _run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
+                 within: set[int] | None = None, keep: Iterable[int] = ()) -> None:
+    """Compute ``nodes`` (ids); with ``save`` each op also holds what its backward needs.
 
     ``within`` limits the readers that keep a value alive to that set (a recompute only
     feeds its own segment); ``keep`` values get one more hold (kept from forward).
     """
     index = memory.index
-    kept = frozenset(keep)  # a selective segment's tuple of matmul outputs: tested per node, so a set
-    for name in nodes:
-        attributes, key = index.attributes[name], memory.key(name)
-        if attributes["alias_of"] is None:
-            memory.allocate(key, attributes["bytes"])
-        readers = index.readers[name]
-        readers_here = len(readers) if within is None else sum(r in within for r in readers)
-        memory.hold(name, readers_here + (name in kept), key)
+    owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
+    reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
+    kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
+    for node in nodes:
+        key = memory.key(node)
+        if owns[node]:
+            memory.allocate(key, nbytes[node])
+        here = readers[node] if within is None else [r for r in readers[node] if r in within]
+        memory.hold(node, len(here) + (node in kept), key)
         if save:
-            for value in attributes["saved"]:
+            for value in saved[node]:
                 memory.hold(value)
-            memory.allocate(("extra", name), attributes["saved_extra_bytes"])
-        memory.allocate(("forward-extra", name), attributes["forward_extra_bytes"])
-        memory.free(("forward-extra", name))
-        for value in index.activation_reads[name]:
+            memory.allocate(slot(node, EXTRA), index.saved_extra[node])
+        memory.touch(forward_extra[node])
+        for value in reads[node]:
             if within is None or value in within:
                 memory.release(value)
-        memory.release(name, 0, key)
+        memory.release(node, 0, key)
         # A selective segment keeps the matmul outputs inside a kept node until its recompute
         # reruns the node (the cache is consumed there).
-        if name in kept:
-            memory.allocate(("selective-extra", name), attributes["selective_extra_bytes"])
+        if node in kept:
+            memory.allocate(slot(node, SELECTIVE_EXTRA), selective_extra[node])
         else:
-            memory.free(("selective-extra", name))
+            memory.free(slot(node, SELECTIVE_EXTRA))
 
 
-def _run_backward(memory: LiveMemory, graph: nx.DiGraph, nodes: Sequence[str], grads: set[str]) -> None:
-    """Backward of ``nodes`` in reverse: gradients in, gradients out, saved values released.
+def _run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> None:
+    """Backward of ``nodes`` (ids) in reverse: gradients in, gradients out, saved values released.
 
     A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
     (those added into existing buffers too), for a moment after its gradients are made.
     """
     index = memory.index
-    for name in reversed(nodes):
-        attributes = index.attributes[name]
-        early = attributes["released_early"] if name in grads else ()  # let go by its first functions
-        if name in grads:
-            partial = 0
-            for value, size in index.grad_reads[name]:
-                if value in grads:
-                    memory.allocate(("grad-partial", value), size)
-                    memory.free(("grad-partial", value))
-                    partial += size
-                elif attributes["grad_views"]:
-                    memory.share_gradient(value, name)
-                    grads.add(value)
-                else:
-                    memory.allocate(("grad", value), size)
-                    grads.add(value)
-            shared = index.shared[name]
-            own = attributes["param_grad_bytes"]
-            for param, nbytes in shared:  # summed in one buffer until its last reader's backward:
-                if ("param-accumulator", param) not in memory.live:  # the first gradient becomes it;
-                    memory.allocate(("param-accumulator", param), nbytes)
-                    own -= nbytes
-                else:  # a later one is made beside it, and their sum (out of place) replaces it
-                    own += nbytes
-            memory.allocate(("param-grad", name), max(0, own))
-            for value in early:
-                memory.release(value)
-            # Kernel scratch lives while every gradient the node returns exists: the new
-            # buffers and parameter gradients above and those still to be added into a buffer.
-            extra = attributes["backward_extra_bytes"]
-            memory.allocate(("backward-extra", name), extra and extra + partial)
-            memory.free(("backward-extra", name))
-            memory.free(("param-grad", name))
-            for param, _ in shared:
-                memory.pending_readers[param] -= 1
-                if memory.pending_readers[param] == 0:
-                    memory.free(("param-accumulator", param))
-            memory.free_gradient(name)
-            grads.discard(name)
-        for value in attributes["saved"]:
+    for node in reversed(nodes):
+        early = index.released_early[node] if node in grads else ()  # let go by its first functions
+        if node in grads:
+            _gradients_of(memory, node, grads)
+            grads.discard(node)
+        for value in index.saved[node]:
             if value not in early:
                 memory.release(value)
-        memory.free(("extra", name))
+        memory.free(slot(node, EXTRA))
+
+
+def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> None:
+    """``node``'s backward: its inputs' gradients made (or added into theirs), its
+    parameters' gradients, its scratch for a moment; then its own gradient freed."""
+    index = memory.index
+    partial = 0
+    for value, size in index.grad_reads[node]:
+        if value in grads:
+            memory.touch(size)  # made beside the existing buffer, then added into it
+            partial += size
+        elif index.grad_views[node]:
+            memory.share_gradient(value, node)
+            grads.add(value)
+        else:
+            memory.allocate(slot(value, GRAD), size)
+            grads.add(value)
+    shared = index.shared[node]
+    own = index.param_grad[node]
+    for param, nbytes in shared:  # summed in one buffer until its last reader's backward:
+        if slot(param, PARAM_ACCUMULATOR) not in memory.live:  # the first gradient becomes it;
+            memory.allocate(slot(param, PARAM_ACCUMULATOR), nbytes)
+            own -= nbytes
+        else:  # a later one is made beside it, and their sum (out of place) replaces it
+            own += nbytes
+    memory.allocate(slot(node, PARAM_GRAD), max(0, own))
+    for value in index.released_early[node]:
+        memory.release(value)
+    # Kernel scratch lives while every gradient the node returns exists: the new
+    # buffers and parameter gradients above and those still to be added into a buffer.
+    extra = index.backward_extra[node]
+    memory.touch(extra and extra + partial)
+    memory.free(slot(node, PARAM_GRAD))
+    for param, _ in shared:
+        memory.pending_readers[param] -= 1
+        if memory.pending_readers[param] == 0:
+            memory.free(slot(param, PARAM_ACCUMULATOR))
+    memory.free_gradient(node)
 
 
 def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, tag: tuple,
-                     within: set[str] | None = None) -> None:
+                     within: set[int] | None = None) -> None:
     """One checkpoint call of a recomputed segment, saving nothing: it holds the segment's
     inputs, and each random call its body makes (:func:`random_calls`: itself and every
     recomputed segment nested in it) copies the generator state, ``(*tag, id(call))``, when
     the body reaches it. Called in forward (``tag`` ``("rng",)``: the copies live until each
     call's backward) or rerun by an enclosing recompute (freed when that recompute ends)."""
-    for value in kept_inputs(segment):  # a rematerialized input is not kept: its sources are
+    index = memory.index
+    for value in index.id_list(kept_inputs(segment)):  # a rematerialized input is not kept: its sources are
         memory.hold(value)
+    nodes, keep = index.id_list(segment.nodes), index.id_list(segment.saved_inside)
     done = 0
     for call in random_calls(graph, segment):  # in call order, so their first nodes in order
         at = segment.nodes.index(call.nodes[0], done)
-        _run_forward(memory, graph, segment.nodes[done:at], save=False, within=within, keep=segment.saved_inside)
+        _run_forward(memory, nodes[done:at], save=False, within=within, keep=keep)
         memory.allocate((*tag, id(call)), graph.graph.get("rng_state_bytes", 0))
         done = at
-    _run_forward(memory, graph, segment.nodes[done:], save=False, within=within, keep=segment.saved_inside)
+    _run_forward(memory, nodes[done:], save=False, within=within, keep=keep)
 
 
 def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
@@ -182,42 +188,42 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
         if segment.recompute:
             _call_recomputed(memory, graph, segment, ("rng",))
         else:
-            _run_forward(memory, graph, segment.nodes, save=True)
+            _run_forward(memory, memory.index.id_list(segment.nodes), save=True)
 
 
-def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[str],
+def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[int],
                        ran: Sequence[Step] | None = None) -> None:
     """Backward of segments in reverse; each recomputed one is first run again, with its
     kept matmul outputs when they were cached (always at the top level; nested, only when
     the enclosing recompute ran it: ``ran``)."""
     for segment in reversed(segments):
         if not segment.recompute:
-            _run_backward(memory, graph, segment.nodes, grads)
+            _run_backward(memory, memory.index.id_list(segment.nodes), grads)
             continue
         _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
-        for value in kept_inputs(segment):
+        for value in memory.index.id_list(kept_inputs(segment)):
             memory.release(value)
         memory.free(("rng", id(segment)))
 
 
-def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[str],
+def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
                          cached: bool) -> None:
     """Recompute a segment as far as :func:`recompute_steps` runs it (its children as a plan
     of their own), then run its backward."""
+    index = memory.index
     ran, stop = recompute_steps(graph, segment)
-    kept = set(segment.saved_inside) if cached else set()
-    computed = step_nodes(ran)
-    memory.fresh.append(set(computed) - kept | set(remat_nodes(segment)))
-    within = set(computed)
+    kept = set(index.id_list(segment.saved_inside)) if cached else set()
+    within = set(index.id_list(step_nodes(ran)))
+    memory.fresh.append(within - kept | set(index.id_list(remat_nodes(segment))))
     remade = run_remat(memory, segment) if ran or stop is not None else set()  # before its own ops
-    for value in stop.inputs if isinstance(stop, Segment) else graph.nodes[stop]["saved"] if stop else ():
-        memory.hold(value)  # saved by the step the recompute stops at, which does not run
+    for value in _stop_holds(graph, stop):
+        memory.hold(index.ids[value])  # saved by the step the recompute stops at, which does not run
     rerun = ("rng-rerun", len(memory.fresh))
     if ran and draws_random(graph, segment.nodes):  # the recompute forks the generator while it runs
         memory.allocate(("rng-fork", id(segment)), graph.graph.get("rng_state_bytes", 0))
     for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
         if not is_segment:
-            _run_forward(memory, graph, tuple(steps), save=True, within=within)
+            _run_forward(memory, index.id_list(steps), save=True, within=within)
             continue
         for child in steps:
             _call_recomputed(memory, graph, child, rerun, within=within)
@@ -225,7 +231,7 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         memory.release(value)
     for value in kept:
         memory.release(value)
-        memory.free(("selective-extra", value))  # what the recompute did not reach is dropped
+        memory.free(slot(value, SELECTIVE_EXTRA))  # what the recompute did not reach is dropped
     memory.free(("rng-fork", id(segment)))  # the recompute's own graph, and the states its calls took, go
     for call in (call for step in ran if isinstance(step, Segment) for call in random_calls(graph, step)):
         memory.free((*rerun, id(call)))
@@ -234,20 +240,29 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     memory.fresh.pop()
 
 
+def _stop_holds(graph: nx.DiGraph, stop: Step | None) -> Sequence[str]:
+    """What the step a recompute stops at saved, which it holds without running: a
+    recomputed child's inputs, or an op's ``saved`` values."""
+    if isinstance(stop, Segment):
+        return stop.inputs
+    return graph.nodes[stop]["saved"] if stop else ()
+
+
 def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
     """Peak live bytes of one forward + backward run segment by segment."""
     memory = LiveMemory(graph)
+    index = memory.index
     for name, kind in graph.nodes(data="kind"):
         if kind == "input":
-            memory.hold(name, graph.out_degree(name))
-    for value in graph_outputs(graph):
+            memory.hold(index.ids[name], graph.out_degree(name))
+    for value in index.id_list(graph_outputs(graph)):
         memory.hold(value)
     _forward_sequence(memory, graph, segments)
-    grads: set[str] = set()
+    grads: set[int] = set()
     memory.allocate(("loss",), loss_working_bytes(graph))
     for value in trained_outputs(graph):
-        memory.allocate(("grad", value), gradient_bytes(graph, value))
-        grads.add(value)
+        memory.allocate(slot(index.ids[value], GRAD), gradient_bytes(graph, value))
+        grads.add(index.ids[value])
     memory.free(("loss",))
     _backward_sequence(memory, graph, segments, grads)
     return memory.peak
@@ -269,6 +284,17 @@ def eager_peak(graph: nx.DiGraph) -> int:
     return _EAGER_PEAKS[graph]
 
 
+_FORWARD_FLOPS: WeakKeyDictionary[nx.DiGraph, int] = WeakKeyDictionary()
+
+
+def forward_flops(graph: nx.DiGraph) -> int:
+    """What one forward computes (every op's ``flops``); summed once per cost graph, not
+    once per simulated plan."""
+    if graph not in _FORWARD_FLOPS:
+        _FORWARD_FLOPS[graph] = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
+    return _FORWARD_FLOPS[graph]
+
+
 def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     """Bytes alive when forward ends that a plan cannot avoid: the inputs of its recomputed
     segments and the values they keep from forward, each storage once. A lower bound on
@@ -285,7 +311,7 @@ def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
     segments = tuple(segments)
     recompute_flops, recompute_bytes = recompute_totals(graph, segments)
-    forward = sum(graph.nodes[n]["flops"] for n, k in graph.nodes(data="kind") if k == "op")
+    forward = forward_flops(graph)
     return Simulation(
         peak_bytes=_step_peak(graph, segments),
         eager_peak_bytes=eager_peak(graph),

@@ -31,3 +31,21 @@ def test_stage_spinner_is_silent_off_a_terminal() -> None:
     with stage_progress("piped", show_after=0.0, console=Console(file=screen, force_terminal=False)):
         pass
     assert screen.getvalue() == ""
+
+
+def test_auto_plan_reports_each_candidate_and_planning_leaves_the_collector_as_it_was() -> None:
+    """``auto`` tells the planning bar how far it is (three candidates, seconds each at 50k
+    nodes); planning pauses the cyclic collector and turns it back on after."""
+    import gc
+
+    from graphckpt.api import paused_gc
+    from passes.heuristics import auto_plan
+    from tests.test_budget import chain as chain_graph
+
+    heard: list[tuple[int, int]] = []
+    auto_plan(chain_graph(16, [100]), progress=lambda done, total: heard.append((done, total)))
+    assert heard == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
