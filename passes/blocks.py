@@ -11,13 +11,13 @@ its own cost model rates worse.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterable
 from itertools import groupby
 
 import networkx as nx
 
 from passes.costgraph import op_nodes
-from passes.plan import Candidate, Segment
+from passes.plan import Candidate, Segment, selective_segment
 from passes.segments import make_segments
 
 
@@ -58,14 +58,18 @@ def block_segments(graph: nx.DiGraph) -> tuple[Segment, ...] | None:
 def recomputed_blocks(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> tuple[str, ...]:
     """The blocks whose runs ``segments`` recompute, in execution order (a block-aligned
     plan such as :func:`passes.budget.block_plan`'s); ops outside every block are never among them."""
-    names = (graph.nodes[s.nodes[0]].get("block", "") for s in segments if s.recompute)
-    return tuple(dict.fromkeys(name for name in names if name))
+    return _blocks_of(graph, (s for s in segments if s.recompute))
 
 
 def selective_blocks(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> tuple[str, ...]:
     """The blocks of :func:`recomputed_blocks` that ``segments`` recompute selectively
     (their matmul/convolution outputs kept from forward, :func:`block_mixes`)."""
-    names = (graph.nodes[s.nodes[0]].get("block", "") for s in segments if s.recompute and s.saved_inside)
+    return _blocks_of(graph, (s for s in segments if s.recompute and s.saved_inside))
+
+
+def _blocks_of(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[str, ...]:
+    """The blocks ``segments`` start in, in order, once each; ops outside every block left out."""
+    names = (graph.nodes[s.nodes[0]].get("block", "") for s in segments)
     return tuple(dict.fromkeys(name for name in names if name))
 
 
@@ -92,18 +96,10 @@ def block_mixes(graph: nx.DiGraph, every: Candidate) -> list[Candidate]:
 
 
 def _mixed(graph: nx.DiGraph, every: Candidate, whole: int, kept: int) -> Candidate:
-    """``every`` with its first ``whole`` recomputed segments as they are, the next ``kept``
-    selective, the others not recomputed."""
-    segments, seen = [], 0
-    for segment in every.segments:
-        if segment.recompute:
-            seen += 1
-            if seen > whole + kept:
-                segment = replace(segment, recompute=False)
-            elif seen > whole:
-                segment = replace(segment, saved_inside=tuple(n for n in segment.nodes if graph.nodes[n]["expensive"]))
-        segments.append(segment)
-    merged = make_segments(graph, [(s.nodes, s.recompute) for s in segments])
-    inside = {s.nodes: s.saved_inside for s in segments if s.recompute}
-    segments = tuple(replace(s, saved_inside=inside.get(s.nodes, ())) for s in merged)
+    """``every`` recomputing only its first ``whole + kept`` recomputed segments (as
+    :func:`passes.budget.partially_recomputed` does), the last ``kept`` of them selectively."""
+    recomputed = [i for i, s in enumerate(every.segments) if s.recompute][:whole + kept]
+    segments = make_segments(graph, [(s.nodes, i in recomputed) for i, s in enumerate(every.segments)])
+    selective = {every.segments[i].nodes for i in recomputed[whole:]}
+    segments = tuple(selective_segment(graph, s) if s.nodes in selective else s for s in segments)
     return Candidate(f"blocks ({whole} whole, {kept} selective)", segments, every.notes)

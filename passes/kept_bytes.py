@@ -9,7 +9,8 @@ the node attributes :mod:`passes.costgraph` defines (``bytes``, ``alias_of``, ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import networkx as nx
 
@@ -27,20 +28,21 @@ def _parameter_readers(graph: nx.DiGraph) -> dict[str, tuple[int, list[str]]]:
     the parameter in ``param_grads``. A ``param`` goes by the model's name for it when it has
     one, so a module's own weight read elsewhere as a value is one parameter."""
     readers: dict[str, tuple[int, list[str]]] = {}
-    for name, attributes in zip(in_order(graph), map(graph.nodes.__getitem__, in_order(graph)), strict=True):
+    for name in in_order(graph):
+        attributes = graph.nodes[name]
         if attributes["kind"] == "param" and attributes["param_grad_bytes"]:
             key, nbytes = (*attributes["param_grads"], (name, attributes["param_grad_bytes"]))[0]
-            ops = [r for r in graph.successors(name) if _in_backward(graph, r)]
+            ops = [r for r in graph.successors(name) if _in_backward(graph.nodes[r])]
             readers.setdefault(key, (nbytes, []))[1].extend(ops)
-        elif attributes["kind"] == "op" and attributes["requires_grad"]:  # _in_backward, attributes at hand
+        elif _in_backward(attributes):
             for key, nbytes in attributes["param_grads"]:
                 readers.setdefault(key, (nbytes, []))[1].append(name)
     return readers
 
 
-def _in_backward(graph: nx.DiGraph, name: str) -> bool:
-    """Whether ``name`` is an op whose backward runs (it takes part in backward)."""
-    return graph.nodes[name]["kind"] == "op" and graph.nodes[name]["requires_grad"]
+def _in_backward(attributes: Mapping[str, Any]) -> bool:
+    """Whether the node with these attributes is an op whose backward runs (it takes part in backward)."""
+    return attributes["kind"] == "op" and attributes["requires_grad"]
 
 
 @per_graph

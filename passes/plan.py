@@ -172,6 +172,10 @@ def from_positions(graph: nx.DiGraph, strategy: str, positions: Sequence[int], n
 def selective(graph: nx.DiGraph, candidate: Candidate) -> Candidate:
     """``candidate`` with every matmul/convolution output of its recomputed segments kept
     from forward (selective checkpointing): more memory, far less recompute."""
-    segments = tuple(replace(s, saved_inside=tuple(n for n in s.nodes if graph.nodes[n]["expensive"]))
-                     if s.recompute else s for s in candidate.segments)
+    segments = tuple(selective_segment(graph, s) if s.recompute else s for s in candidate.segments)
     return Candidate(f"{candidate.strategy}+selective", segments, candidate.notes)
+
+
+def selective_segment(graph: nx.DiGraph, segment: Segment) -> Segment:
+    """``segment`` recomputed selectively: its matmul/convolution outputs kept from forward."""
+    return replace(segment, saved_inside=tuple(n for n in segment.nodes if graph.nodes[n]["expensive"]))
