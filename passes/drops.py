@@ -99,10 +99,17 @@ def drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, ch
     return list({id(p): p for p in candidates}.values())
 
 
+DROP_FAILED_CHECKS = 16
+
+
 def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16) -> list[str]:
     """The values of :func:`drop_order` that ``segments`` can drop together, in that order:
     made and saved only by ops of kept segments, each added with those before it only when
-    the plan stays valid (checked a ``chunk`` at a time, one by one in a chunk that fails)."""
+    the plan stays valid (checked a ``chunk`` at a time, one by one in a chunk that fails),
+    until :data:`DROP_FAILED_CHECKS` checks have failed. Each check rebuilds the whole plan;
+    on a 1000-op residual stack, where dropping a run of values in a row makes chains too
+    long (:data:`passes.remat.MAX_REMAT_OPS`), checking every value took 39 s of a budget
+    plan, and the values late in the order are the ones worth least."""
     kept = {name for s in segments if not s.recompute for name in s.nodes}
     savers: dict[str, list[str]] = {}
     for name in op_nodes(graph):
@@ -110,14 +117,19 @@ def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 1
             savers.setdefault(value, []).append(name)
     options = [v for v in drop_order(graph) if v in kept and savers.get(v) and all(s in kept for s in savers[v])]
     chosen: list[str] = []
+    failed = 0
     for start in range(0, len(options), chunk):
         block = options[start:start + chunk]
         if _valid(graph, [*chosen, *block], segments):
             chosen += block
             continue
         for value in block:
+            if failed >= DROP_FAILED_CHECKS:
+                return chosen
             if _valid(graph, [*chosen, value], segments):
                 chosen.append(value)
+            else:
+                failed += 1
     return chosen
 
 

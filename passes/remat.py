@@ -62,10 +62,22 @@ class SegmentLike(Protocol):
     def children(self) -> Sequence[SegmentLike]: ...
 
 
-def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str]) -> Remat:
+MAX_REMAT_OPS = 48
+"""The most ops one rematerialized value is made again through. Longer chains cost more to
+run than most values are worth dropping, and tracing them is what cost: on a 1000-op
+residual stack a budget plan traced 55k chains, many back toward the model's input, and
+took 22 s (1.3 s at 10k ops, where dropping values is not tried)."""
+
+
+class ChainTooLong(ValueError):
+    """A value's chain back to the kept values is longer than asked (:data:`MAX_REMAT_OPS`)."""
+
+
+def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str], limit: int | None = None) -> Remat:
     """The :class:`Remat` computing ``value`` from ``keep``: the ops on paths into ``value``
     that start at a value of ``keep``, a model input or a parameter (the sources are the ones
-    of those that are not parameters and that the chain reads)."""
+    of those that are not parameters and that the chain reads). :class:`ChainTooLong` as soon
+    as the chain has more than ``limit`` ops."""
     stop = set(keep)
     chain, sources, todo = {value}, set(), [value]
     while todo:
@@ -78,6 +90,8 @@ def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str]) -> Remat:
             else:
                 chain.add(u)
                 todo.append(u)
+                if limit is not None and len(chain) > limit:
+                    raise ChainTooLong(f"{value!r} is more than {limit} ops from the values kept")
     return Remat(value, tuple(in_order(graph, sources)), tuple(in_order(graph, chain)))
 
 
@@ -133,11 +147,13 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
     return result
 
 
-def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: type[Exception]) -> None:
+def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: type[Exception],
+                   chains_built: bool = False) -> None:
     """Raise ``error`` naming the node unless every rematerialized input is safe: a top-level
     recomputed segment's own input, owning its storage; its chain as :func:`remat_chain` builds
-    it, every op :func:`pure`; every source a model input or a value :func:`held_at_each` the
-    segment's recompute, not written later and not rematerialized itself."""
+    it, every op :func:`pure` (not checked again with ``chains_built``: the caller just built
+    and checked them, as :func:`with_remat` does); every source a model input or a value
+    :func:`held_at_each` the segment's recompute, not written later and not rematerialized itself."""
     alive = held_at_each(graph, segments) if any(s.remat for s in segments) else []
     for index, segment in enumerate(segments):
         for child in segment.children:
@@ -152,29 +168,36 @@ def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: ty
         if len(set(values)) != len(values):
             raise error(f"{where} rematerializes an input twice: {values}")
         for remat in segment.remat:
-            _validate_one(graph, remat, segment, held, f"{where} rematerializing {remat.value!r}", error)
+            _validate_one(graph, remat, segment, held, f"{where} rematerializing {remat.value!r}", error,
+                          check_chain=not chains_built)
 
 
 def _validate_one(graph: nx.DiGraph, remat: Remat, segment: SegmentLike, held: set[str], where: str,
-                  error: type[Exception]) -> None:
+                  error: type[Exception], check_chain: bool = True) -> None:
     """Check one :class:`Remat` of ``segment`` (see :func:`validate_remat`)."""
     value = remat.value
     if value not in segment.inputs:
         raise error(f"{where}: {value!r} is not an input of the segment")
     if graph.nodes[value]["kind"] != "op" or graph.nodes[value]["alias_of"] is not None:
         raise error(f"{where}: {value!r} must be a computed value owning its storage")
-    if remat != remat_chain(graph, value, remat.sources):
-        raise error(f"{where}: its nodes and sources are not the chain from {list(remat.sources)} to {value!r}")
-    for name in remat.nodes:
-        if not pure(graph, name):
-            raise error(f"{where}: {name!r} may not run again without gradients (random, in-place, "
-                        "state, or written later)")
+    if check_chain:
+        _validate_chain(graph, remat, where, error)
     for source in remat.sources:
         attributes = graph.nodes[source]
         if attributes["state"] or not attributes["cuttable"]:
             raise error(f"{where}: source {source!r} changes after forward reads it")
         if attributes["kind"] != "input" and source not in held:
             raise error(f"{where}: source {source!r} is not kept when the segment is recomputed")
+
+
+def _validate_chain(graph: nx.DiGraph, remat: Remat, where: str, error: type[Exception]) -> None:
+    """Check that ``remat`` runs the chain from its sources to its value, every op pure."""
+    if remat != remat_chain(graph, remat.value, remat.sources):
+        raise error(f"{where}: its nodes and sources are not the chain from {list(remat.sources)} to {remat.value!r}")
+    for name in remat.nodes:
+        if not pure(graph, name):
+            raise error(f"{where}: {name!r} may not run again without gradients (random, in-place, "
+                        "state, or written later)")
 
 
 def rematerializable(graph: nx.DiGraph, name: str) -> bool:
@@ -212,7 +235,8 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
     ``(index, value)`` of ``picks`` (replacing what they rematerialized before), each from the
     nearest values still held at that segment's recompute (:func:`held_at_each`, every pick's drop
     counted); ``error`` when a pick is no input of a recomputed segment or the result fails
-    :func:`validate_remat` (a chain that is not pure, a source written after forward)."""
+    :func:`validate_remat` (a chain that is not pure, a source written after forward) or a
+    chain runs more than :data:`MAX_REMAT_OPS` ops."""
     chosen: dict[int, list[str]] = {}
     for index, value in picks:
         if not segments[index].recompute or value not in segments[index].inputs or not rematerializable(graph, value):
@@ -223,12 +247,15 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
     result, alive = [], held_at_each(graph, dropped)
     for index, segment in enumerate(dropped):
         held = alive[index]
-        remats = tuple(remat_chain(graph, r.value, held - {r.value}) for r in segment.remat)
+        try:
+            remats = tuple(remat_chain(graph, r.value, held - {r.value}, MAX_REMAT_OPS) for r in segment.remat)
+        except ChainTooLong as long:
+            raise error(f"segment {index}: {long}") from None
         for remat in remats:
             if not all(pure(graph, n) for n in remat.nodes):
                 raise error(f"segment {index}: the chain to {remat.value!r} runs an op that is not pure")
         result.append(replace(segment, remat=remats))
-    validate_remat(graph, result, error)  # sources that change after forward, ...
+    validate_remat(graph, result, error, chains_built=True)  # sources that change after forward, ...
     return tuple(result)
 
 

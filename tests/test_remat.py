@@ -24,7 +24,7 @@ from passes.costgraph import op_nodes
 from passes.drops import drop_plan
 from passes.optimal import DynamicProgram
 from passes.plan import Plan, plan_of_segments
-from passes.remat import Remat, greedy_remat, remat_chain, with_remat
+from passes.remat import ChainTooLong, Remat, greedy_remat, remat_chain, with_remat
 from passes.search import search
 from passes.segments import PlanError, make_segments
 from passes.simulate import eager_peak
@@ -113,6 +113,23 @@ def _mlp_graph() -> tuple[nx.DiGraph, list[str]]:
     model, inputs = zoo.make("mlp", depth=6, width=32, batch=8)
     graph = analyze(model, inputs, strategy="mincut").cost_graph
     return graph, op_nodes(graph)
+
+
+def test_a_chain_longer_than_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value is made again through at most ``MAX_REMAT_OPS`` ops: tracing is given up past
+    it, and ``with_remat`` refuses the pick (on a 1000-op stack, tracing every long chain
+    was most of a 22 s budget plan)."""
+    graph, ops = _mlp_graph()
+    segments = make_segments(graph, [(ops[:8], False), (ops[8:9], True), (ops[9:], False)])
+    v = segments[1].inputs[0]
+    assert len(remat_chain(graph, v, ["x"]).nodes) == 8
+    with pytest.raises(ChainTooLong, match="more than 3 ops"):
+        remat_chain(graph, v, ["x"], limit=3)
+    kept_only_input = make_segments(graph, [(ops[:8], True), (ops[8:9], True), (ops[9:], False)])
+    assert with_remat(graph, kept_only_input, [(1, kept_only_input[1].inputs[0])], PlanError)
+    monkeypatch.setattr("passes.remat.MAX_REMAT_OPS", 3)
+    with pytest.raises(PlanError, match="more than 3 ops"):
+        with_remat(graph, kept_only_input, [(1, kept_only_input[1].inputs[0])], PlanError)
 
 
 def test_validation_names_a_source_that_is_not_kept() -> None:
@@ -257,3 +274,23 @@ def test_sources_are_let_go_with_the_checkpoint_keeping_them() -> None:
     measured = measure_step(generate(analysis.captured.graph_module, model, plan), inputs, zoo.scalar_loss,
                             repeats=1).peak_bytes
     assert abs(plan.peak_bytes / measured - 1) < 0.02, (plan.peak_bytes, measured)
+
+
+def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check of a set of dropped values rebuilds the whole plan, so the scan for values to
+    drop stops after ``DROP_FAILED_CHECKS`` failures instead of trying every value."""
+    import passes.drops as drops
+
+    graph, _ = _mlp_graph()
+    base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
+    checks: list[bool] = []
+
+    def refuse(*args: object) -> bool:
+        checks.append(False)
+        return False
+
+    monkeypatch.setattr(drops, "_valid", refuse)
+    monkeypatch.setattr(drops, "DROP_FAILED_CHECKS", 3)
+    assert len(drops.drop_order(graph)) > 8
+    assert drops._droppable_on(graph, base.segments, chunk=4) == []
+    assert len(checks) == 1 + 3  # the first chunk, then its values one by one until three failed
