@@ -5,9 +5,7 @@ Both run the pipeline capture -> costs -> pass (and simulate); :func:`rewrite` a
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +17,7 @@ from graphckpt.capture import Captured, CaptureError, block_paths, capture, node
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
-from graphckpt.progress import planning_progress, stage_progress
+from graphckpt.progress import paused_gc, planning_progress, stage_progress
 from passes.budget import Budget
 from passes.plan import Plan
 from passes.strategies import check_request, plan_graph
@@ -66,25 +64,6 @@ def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: in
     check_options(strategy, segments, budget)
     with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress, paused_gc():
         return plan_graph(cost_graph, strategy, segments, budget, progress)
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a while (back on after, as it was).
-
-    Planning makes millions of small objects and few cycles, so the collector finds next to
-    nothing, but each of its full passes scans the whole heap (the fx graph, the module, the
-    cost graph): about 1.4 s at 50k fx nodes, landing in a plan or not by chance (a 50k-node
-    plan auto took 4.5 s or 5.9 s). Reference counting still frees what planning drops; the
-    few cycles (networkx graphs of the min-cut windows) wait for the next collection.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def cost_model(model: nn.Module, example_inputs: Any = None, *,

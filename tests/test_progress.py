@@ -38,7 +38,7 @@ def test_auto_plan_reports_each_candidate_and_planning_leaves_the_collector_as_i
     nodes); planning pauses the cyclic collector and turns it back on after."""
     import gc
 
-    from graphckpt.api import paused_gc
+    from graphckpt.progress import paused_gc
     from passes.heuristics import auto_plan
     from tests.test_budget import chain as chain_graph
 
