@@ -255,16 +255,12 @@ def _header(plan: Plan, method: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+@paused_gc()
 def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str = "fx") -> RewrittenModule:
     """The rewritten module for ``plan`` over the captured ``source`` of ``model``. Everything
     it needs of the cost graph is in the plan (:class:`passes.segments.RecomputeFacts`,
     :attr:`passes.plan.Plan.checkpoint_details`). The garbage collector is paused meanwhile
     (:func:`graphckpt.progress.paused_gc`)."""
-    with paused_gc():
-        return _generate(source, model, plan, method)
-
-
-def _generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str) -> RewrittenModule:
     originals = {n.name: n for n in source.graph.nodes}
     top = fx.Graph()
     copy_graph_codegen(source.graph, top)

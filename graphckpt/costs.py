@@ -19,6 +19,7 @@ from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parent
 from graphckpt.op_dedup import profile_runs
 from graphckpt.op_keys import training_matters
 from graphckpt.profile import NodeCost
+from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
 from graphckpt.torch_compat import OpOverload
 from passes.costgraph import add_value, check_cost_graph
@@ -62,6 +63,7 @@ class Profile:
 COSTS = ("flops", "time")
 
 
+@paused_gc()  # 50k-node stack: 22 s -> 18 s; and no collection inside an op timing
 def prepare(graph_module: fx.GraphModule, args: tuple | None,
             kwargs: Mapping[str, Any] | None = None, cost: str = "flops", *, dedup: bool | None = None) -> Profile:
     """Make in-place ops safe (:func:`graphckpt.inplace.isolate_inplace`) and profile the
@@ -122,6 +124,7 @@ def _as_lifted(node: fx.Node, cost: NodeCost, lifted_params: Mapping[str, int]) 
     return replace(cost, param_grad_bytes=cost.param_grad_bytes + grads) if grads else cost
 
 
+@paused_gc()
 def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
                      blocks: Mapping[str, str] | None = None,
                      lifted_params: Mapping[str, int] | None = None) -> nx.DiGraph:
