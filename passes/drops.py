@@ -108,7 +108,7 @@ def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 1
     the plan stays valid (checked a ``chunk`` at a time, one by one in a chunk that fails),
     until :data:`DROP_FAILED_CHECKS` checks have failed. Each check rebuilds the whole plan;
     on a 1000-op residual stack, where dropping a run of values in a row makes chains too
-    long (:data:`passes.remat.MAX_REMAT_OPS`), checking every value took 39 s of a budget
+    long (:data:`passes.remat.MAX_REMAT_OPS`), checking every value was most of a 12 s budget
     plan, and the values late in the order are the ones worth least."""
     kept = {name for s in segments if not s.recompute for name in s.nodes}
     savers: dict[str, list[str]] = {}
