@@ -278,7 +278,8 @@ def test_sources_are_let_go_with_the_checkpoint_keeping_them() -> None:
 
 def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each check of a set of dropped values rebuilds the whole plan, so the scan for values to
-    drop stops after ``DROP_FAILED_CHECKS`` failures instead of trying every value."""
+    drop stops after ``DROP_FAILED_CHECKS`` values were refused instead of trying every value,
+    and finds each refused value of a chunk by bisection."""
     import passes.drops as drops
 
     graph, _ = _mlp_graph()
@@ -293,4 +294,20 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
     monkeypatch.setattr(drops, "DROP_FAILED_CHECKS", 3)
     assert len(drops.drop_order(graph)) > 8
     assert drops._droppable_on(graph, base.segments, chunk=4) == []
-    assert len(checks) == 1 + 3  # the first chunk, then its values one by one until three failed
+    # Three values refused, each found in a chunk of four by three checks: the chunk, its
+    # first two values, its first one.
+    assert len(checks) == 3 * 3
+
+
+def test_dropping_values_skips_exactly_the_values_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bisection in a chunk that fails takes what checking its values one by one takes:
+    every value but the refused ones, in order."""
+    import passes.drops as drops
+
+    graph, _ = _mlp_graph()
+    base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
+    options = drops._droppable_on(graph, base.segments)
+    refused = set(options[1::3])
+    monkeypatch.setattr(drops, "_valid", lambda graph, dropped, segments: not refused & set(dropped))
+    assert len(refused) < drops.DROP_FAILED_CHECKS
+    assert drops._droppable_on(graph, base.segments, chunk=4) == [v for v in options if v not in refused]
