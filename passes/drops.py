@@ -99,13 +99,13 @@ def drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, ch
     return list({id(p): p for p in candidates}.values())
 
 
-DROP_FAILED_CHECKS = 16
+DROP_REFUSALS = 16  # values refused before the scan for more to drop gives up
 
 
 def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16) -> list[str]:
     """The values of :func:`drop_order` that ``segments`` can drop together, in that order:
     made and saved only by ops of kept segments, each added with those before it only when
-    the plan stays valid, until :data:`DROP_FAILED_CHECKS` values have been refused. Each
+    the plan stays valid, until :data:`DROP_REFUSALS` values have been refused. Each
     check rebuilds the whole plan (3 ms on GPT-2's 538 ops), so values are tried a ``chunk``
     at a time, and in a chunk that fails the first value refused is found by bisection
     (:func:`_longest_valid_prefix`), not one by one: 15 checks where there were 41. On a
@@ -120,7 +120,7 @@ def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 1
     todo = [v for v in drop_order(graph) if v in kept and savers.get(v) and all(s in kept for s in savers[v])]
     chosen: list[str] = []
     refused = 0
-    while todo and refused < DROP_FAILED_CHECKS:
+    while todo and refused < DROP_REFUSALS:
         block, todo = todo[:chunk], todo[chunk:]
         taken = _longest_valid_prefix(graph, chosen, block, segments)
         chosen += block[:taken]

@@ -194,6 +194,11 @@ def _validate_chain(graph: nx.DiGraph, remat: Remat, where: str, error: type[Exc
     """Check that ``remat`` runs the chain from its sources to its value, every op pure."""
     if remat != remat_chain(graph, remat.value, remat.sources):
         raise error(f"{where}: its nodes and sources are not the chain from {list(remat.sources)} to {remat.value!r}")
+    _check_pure(graph, remat, where, error)
+
+
+def _check_pure(graph: nx.DiGraph, remat: Remat, where: str, error: type[Exception]) -> None:
+    """Check that every op of ``remat``'s chain may run again (:func:`pure`)."""
     for name in remat.nodes:
         if not pure(graph, name):
             raise error(f"{where}: {name!r} may not run again without gradients (random, in-place, "
@@ -252,8 +257,7 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
         except ChainTooLong as long:
             raise error(f"segment {index}: {long}") from None
         for remat in remats:
-            if not all(pure(graph, n) for n in remat.nodes):
-                raise error(f"segment {index}: the chain to {remat.value!r} runs an op that is not pure")
+            _check_pure(graph, remat, f"segment {index} rematerializing {remat.value!r}", error)
         result.append(replace(segment, remat=remats))
     validate_remat(graph, result, error, chains_built=True)  # sources that change after forward, ...
     return tuple(result)

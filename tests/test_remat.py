@@ -278,7 +278,7 @@ def test_sources_are_let_go_with_the_checkpoint_keeping_them() -> None:
 
 def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each check of a set of dropped values rebuilds the whole plan, so the scan for values to
-    drop stops after ``DROP_FAILED_CHECKS`` values were refused instead of trying every value,
+    drop stops after ``DROP_REFUSALS`` values were refused instead of trying every value,
     and finds each refused value of a chunk by bisection."""
     import passes.drops as drops
 
@@ -291,7 +291,7 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
         return False
 
     monkeypatch.setattr(drops, "_valid", refuse)
-    monkeypatch.setattr(drops, "DROP_FAILED_CHECKS", 3)
+    monkeypatch.setattr(drops, "DROP_REFUSALS", 3)
     assert len(drops.drop_order(graph)) > 8
     assert drops._droppable_on(graph, base.segments, chunk=4) == []
     # Three values refused, each found in a chunk of four by three checks: the chunk, its
@@ -309,5 +309,5 @@ def test_dropping_values_skips_exactly_the_values_refused(monkeypatch: pytest.Mo
     options = drops._droppable_on(graph, base.segments)
     refused = set(options[1::3])
     monkeypatch.setattr(drops, "_valid", lambda graph, dropped, segments: not refused & set(dropped))
-    assert len(refused) < drops.DROP_FAILED_CHECKS
+    assert len(refused) < drops.DROP_REFUSALS
     assert drops._droppable_on(graph, base.segments, chunk=4) == [v for v in options if v not in refused]
