@@ -120,7 +120,7 @@ class GraphckptBackend:
             warnings.warn(f"graphckpt.backend: {reason}; running this graph without checkpointing. "
                           "Report it with the graph (print(graph_module.code)).", stacklevel=2)
             return graph_module.forward
-        if not rewritten.segments:
+        if not (rewritten.segments or rewritten.hooked):
             self.skipped.append(f"{name}: the plan recomputes nothing (too few ops to split)")
             return graph_module.forward
         self.compiled.append(rewritten)

@@ -10,7 +10,9 @@ becomes a :class:`graphckpt.runtime.SegmentModule` called from forward, e.g.::
         ...
 
 except a segment that only drops values an op saves (:func:`passes.remat.runs_by_hooks`),
-which becomes a :class:`graphckpt.dropping.DropModule` (``drop_0``, ...).
+which becomes a :class:`graphckpt.dropping.DropModule` (``drop_0``, ...), and a selective
+segment run by saved-tensor hooks (:mod:`passes.hooked`), which becomes a
+:class:`graphckpt.hooked.HookedSegmentModule` (``hooked_0``, ...).
 
 ``print(gm.code)`` shows forward followed by every segment's body.
 """
@@ -25,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.dropping import DropModule
+from graphckpt.hooked import HookedSegmentModule, keep, mark
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
@@ -56,13 +59,24 @@ class RewrittenModule(fx.GraphModule):
         return [(name, child) for name, child in self.named_children() if isinstance(child, DropModule)]
 
     @property
+    def hooked(self) -> list[tuple[str, HookedSegmentModule]]:
+        """Every selective segment run by saved-tensor hooks
+        (:class:`graphckpt.hooked.HookedSegmentModule`) by name."""
+        return [(name, child) for name, child in self.named_children() if isinstance(child, HookedSegmentModule)]
+
+    @property
     def code(self) -> str:
         header = self.meta.get("graphckpt_header", "")
         bodies = []
-        for name, segment in [*self.segments, *self.drops]:
+        for name, segment in [*self.segments, *self.drops, *self.hooked]:
             body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
             bodies.append(f"# {name}: {segment.extra_repr()}{body}")
             if segment.remat is not None:
+                if isinstance(segment, HookedSegmentModule):
+                    remake = segment.remat.code.replace("def forward(self, ", f"def {name}_remake(self, ", 1)
+                    bodies.append(f"# {name}_remake: what the first of its values backward needs runs, "
+                                  f"without gradients, to make again the values forward dropped{remake}")
+                    continue
                 when = "its recompute runs first" if isinstance(segment, SegmentModule) else "backward runs"
                 remat = segment.remat.code.replace("def forward(self, ", f"def {name}_remat(self, ", 1)
                 bodies.append(f"# {name}_remat: what {when}, without gradients, "
@@ -170,6 +184,34 @@ def _drop_module(source: fx.GraphModule, planned: PlannedSegment) -> DropModule:
                       nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, **wiring)
 
 
+def _hooked_module(source: fx.GraphModule, planned: PlannedSegment) -> HookedSegmentModule:
+    """The runtime module of a selective segment run by saved-tensor hooks: its ops, each
+    marked or kept value reported as it is made, and what makes the marked values again
+    from the inputs and kept values (every other op of the segment, the ones they need)."""
+    originals, marked = {n.name: n for n in source.graph.nodes}, _facts(planned).marked
+    body = fx.Graph()
+    env = {name: body.placeholder(name) for name in planned.inputs}
+    hooks = body.placeholder("hooks")
+    for name in planned.nodes:
+        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+        if name in marked or name in planned.saved_inside:
+            report = keep if name in planned.saved_inside else mark
+            env[name] = body.call_function(report, (hooks, env[name], name), name=f"{report.__name__}_{name}")
+    _return(body, [env[name] for name in planned.outputs])
+    remake = fx.Graph()
+    made = {name: remake.placeholder(name) for name in (*planned.inputs, *planned.saved_inside)}
+    for name in planned.nodes:
+        if name not in made:
+            made[name] = remake.node_copy(originals[name], lambda n: made[n.name])
+    remake.output(tuple(made[name] for name in marked))
+    recipe = fx.GraphModule(_attribute_table(remake, source), remake, "RemakeBody")
+    recipe.graph.eliminate_dead_code()  # the ops after the last marked value, and kept ones' own
+    recipe.recompile()
+    return HookedSegmentModule(fx.GraphModule(_attribute_table(body, source), body, "HookedBody"), recipe,
+                               nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
+                               marked=marked, kept=planned.saved_inside)
+
+
 def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> SegmentModule:
     """The runtime module of one recomputed segment. Its body takes the segment's inputs and
     returns its outputs; nested recomputed children become segments called from the body."""
@@ -205,12 +247,12 @@ def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str
 
 def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
                    segments: tuple[PlannedSegment, ...], env: dict[str, fx.Node],
-                   copy_node: Callable[[str], None], prefix: str) -> dict[str, SegmentModule | DropModule]:
+                   copy_node: Callable[[str], None], prefix: str) -> dict[str, nn.Module]:
     """Emit a sequence of planned segments into ``target_graph``: kept ones inline, each
     recomputed one as a call of a new :class:`SegmentModule` or, run by hooks, a new
     :class:`DropModule` (returned by name)."""
-    modules: dict[str, SegmentModule | DropModule] = {}
-    drops = 0
+    modules: dict[str, nn.Module] = {}
+    drops = 0  # modules that are not SegmentModules, numbered apart
     for planned in segments:
         if not planned.recompute:
             for name in planned.nodes:
@@ -223,8 +265,11 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
         for name in planned.inputs:
             copy_node(name)
         if _facts(planned).by_hooks:
-            target, drops = f"drop_{drops}", drops + 1
+            target, drops = f"drop_{sum(isinstance(m, DropModule) for m in modules.values())}", drops + 1
             modules[target] = _drop_module(source, planned)
+        elif _facts(planned).keeps_by_hooks:
+            target, drops = f"hooked_{sum(isinstance(m, HookedSegmentModule) for m in modules.values())}", drops + 1
+            modules[target] = _hooked_module(source, planned)
         else:
             target = f"{prefix}{len(modules) - drops}"
             modules[target] = _segment_module(source, planned, target)
@@ -248,6 +293,8 @@ def _header(plan: Plan, method: str) -> str:
     nesting = f", nested {depth} deep (segment_i_j runs inside segment_i's recompute)" if depth > 1 else ""
     hooked = sum(1 for s in plan.recomputed_segments if s.facts is not None and s.facts.by_hooks)
     dropping = f"; {hooked} of them ops run with dropped inputs (drop_i)" if hooked else ""
+    selective = sum(1 for s in plan.recomputed_segments if s.facts is not None and s.facts.keeps_by_hooks)
+    dropping += f"; {selective} selective ones run by saved-tensor hooks (hooked_i)" if selective else ""
     lines = [f"# graphckpt: strategy {plan.strategy}, captured with {method}; "
              f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}{dropping}"]
     for kept in plan.checkpoint_details:

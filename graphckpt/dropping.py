@@ -42,7 +42,7 @@ class _Remade:
 
     def __init__(self, module: DropModule, sources: tuple[Any, ...]) -> None:
         self.module, self.sources = module, sources
-        self.autocast = _autocast_now(sources)
+        self.autocast = autocast_now(sources)
         self.values: tuple[torch.Tensor, ...] | None = None
         self.pending = 0  # handles packed and not yet unpacked
 
@@ -78,7 +78,7 @@ def _unpack(packed: Any) -> Any:
     return packed.unpack() if isinstance(packed, _Handle) else packed
 
 
-def _autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
+def autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
     """A context that runs code under the autocast state in force now, for the device of
     ``values`` (a no-op when autocast is off there)."""
     device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")

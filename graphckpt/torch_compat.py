@@ -106,6 +106,22 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def storage_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to ``tensor``'s storage (:func:`storage_alive`), holding none of it.
+
+    ``torch.multiprocessing.reductions.StorageWeakRef``. Checked on 2.13.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+def storage_alive(reference: Any) -> bool:
+    """Whether the storage of a :func:`storage_ref` still exists: while it does, no other
+    storage has its address (:func:`storage_key`)."""
+    return not reference.expired()
+
+
 def symbolic_hint(value: torch.SymInt | torch.SymFloat | torch.SymBool) -> int | float | bool:
     """The example value behind a symbolic size dynamo passes for a dynamic dimension.
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from passes.costgraph import draws_random, in_order, is_activation, keeps_order, op_nodes
+from passes.hooked import keeps_by_hooks, marked_values
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
 
@@ -43,7 +44,9 @@ class RecomputeFacts:
     values kept whole (every op of the node), not only their matmul/convolution kernels as
     for an ``expensive`` node. ``by_hooks``: it runs its one op as eager code with saved-tensor
     hooks dropping its rematerialized inputs, not through a checkpoint call
-    (:func:`passes.remat.runs_by_hooks`).
+    (:func:`passes.remat.runs_by_hooks`). ``keeps_by_hooks``: a selective segment run as eager
+    code under saved-tensor hooks that drop the saved copies of ``marked`` values
+    (:mod:`passes.hooked`), not through torch's selective checkpointing.
     """
 
     kept_bytes: float
@@ -52,6 +55,8 @@ class RecomputeFacts:
     state_inputs: tuple[int, ...]
     kept_whole: tuple[str, ...] = ()
     by_hooks: bool = False
+    keeps_by_hooks: bool = False
+    marked: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,9 +139,10 @@ def rerun_nodes(graph: nx.DiGraph, segment: Segment, cached: bool = True) -> lis
     return _without_kept(step_nodes(recompute_steps(graph, segment)[0]), segment, cached)
 
 
-def with_facts(graph: nx.DiGraph, segment: Segment) -> Segment:
+def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment:
     """``segment`` (and its children) with the :class:`RecomputeFacts` of ``graph`` that
-    codegen reads; a kept segment has none."""
+    codegen reads; a kept segment has none. Only a ``top``-level segment runs by hooks
+    (:mod:`passes.hooked`): a nested one runs inside its parent's checkpoint."""
     if not segment.recompute:
         return segment
     facts = RecomputeFacts(
@@ -146,8 +152,10 @@ def with_facts(graph: nx.DiGraph, segment: Segment) -> Segment:
         state_inputs=tuple(i for i, name in enumerate(segment.inputs) if graph.nodes[name]["state"]),
         kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
         by_hooks=runs_by_hooks(graph, segment),
+        keeps_by_hooks=top and keeps_by_hooks(graph, segment),
+        marked=marked_values(graph, segment) if top and keeps_by_hooks(graph, segment) else (),
     )
-    return replace(segment, children=tuple(with_facts(graph, c) for c in segment.children), facts=facts)
+    return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
 
 
 def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True) -> list[str]:
@@ -181,13 +189,14 @@ def cost_key(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[int, int, 
     return recomputed + overhead_cost(graph, segments), written, recomputed_count(segments)
 
 
-def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
+def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = True) -> int:
     """What checkpointing itself costs a step, beyond the ops it reruns: each checkpoint
     call, each op of a selective segment, and each value a segment run by hooks drops
     (the graph's ``checkpoint_call_cost``, ``selective_op_cost`` and ``dropped_value_cost``,
-    0 unless measured). Without it a plan of many small or selective segments looks cheaper
-    than it runs (GPT-2 at per-block's memory stepped 1.27x per-block's with pointwise ops
-    counted free)."""
+    0 unless measured); a selective segment run by hooks (:mod:`passes.hooked`) costs a
+    dropped value's price for the call and for each value it marks. Without it a plan of
+    many small or selective segments looks cheaper than it runs (GPT-2 at per-block's
+    memory stepped 1.27x per-block's with pointwise ops counted free)."""
     call, per_op = graph.graph.get("checkpoint_call_cost", 0), graph.graph.get("selective_op_cost", 0)
     per_drop = graph.graph.get("dropped_value_cost", 0)
     if not call and not per_op and not per_drop:
@@ -196,8 +205,10 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     for s in segments:
         if runs_by_hooks(graph, s):
             total += per_drop * len(s.remat)
+        elif top and keeps_by_hooks(graph, s):
+            total += per_drop * (1 + len(marked_values(graph, s)))
         elif s.recompute:
-            total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children)
+            total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children, top=False)
     return int(total)
 
 

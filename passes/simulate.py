@@ -37,6 +37,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
+from passes.hooked import keeps_by_hooks
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
@@ -200,16 +201,17 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
         if not segment.recompute:
             _run_backward(memory, memory.index.id_list(segment.nodes), grads)
             continue
-        _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
+        _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran, top=ran is None)
         for value in memory.index.id_list(kept_inputs(segment)):
             memory.release(value)
         memory.free(("rng", id(segment)))
 
 
 def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
-                         cached: bool) -> None:
+                         cached: bool, top: bool = True) -> None:
     """Recompute a segment as far as :func:`recompute_steps` runs it (its children as a plan
-    of their own), then run its backward."""
+    of their own), then run its backward; a ``top``-level one run by hooks (:mod:`passes.hooked`)
+    holds its kept values until its backward is done."""
     index = memory.index
     ran, stop = recompute_steps(graph, segment)
     kept = set(index.id_list(segment.saved_inside)) if cached else set()
@@ -229,7 +231,8 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
             _call_recomputed(memory, graph, child, rerun, within=within)
     for value in remade:  # the recompute is over: a rematerialized input lives on if backward saved it
         memory.release(value)
-    for value in kept:
+    hooked = top and keeps_by_hooks(graph, segment)  # its call holds the kept values until its backward ends
+    for value in () if hooked else kept:
         memory.release(value)
         memory.free(slot(value, SELECTIVE_EXTRA))  # what the recompute did not reach is dropped
     memory.free(("rng-fork", id(segment)))  # the recompute's own graph, and the states its calls took, go
@@ -237,6 +240,8 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         memory.free((*rerun, id(call)))
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
     _backward_sequence(memory, graph, children, grads, ran)
+    for value in kept if hooked else ():
+        memory.release(value)
     memory.fresh.pop()
 
 

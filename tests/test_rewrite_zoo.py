@@ -78,5 +78,5 @@ def test_selective_plans_keep_matmuls_and_train_like_eager(name: str) -> None:
     assert any(s.saved_inside for s in plan.segments)
     assert plan.recompute_flops < analysis.plan.recompute_flops
     rewritten = generate(analysis.captured.graph_module, model, plan)
-    assert "keeps matmul/conv outputs" in rewritten.code
+    assert "keeps matmul/conv outputs" in rewritten.code or "run by saved-tensor hooks" in rewritten.code
     assert_trains_like_twice(reference, model, rewritten, inputs)

@@ -1,0 +1,186 @@
+"""What a rewritten module runs for a selective segment run by saved-tensor hooks
+(:mod:`passes.hooked`): eager code whose saved copies of the segment's dropped values are
+made again when backward needs them, with no checkpoint call and no dispatch mode.
+
+A :class:`HookedSegmentModule` runs its body (the segment's ops, as the model wrote them)
+with autograd on, so backward runs forward's own graph. Its body reports each value as
+it is made (``mark(hooks, value, "name")`` in ``print(gm.code)``, ``keep(..)`` for a
+value kept from forward), and the pack hook swaps every saved tensor sharing the storage
+of a marked value for a handle (:class:`_Saved`); a value an op saves of its own output is
+matched when the value is reported, right after the op. The storage is recognized by
+address while it is alive (:func:`graphckpt.torch_compat.storage_alive`): an address
+freed and given to another tensor is never taken for it. The first handle backward unpacks
+makes every marked value again from the segment's inputs and kept values, without
+gradients (``hooked_i_remake``); each is let go once its last handle is unpacked.
+
+**Gradients.** Only what backward saved is replaced, by a value computed by the same pure
+ops from the same tensors (:func:`passes.hooked.keeps_by_hooks`), so gradients are eager's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphckpt.dropping import autocast_now
+from graphckpt.state import frozen_running_stats
+from graphckpt.torch_compat import NormBase, storage_alive, storage_key, storage_ref
+
+_NOTHING = contextlib.nullcontext()
+
+
+class _Saved:
+    """What autograd keeps for a tensor a hooked segment's op saved: the tensor itself until
+    it is known to be a marked value's storage, then which value and the tensor's view of it."""
+
+    __slots__ = ("call", "element", "node", "offset", "size", "stride", "tensor")
+
+    def __init__(self, call: _HookedCall, tensor: torch.Tensor) -> None:
+        self.call, self.tensor, self.node = call, tensor, ""
+
+    def drop(self, node: str, element: int | None) -> None:
+        tensor = self.tensor
+        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+        self.node, self.element, self.tensor = node, element, None
+        self.call.pending[node] = self.call.pending.get(node, 0) + 1
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        value = self.call.take(self.node, self.element)
+        if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
+            return value
+        return value.as_strided(self.size, self.stride, self.offset)
+
+
+def _unpack(packed: Any) -> Any:
+    return packed.unpack() if isinstance(packed, _Saved) else packed
+
+
+def _tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
+    """``value``'s tensors with their position (``None`` for a lone tensor)."""
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
+    if isinstance(value, (tuple, list)):
+        return [(i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return []
+
+
+class _HookedCall:
+    """One call of a hooked segment in a forward backward will use: what it keeps for the
+    remake (inputs, kept values), the storages of its marked values while forward runs, and
+    in backward the values made again and the handles of each still to be unpacked."""
+
+    def __init__(self, module: HookedSegmentModule, inputs: tuple[Any, ...]) -> None:
+        self.module, self.inputs = module, inputs
+        self.autocast = autocast_now(inputs)
+        self.kept: dict[str, Any] = {}
+        self.known = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}  # saved as they are
+        self.storages: dict[int, tuple[str, int | None, torch.dtype, Any]] = {}
+        self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
+        self.pending: dict[str, int] = {}
+        self.values: dict[str, Any] = {}
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        key = storage_key(tensor)
+        if key in self.known:
+            return tensor
+        saved = _Saved(self, tensor)
+        if not self._match(saved, key):
+            self.recent.append(saved)
+        return saved
+
+    def _match(self, saved: _Saved, key: int) -> bool:
+        hit = self.storages.get(key)
+        if hit is None or hit[2] != saved.tensor.dtype or not storage_alive(hit[3]):
+            return False
+        saved.drop(hit[0], hit[1])
+        return True
+
+    def mark(self, value: Any, name: str) -> None:
+        for element, tensor in _tensors(value):
+            self.storages[storage_key(tensor)] = (name, element, tensor.dtype, storage_ref(tensor))
+        for saved in self.recent:
+            self._match(saved, storage_key(saved.tensor))
+        self.recent.clear()
+
+    def keep(self, value: Any, name: str) -> None:
+        self.kept[name] = value
+        self.known.update(storage_key(t) for _, t in _tensors(value))
+        self.recent.clear()
+
+    def finish(self) -> None:
+        """Forward is done: nothing more is packed, so no storage is remembered."""
+        self.storages.clear()
+        self.recent.clear()
+
+    def take(self, name: str, element: int | None) -> torch.Tensor:
+        if name not in self.values:
+            self.values = self.module.remake(self, name)
+        value = self.values[name]
+        self.pending[name] -= 1
+        if self.pending[name] <= 0:  # its last handle: a second backward makes it again
+            del self.values[name]
+        return value if element is None else value[element]
+
+
+class HookedSegmentModule(nn.Module):
+    """One selective segment of a rewritten module run by saved-tensor hooks (see the
+    module's docstring). ``body`` takes the segment's inputs and the call's hooks (``None``
+    when no backward will run) and returns its outputs; ``remake`` takes the inputs and the
+    kept values, in ``kept`` order, and returns the ``marked`` values. Both are plain
+    attributes, not submodules, so parameters and ``state_dict`` keys stay the model's."""
+
+    def __init__(self, body: fx.GraphModule, remake: fx.GraphModule, *, nodes: Sequence[str],
+                 inputs: Sequence[str], outputs: Sequence[str], marked: Sequence[str], kept: Sequence[str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "remat", remake)  # what codegen prints as the segment's recipe
+        self.nodes, self.inputs, self.outputs = tuple(nodes), tuple(inputs), tuple(outputs)
+        self.marked, self.kept = tuple(marked), tuple(kept)
+        self.recomputations = 0
+        self.remake_norms = [m for m in remake.modules() if isinstance(m, NormBase) and m.track_running_stats]
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.body.forward(*args, None)
+        call = _HookedCall(self, args)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
+                return self.body.forward(*args, call)  # not fx's call wrapper: ~10 us a call
+        finally:
+            call.finish()
+
+    def remake(self, call: _HookedCall, wanted: str) -> dict[str, Any]:
+        """The marked values of ``call`` made again without gradients: ``wanted`` and those
+        with handles still to unpack."""
+        self.__dict__["recomputations"] += 1  # not nn.Module's __setattr__: a few microseconds
+        norms = frozen_running_stats(self.remake_norms) if self.remake_norms else _NOTHING
+        with torch.no_grad(), call.autocast, norms:
+            made = self.remat.forward(*call.inputs, *(call.kept[name] for name in self.kept))
+        made = made if isinstance(made, tuple) else (made,)
+        return {name: value for name, value in zip(self.marked, made, strict=True)
+                if name == wanted or call.pending.get(name, 0) > 0}
+
+    def extra_repr(self) -> str:
+        return (f"runs {len(self.nodes)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) as eager code; keeps "
+                f"{', '.join(self.kept)} and its inputs from forward; drops what its ops saved of "
+                f"{', '.join(self.marked)} and makes it again when backward needs it")
+
+
+def mark(hooks: _HookedCall | None, value: Any, name: str) -> Any:
+    """Report a marked value just made (emitted by codegen after each one); returns it."""
+    if hooks is not None:
+        hooks.mark(value, name)
+    return value
+
+
+def keep(hooks: _HookedCall | None, value: Any, name: str) -> Any:
+    """Report a value kept from forward just made (emitted after each); returns it."""
+    if hooks is not None:
+        hooks.keep(value, name)
+    return value

@@ -1,0 +1,67 @@
+"""Selective segments run by saved-tensor hooks: per-value keep or recompute, without
+torch's selective-checkpoint mode.
+
+A selective segment keeps some values from forward (``saved_inside``: its matmul outputs)
+and makes the others again for backward. torch's selective checkpointing does that with a
+dispatch mode that sees every op, in forward and again in the recompute: about 70 us an op
+on a 2-core CPU, a third of the recompute cost of HF GPT-2's whole-layer selective plans.
+A segment this module accepts (:func:`keeps_by_hooks`) runs instead as eager code under
+saved-tensor hooks (:class:`graphckpt.hooked.HookedSegmentModule`): the autograd graph is
+forward's own, and each tensor an op saves that shares the storage of one of the segment's
+dropped values (:func:`marked_values`, everything saved but the values kept) is swapped for
+a handle; the first handle backward unpacks makes every dropped value again from the
+segment's inputs and kept values, without gradients, and each lives until the last handle
+of it is unpacked.
+
+Memory is what the simulator counts for a selective segment (inputs and kept values held
+from forward, the recompute's values made at its start), but for what an op saves that is
+no value of the graph (``saved_extra_bytes``: norm statistics, attention's log-sum-exp, the
+contiguous copies a ``matmul`` of transposed views saves, kept ops' included), which stays
+from forward: so only segments where that is small are accepted.
+
+Example: HF GPT-2's MLP as one selective segment keeps ``addmm_2`` (the fc output) and
+``addmm_3``; ``mul``, ``tanh``, ``add_6`` and ``mul_3`` (8 MiB each) are marked and made
+again once, when ``addmm_3``'s backward unpacks ``mul_3``.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from passes.costgraph import draws_random, storage_root
+from passes.remat import SegmentLike, pure
+
+SAVED_EXTRA_SHARE = 0.02
+"""The most a hooked segment may keep from forward that no value of the graph is (what its
+ops save beyond values, ``saved_extra_bytes``), as a share of its values' bytes: it is
+held from forward to backward, where the simulator counts it only during the recompute."""
+
+
+def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
+    """Whether a recomputed segment runs as eager code under saved-tensor hooks rather than
+    through torch's selective checkpointing: it is selective (keeps values from forward),
+    top-level work of its own (no children, no rematerialized inputs), every op :func:`pure`
+    (no random draw, no state, no in-place write, so making a value again gives forward's),
+    every kept value the whole of what selective checkpointing keeps for it (no
+    ``selective_extra_bytes``), and what its ops save beyond values is small
+    (:data:`SAVED_EXTRA_SHARE`)."""
+    if not (segment.recompute and segment.saved_inside) or segment.children or segment.remat:
+        return False
+    nodes = graph.nodes
+    if draws_random(graph, segment.nodes) or any(nodes[v]["state"] for v in segment.inputs):
+        return False
+    if not all(pure(graph, name) for name in segment.nodes):
+        return False
+    if any(nodes[name]["selective_extra_bytes"] for name in segment.saved_inside):
+        return False
+    extra = sum(nodes[name]["saved_extra_bytes"] for name in segment.nodes)  # kept ones' too: a
+    return extra <= SAVED_EXTRA_SHARE * sum(nodes[name]["bytes"] for name in segment.nodes)  # recompute remade them
+
+
+def marked_values(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
+    """The values of a hooked segment whose saved copies are dropped after forward, in
+    order: the storage owners, among the segment's own values and not kept, of what its
+    ops save (a view saved is its owner's storage)."""
+    inside, kept = set(segment.nodes), set(segment.saved_inside)
+    roots = {storage_root(graph, value) for name in segment.nodes for value in graph.nodes[name]["saved"]}
+    return tuple(name for name in segment.nodes if name in roots and name in inside and name not in kept)
