@@ -70,6 +70,15 @@ def _tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
     return []
 
 
+def _detached(value: Any) -> Any:
+    """``value`` with its tensors detached: the remake runs without gradients anyway."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(v.detach() if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
 class _HookedCall:
     """One call of a hooked segment in a forward backward will use: what it keeps for the
     remake (inputs, kept values), the storages of its marked values while forward runs, and
@@ -109,7 +118,7 @@ class _HookedCall:
         self.recent.clear()
 
     def keep(self, value: Any, name: str) -> None:
-        self.kept[name] = value
+        self.kept[name] = _detached(value)  # its grad_fn may hold handles to this call: no cycle
         self.known.update(storage_key(t) for _, t in _tensors(value))
         self.recent.clear()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import copy
 import gc
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -106,24 +107,35 @@ def test_nested_selective_segments_train_like_eager(last_child_recomputed: bool)
     assert_trains_like(reference, model, rewritten, inputs, seed=1)  # a second step, fresh calls
 
 
-def test_a_selective_call_is_freed_with_its_graph_without_the_garbage_collector() -> None:
+@pytest.mark.parametrize("runtime", ["selective-mode", "hooks"])
+def test_a_selective_call_is_freed_with_its_graph_without_the_garbage_collector(
+        runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A selective call's policy referred back to the call, a cycle: when no backward came
     (a forward under grad whose output is dropped), the matmul outputs its cache keeps lived
-    until the garbage collector ran, and a rematerialization's sources with them."""
+    until the garbage collector ran, and a rematerialization's sources with them. The same
+    holds for a segment run by saved-tensor hooks (graphckpt.hooked), whose handles refer to
+    their call."""
+    from graphckpt.hooked import _HookedCall
     from graphckpt.runtime import _Call
 
+    if runtime == "selective-mode":
+        for module in ("passes.segments", "passes.simulate"):  # modules, not passes' re-exported functions
+            monkeypatch.setattr(sys.modules[module], "keeps_by_hooks", lambda graph, segment: False)
+    kind = _Call if runtime == "selective-mode" else _HookedCall
+
     def calls() -> int:
-        return sum(isinstance(o, _Call) for o in gc.get_objects())
+        return sum(isinstance(o, kind) for o in gc.get_objects())
 
     model, inputs, graph, captured = _mlp(batch=8)
     rewritten = _rewrite(model, captured, graph, _nested_selective_plan(graph))
     gc.collect()
+    before = calls()  # calls other tests' live outputs still hold
     gc.disable()
     try:
         output = rewritten(*inputs)
-        assert calls() > 0
+        assert calls() > before
         del output
-        assert calls() == 0
+        assert calls() == before
     finally:
         gc.enable()
 
