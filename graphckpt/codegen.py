@@ -20,7 +20,7 @@ segment run by saved-tensor hooks (:mod:`passes.hooked`), which becomes a
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,12 +71,13 @@ class RewrittenModule(fx.GraphModule):
         for name, segment in [*self.segments, *self.drops, *self.hooked]:
             body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
             bodies.append(f"# {name}: {segment.extra_repr()}{body}")
+            if isinstance(segment, HookedSegmentModule):
+                for i, (group, remake) in enumerate(zip(segment.groups, segment.remakes, strict=True)):
+                    code = remake.code.replace("def forward(self, ", f"def {name}_remake_{i}(self, ", 1)
+                    bodies.append(f"# {name}_remake_{i}: runs without gradients when backward first needs "
+                                  f"{' or '.join(group)}, to make them again{code}")
+                continue
             if segment.remat is not None:
-                if isinstance(segment, HookedSegmentModule):
-                    remake = segment.remat.code.replace("def forward(self, ", f"def {name}_remake(self, ", 1)
-                    bodies.append(f"# {name}_remake: what the first of its values backward needs runs, "
-                                  f"without gradients, to make again the values forward dropped{remake}")
-                    continue
                 when = "its recompute runs first" if isinstance(segment, SegmentModule) else "backward runs"
                 remat = segment.remat.code.replace("def forward(self, ", f"def {name}_remat(self, ", 1)
                 bodies.append(f"# {name}_remat: what {when}, without gradients, "
@@ -186,9 +187,10 @@ def _drop_module(source: fx.GraphModule, planned: PlannedSegment) -> DropModule:
 
 def _hooked_module(source: fx.GraphModule, planned: PlannedSegment) -> HookedSegmentModule:
     """The runtime module of a selective segment run by saved-tensor hooks: its ops, each
-    marked or kept value reported as it is made, and what makes the marked values again
-    from the inputs and kept values (every other op of the segment, the ones they need)."""
-    originals, marked = {n.name: n for n in source.graph.nodes}, _facts(planned).marked
+    marked or kept value reported as it is made, and for each remake group what makes its
+    values again from the inputs and kept values (the ops of the segment they need)."""
+    originals, groups = {n.name: n for n in source.graph.nodes}, _facts(planned).remakes
+    marked = {name for group in groups for name in group}
     body = fx.Graph()
     env = {name: body.placeholder(name) for name in planned.inputs}
     hooks = body.placeholder("hooks")
@@ -198,18 +200,30 @@ def _hooked_module(source: fx.GraphModule, planned: PlannedSegment) -> HookedSeg
             report = keep if name in planned.saved_inside else mark
             env[name] = body.call_function(report, (hooks, env[name], name), name=f"{report.__name__}_{name}")
     _return(body, [env[name] for name in planned.outputs])
-    remake = fx.Graph()
-    made = {name: remake.placeholder(name) for name in (*planned.inputs, *planned.saved_inside)}
-    for name in planned.nodes:
-        if name not in made:
-            made[name] = remake.node_copy(originals[name], lambda n: made[n.name])
-    remake.output(tuple(made[name] for name in marked))
-    recipe = fx.GraphModule(_attribute_table(remake, source), remake, "RemakeBody")
-    recipe.graph.eliminate_dead_code()  # the ops after the last marked value, and kept ones' own
-    recipe.recompile()
-    return HookedSegmentModule(fx.GraphModule(_attribute_table(body, source), body, "HookedBody"), recipe,
+    return HookedSegmentModule(fx.GraphModule(_attribute_table(body, source), body, "HookedBody"),
+                               [_remake_module(source, planned, group) for group in groups],
                                nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
-                               marked=marked, kept=planned.saved_inside)
+                               groups=groups, kept=planned.saved_inside)
+
+
+def _remake_module(source: fx.GraphModule, planned: PlannedSegment, values: Sequence[str]) -> fx.GraphModule:
+    """What makes ``values`` of a hooked segment again from its inputs and kept values: the
+    segment's other ops that they need, nothing else (not fx's dead-code elimination, which
+    keeps every dropout, and with it the ops feeding one)."""
+    originals = {n.name: n for n in source.graph.nodes}
+    graph = fx.Graph()
+    made = {name: graph.placeholder(name) for name in (*planned.inputs, *planned.saved_inside)}
+    inside, needed, stack = set(planned.nodes), set(), list(values)
+    while stack:
+        name = stack.pop()
+        if name not in made and name not in needed:
+            needed.add(name)
+            stack.extend(n.name for n in originals[name].all_input_nodes if n.name in inside)
+    for name in planned.nodes:
+        if name in needed:
+            made[name] = graph.node_copy(originals[name], lambda n: made[n.name])
+    graph.output(tuple(made[name] for name in values))
+    return fx.GraphModule(_attribute_table(graph, source), graph, "RemakeBody")
 
 
 def _segment_module(source: fx.GraphModule, planned: PlannedSegment, target: str) -> SegmentModule:

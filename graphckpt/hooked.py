@@ -9,9 +9,10 @@ value kept from forward), and the pack hook swaps every saved tensor sharing the
 of a marked value for a handle (:class:`_Saved`); a value an op saves of its own output is
 matched when the value is reported, right after the op. The storage is recognized by
 address while it is alive (:func:`graphckpt.torch_compat.storage_alive`): an address
-freed and given to another tensor is never taken for it. The first handle backward unpacks
-makes every marked value again from the segment's inputs and kept values, without
-gradients (``hooked_i_remake``); each is let go once its last handle is unpacked.
+freed and given to another tensor is never taken for it. The marked values come in remake
+groups (:func:`passes.hooked.remake_groups`): the first handle backward unpacks of a group
+makes the group's values again from the segment's inputs and kept values, without
+gradients (``hooked_i_remake_g``); each is let go once its last handle is unpacked.
 
 **Gradients.** Only what backward saved is replaced, by a value computed by the same pure
 ops from the same tensors (:func:`passes.hooked.keeps_by_hooks`), so gradients are eager's.
@@ -129,7 +130,7 @@ class _HookedCall:
 
     def take(self, name: str, element: int | None) -> torch.Tensor:
         if name not in self.values:
-            self.values = self.module.remake(self, name)
+            self.values.update(self.module.remake(self, name))
         value = self.values[name]
         self.pending[name] -= 1
         if self.pending[name] <= 0:  # its last handle: a second backward makes it again
@@ -140,19 +141,28 @@ class _HookedCall:
 class HookedSegmentModule(nn.Module):
     """One selective segment of a rewritten module run by saved-tensor hooks (see the
     module's docstring). ``body`` takes the segment's inputs and the call's hooks (``None``
-    when no backward will run) and returns its outputs; ``remake`` takes the inputs and the
-    kept values, in ``kept`` order, and returns the ``marked`` values. Both are plain
-    attributes, not submodules, so parameters and ``state_dict`` keys stay the model's."""
+    when no backward will run) and returns its outputs; each of ``remakes`` takes the inputs
+    and the kept values, in ``kept`` order, and returns its group's values (``groups``, the
+    marked values by group). The graph modules are plain attributes, not submodules, so
+    parameters and ``state_dict`` keys stay the model's."""
 
-    def __init__(self, body: fx.GraphModule, remake: fx.GraphModule, *, nodes: Sequence[str],
-                 inputs: Sequence[str], outputs: Sequence[str], marked: Sequence[str], kept: Sequence[str]) -> None:
+    def __init__(self, body: fx.GraphModule, remakes: Sequence[fx.GraphModule], *, nodes: Sequence[str],
+                 inputs: Sequence[str], outputs: Sequence[str], groups: Sequence[Sequence[str]],
+                 kept: Sequence[str]) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
-        object.__setattr__(self, "remat", remake)  # what codegen prints as the segment's recipe
+        object.__setattr__(self, "remakes", tuple(remakes))  # what codegen prints as the segment's recipes
         self.nodes, self.inputs, self.outputs = tuple(nodes), tuple(inputs), tuple(outputs)
-        self.marked, self.kept = tuple(marked), tuple(kept)
+        self.groups, self.kept = tuple(tuple(group) for group in groups), tuple(kept)
+        self.group_of = {name: i for i, group in enumerate(self.groups) for name in group}
         self.recomputations = 0
-        self.remake_norms = [m for m in remake.modules() if isinstance(m, NormBase) and m.track_running_stats]
+        self.remake_norms = [m for remake in remakes for m in remake.modules()
+                             if isinstance(m, NormBase) and m.track_running_stats]
+
+    @property
+    def marked(self) -> tuple[str, ...]:
+        """Every value whose saved copies are dropped, group by group."""
+        return tuple(name for group in self.groups for name in group)
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -165,20 +175,22 @@ class HookedSegmentModule(nn.Module):
             call.finish()
 
     def remake(self, call: _HookedCall, wanted: str) -> dict[str, Any]:
-        """The marked values of ``call`` made again without gradients: ``wanted`` and those
-        with handles still to unpack."""
+        """The values of ``wanted``'s group in ``call`` made again without gradients:
+        ``wanted`` and those with handles still to unpack."""
         self.__dict__["recomputations"] += 1  # not nn.Module's __setattr__: a few microseconds
+        group = self.group_of[wanted]
         norms = frozen_running_stats(self.remake_norms) if self.remake_norms else _NOTHING
         with torch.no_grad(), call.autocast, norms:
-            made = self.remat.forward(*call.inputs, *(call.kept[name] for name in self.kept))
+            made = self.remakes[group].forward(*call.inputs, *(call.kept[name] for name in self.kept))
         made = made if isinstance(made, tuple) else (made,)
-        return {name: value for name, value in zip(self.marked, made, strict=True)
+        return {name: value for name, value in zip(self.groups[group], made, strict=True)
                 if name == wanted or call.pending.get(name, 0) > 0}
 
     def extra_repr(self) -> str:
         return (f"runs {len(self.nodes)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) as eager code; keeps "
                 f"{', '.join(self.kept)} and its inputs from forward; drops what its ops saved of "
-                f"{', '.join(self.marked)} and makes it again when backward needs it")
+                f"{', '.join(self.marked)} and makes each group of them again when backward first needs one "
+                f"({len(self.groups)} groups)")
 
 
 def mark(hooks: _HookedCall | None, value: Any, name: str) -> Any:

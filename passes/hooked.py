@@ -11,7 +11,9 @@ forward's own, and each tensor an op saves that shares the storage of one of the
 dropped values (:func:`marked_values`, everything saved but the values kept) is swapped for
 a handle; the first handle backward unpacks makes every dropped value again from the
 segment's inputs and kept values, without gradients, and each lives until the last handle
-of it is unpacked.
+of it is unpacked. The dropped values are made again in groups (:func:`remake_groups`), each
+when backward first needs one of its values, so only part of the segment is live again at
+a time.
 
 Memory is what the simulator counts for a selective segment (inputs and kept values held
 from forward, the recompute's values made at its start), but for what an op saves that is
@@ -25,6 +27,8 @@ again once, when ``addmm_3``'s backward unpacks ``mul_3``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -65,3 +69,48 @@ def marked_values(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
     inside, kept = set(segment.nodes), set(segment.saved_inside)
     roots = {storage_root(graph, value) for name in segment.nodes for value in graph.nodes[name]["saved"]}
     return tuple(name for name in segment.nodes if name in roots and name in inside and name not in kept)
+
+
+class RemakeGroup(NamedTuple):
+    """Dropped values of a hooked segment made again together: ``nodes``, what the remake
+    computes (in order), and ``marked``, the values among them backward unpacks."""
+
+    nodes: tuple[str, ...]
+    marked: tuple[str, ...]
+
+
+def remake_groups(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeGroup, ...]:
+    """The marked values of a hooked segment in groups each made again on its own from the
+    segment's inputs and kept values: the connected parts of the segment's ops that are not
+    kept. Backward makes a group when it first unpacks one of its values, and each value
+    goes after its last unpack, so what is live again is one part of the segment, not all.
+
+    Example: a GPT-2 layer keeping its matmul outputs falls into three groups, each made
+    when its backward comes: the GELU chain between ``addmm_6`` and ``addmm_7``, the
+    residual sum with ``ln_2``'s output, and ``ln_1``'s output.
+    """
+    kept, marked = set(segment.saved_inside), set(marked_values(graph, segment))
+    free = [name for name in segment.nodes if name not in kept]
+    parts = nx.utils.UnionFind(free)
+    inside = set(free)
+    for name in free:
+        for source in graph.predecessors(name):
+            if source in inside:
+                parts.union(name, source)
+    needed = _needed_for(graph, marked, inside)
+    groups: dict[str, list[str]] = {}
+    for name in free:
+        if name in needed:
+            groups.setdefault(parts[name], []).append(name)
+    return tuple(RemakeGroup(tuple(nodes), tuple(n for n in nodes if n in marked)) for nodes in groups.values())
+
+
+def _needed_for(graph: nx.DiGraph, values: set[str], inside: set[str]) -> set[str]:
+    """``values`` and what computes them among ``inside`` (their ancestors there)."""
+    needed, stack = set(values), list(values)
+    while stack:
+        for source in graph.predecessors(stack.pop()):
+            if source in inside and source not in needed:
+                needed.add(source)
+                stack.append(source)
+    return needed

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from passes.costgraph import draws_random, in_order, is_activation, keeps_order, op_nodes
-from passes.hooked import keeps_by_hooks, marked_values
+from passes.hooked import keeps_by_hooks, remake_groups
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
 
@@ -45,8 +45,9 @@ class RecomputeFacts:
     for an ``expensive`` node. ``by_hooks``: it runs its one op as eager code with saved-tensor
     hooks dropping its rematerialized inputs, not through a checkpoint call
     (:func:`passes.remat.runs_by_hooks`). ``keeps_by_hooks``: a selective segment run as eager
-    code under saved-tensor hooks that drop the saved copies of ``marked`` values
-    (:mod:`passes.hooked`), not through torch's selective checkpointing.
+    code under saved-tensor hooks that drop the saved copies of the values in ``remakes``
+    (:mod:`passes.hooked`), not through torch's selective checkpointing; ``remakes`` holds
+    them by group, each made again on its own (:func:`passes.hooked.remake_groups`).
     """
 
     kept_bytes: float
@@ -56,7 +57,7 @@ class RecomputeFacts:
     kept_whole: tuple[str, ...] = ()
     by_hooks: bool = False
     keeps_by_hooks: bool = False
-    marked: tuple[str, ...] = ()
+    remakes: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
     (:mod:`passes.hooked`): a nested one runs inside its parent's checkpoint."""
     if not segment.recompute:
         return segment
+    hooked = top and keeps_by_hooks(graph, segment)
     facts = RecomputeFacts(
         kept_bytes=boundary_bytes(graph, segment.inputs),
         draws_random=draws_random(graph, segment.nodes),
@@ -152,27 +154,32 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         state_inputs=tuple(i for i, name in enumerate(segment.inputs) if graph.nodes[name]["state"]),
         kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
         by_hooks=runs_by_hooks(graph, segment),
-        keeps_by_hooks=top and keeps_by_hooks(graph, segment),
-        marked=marked_values(graph, segment) if top and keeps_by_hooks(graph, segment) else (),
+        keeps_by_hooks=hooked,
+        remakes=tuple(group.marked for group in remake_groups(graph, segment)) if hooked else (),
     )
     return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
 
 
-def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True) -> list[str]:
+def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True,
+                     top: bool = True) -> list[str]:
     """Every node backward computes again, once per time it is recomputed (a node in a
     recomputed child of a recomputed segment appears twice), as :func:`recompute_steps` runs
     them; ``saved_inside`` excluded when ``cached`` (a nested child's are only cached when
-    its enclosing segment's recompute ran it)."""
+    its enclosing segment's recompute ran it). A ``top``-level segment run by hooks makes
+    again only what its remake groups need (:func:`passes.hooked.remake_groups`)."""
     again: list[str] = []
     for segment in segments:
         if not segment.recompute:
+            continue
+        if top and keeps_by_hooks(graph, segment):
+            again.extend(name for group in remake_groups(graph, segment) for name in group.nodes)
             continue
         ran, stop = recompute_steps(graph, segment)
         if ran or stop is not None:  # a recompute that runs at all first rematerializes the inputs
             again.extend(remat_nodes(segment))
         again.extend(_without_kept(step_nodes(ran), segment, cached))
         for child in segment.children:
-            again.extend(recomputed_nodes(graph, [child], cached=child in ran))
+            again.extend(recomputed_nodes(graph, [child], cached=child in ran, top=False))
     return again
 
 
@@ -194,9 +201,9 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = Tr
     call, each op of a selective segment, and each value a segment run by hooks drops
     (the graph's ``checkpoint_call_cost``, ``selective_op_cost`` and ``dropped_value_cost``,
     0 unless measured); a selective segment run by hooks (:mod:`passes.hooked`) costs a
-    dropped value's price for the call and for each value it marks. Without it a plan of
-    many small or selective segments looks cheaper than it runs (GPT-2 at per-block's
-    memory stepped 1.27x per-block's with pointwise ops counted free)."""
+    dropped value's price for the call, for each remake group and for each value it marks.
+    Without it a plan of many small or selective segments looks cheaper than it runs (GPT-2
+    at per-block's memory stepped 1.27x per-block's with pointwise ops counted free)."""
     call, per_op = graph.graph.get("checkpoint_call_cost", 0), graph.graph.get("selective_op_cost", 0)
     per_drop = graph.graph.get("dropped_value_cost", 0)
     if not call and not per_op and not per_drop:
@@ -206,7 +213,8 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = Tr
         if runs_by_hooks(graph, s):
             total += per_drop * len(s.remat)
         elif top and keeps_by_hooks(graph, s):
-            total += per_drop * (1 + len(marked_values(graph, s)))
+            groups = remake_groups(graph, s)
+            total += per_drop * (1 + len(groups) + sum(len(group.marked) for group in groups))
         elif s.recompute:
             total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children, top=False)
     return int(total)

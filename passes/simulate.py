@@ -37,7 +37,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.hooked import keeps_by_hooks
+from passes.hooked import RemakeGroup, keeps_by_hooks, remake_groups
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
@@ -201,17 +201,19 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
         if not segment.recompute:
             _run_backward(memory, memory.index.id_list(segment.nodes), grads)
             continue
-        _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran, top=ran is None)
+        if ran is None and keeps_by_hooks(graph, segment):
+            _backward_hooked(memory, graph, segment, grads)
+        else:
+            _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
         for value in memory.index.id_list(kept_inputs(segment)):
             memory.release(value)
         memory.free(("rng", id(segment)))
 
 
 def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
-                         cached: bool, top: bool = True) -> None:
+                         cached: bool) -> None:
     """Recompute a segment as far as :func:`recompute_steps` runs it (its children as a plan
-    of their own), then run its backward; a ``top``-level one run by hooks (:mod:`passes.hooked`)
-    holds its kept values until its backward is done."""
+    of their own), then run its backward."""
     index = memory.index
     ran, stop = recompute_steps(graph, segment)
     kept = set(index.id_list(segment.saved_inside)) if cached else set()
@@ -231,8 +233,7 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
             _call_recomputed(memory, graph, child, rerun, within=within)
     for value in remade:  # the recompute is over: a rematerialized input lives on if backward saved it
         memory.release(value)
-    hooked = top and keeps_by_hooks(graph, segment)  # its call holds the kept values until its backward ends
-    for value in () if hooked else kept:
+    for value in kept:
         memory.release(value)
         memory.free(slot(value, SELECTIVE_EXTRA))  # what the recompute did not reach is dropped
     memory.free(("rng-fork", id(segment)))  # the recompute's own graph, and the states its calls took, go
@@ -240,9 +241,47 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         memory.free((*rerun, id(call)))
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
     _backward_sequence(memory, graph, children, grads, ran)
-    for value in kept if hooked else ():
+    memory.fresh.pop()
+
+
+def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int]) -> None:
+    """Backward of a segment run by saved-tensor hooks (:mod:`passes.hooked`): its ops in
+    reverse, on forward's own graph; the first op that unpacks a value of a remake group
+    makes the whole group again, and each value made goes after its last saver's backward.
+    The kept values, held by the call since forward, go at the end."""
+    index = memory.index
+    groups = remake_groups(graph, segment)
+    group_of = {index.ids[name]: group for group in groups for name in group.marked}
+    memory.fresh.append({index.ids[name] for group in groups for name in group.nodes})
+    nodes = index.id_list(segment.nodes)
+    savers: dict[int, int] = {}
+    for node in nodes:
+        memory.allocate(slot(node, EXTRA), index.saved_extra[node])  # what ops saved beyond values
+        for value in index.saved[node]:
+            savers[index.roots[value]] = savers.get(index.roots[value], 0) + 1
+    made: set[RemakeGroup] = set()
+    for node in reversed(nodes):
+        for value in index.saved[node]:
+            group = group_of.get(index.roots[value])
+            if group is None:
+                memory.hold(value)  # an input or kept value, alive since forward
+            elif group not in made:
+                made.add(group)
+                _remake(memory, group, savers)
+        _run_backward(memory, [node], grads)
+    for value in index.id_list(segment.saved_inside):
         memory.release(value)
     memory.fresh.pop()
+
+
+def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int]) -> None:
+    """One remake group made again without saving: each of its marked values held once
+    for every op that saved it (``savers``), the rest gone when the group is done."""
+    index = memory.index
+    for name in group.marked:
+        memory.hold(index.ids[name], savers[index.ids[name]])
+    nodes = index.id_list(group.nodes)
+    _run_forward(memory, nodes, save=False, within=set(nodes))
 
 
 def _stop_holds(graph: nx.DiGraph, stop: Step | None) -> Sequence[str]:

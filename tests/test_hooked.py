@@ -12,8 +12,10 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.hooked import keeps_by_hooks, marked_values
-from passes.plan import Candidate, Plan, selective, simulated
+from passes.costgraph import op_nodes
+from passes.hooked import keeps_by_hooks, marked_values, remake_groups
+from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
+from passes.segments import make_segments
 from tests.equivalence import assert_trains_like_twice, zoo_pair
 
 SIZES = {"mlp": {"batch": 256}, "densenet": {"batch": 16}, "resnet": {"batch": 16}, "unet": {"batch": 8}}
@@ -74,7 +76,46 @@ def test_print_code_shows_what_is_dropped_and_remade() -> None:
     analysis, plan = _selective_plan(model, inputs)
     code = generate(analysis.captured.graph_module, model, plan).code
     assert "selective ones run by saved-tensor hooks (hooked_i)" in code
-    assert "self.hooked_0(" in code and "def hooked_0_remake(" in code and "mark(hooks, " in code
+    assert "self.hooked_0(" in code and "def hooked_0_remake_0(" in code and "mark(hooks, " in code
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet", "densenet"])
+def test_remake_groups_split_the_marked_values_into_parts_made_on_their_own(name: str) -> None:
+    """Every marked value is in one group; a group's ops read only the segment's inputs,
+    kept values and ops of the same group; each op computed is needed for a value of it."""
+    model, inputs = zoo.make(name)
+    analysis, plan = _selective_plan(model, inputs)
+    graph = analysis.cost_graph
+    hooked = [s for s in plan.segments if s.recompute and keeps_by_hooks(graph, s)]
+    assert hooked
+    for segment in hooked:
+        groups = remake_groups(graph, segment)
+        marked = [name for group in groups for name in group.marked]
+        assert sorted(marked) == sorted(marked_values(graph, segment))
+        computed = [name for group in groups for name in group.nodes]
+        assert len(computed) == len(set(computed)) and not set(computed) & set(segment.saved_inside)
+        for group in groups:
+            own = set(group.nodes)
+            for name in group.nodes:
+                sources = set(graph.predecessors(name)) & set(segment.nodes)
+                assert sources <= own | set(segment.saved_inside), (name, sources - own)
+                assert name in group.marked or set(graph.successors(name)) & own, name
+
+
+def test_each_remake_group_is_made_once_a_backward() -> None:
+    """The MLP chain keeps its matmul outputs: each activation between two of them is a group
+    of its own, made when backward reaches it."""
+    model, inputs = zoo.make("mlp", depth=6, width=32, batch=8)
+    analysis = analyze(model, inputs, strategy="sqrt")  # its cost graph; the plan is made here
+    graph, ops = analysis.cost_graph, op_nodes(analysis.cost_graph)
+    segments = make_segments(graph, [(ops[:-2], True), (ops[-2:], False)])
+    segments = tuple(replace(s, saved_inside=tuple(n for n in s.nodes if graph.nodes[n]["expensive"]))
+                     if s.recompute else s for s in segments)
+    rewritten = generate(analysis.captured.graph_module, model, plan_of_segments(graph, "test", segments))
+    groups = sum(len(module.groups) for _, module in rewritten.hooked)
+    assert len(rewritten.hooked) == 1 and groups >= 4
+    zoo.scalar_loss(rewritten(*inputs)).backward()
+    assert sum(module.recomputations for _, module in rewritten.hooked) == groups
 
 
 def test_a_retained_graph_backpropagates_twice() -> None:
