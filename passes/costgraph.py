@@ -30,7 +30,7 @@ Graph attributes, all optional:
     What each value a segment run by saved-tensor hooks drops costs beyond the ops that make
     it again (:func:`passes.remat.runs_by_hooks`: the hooks, the recipe, one no-grad call),
     in ``cost_unit``; also the price of a selective segment run by hooks
-    (:mod:`passes.hooked`), once for its call and once per value it drops.
+    (:mod:`passes.hooked`), once for its call, once per remake group and once per value it drops.
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,

@@ -15,11 +15,12 @@ of it is unpacked. The dropped values are made again in groups (:func:`remake_gr
 when backward first needs one of its values, so only part of the segment is live again at
 a time.
 
-Memory is what the simulator counts for a selective segment (inputs and kept values held
-from forward, the recompute's values made at its start), but for what an op saves that is
-no value of the graph (``saved_extra_bytes``: norm statistics, attention's log-sum-exp, the
-contiguous copies a ``matmul`` of transposed views saves, kept ops' included), which stays
-from forward: so only segments where that is small are accepted.
+Memory (``passes.simulate``): inputs and kept values are held from forward to the end of
+the segment's backward, and so is what its ops save that is no value of the graph
+(``saved_extra_bytes``: norm statistics, attention's log-sum-exp, the contiguous copies a
+``matmul`` of transposed views saves, kept ops' included), which torch's selective mode
+would make again in the recompute instead: so only segments where that is small are
+accepted. Each group's values live from its remake to their last saver's backward.
 
 Example: HF GPT-2's MLP as one selective segment keeps ``addmm_2`` (the fc output) and
 ``addmm_3``; ``mul``, ``tanh``, ``add_6`` and ``mul_3`` (8 MiB each) are marked and made
@@ -38,7 +39,7 @@ from passes.remat import SegmentLike, pure
 SAVED_EXTRA_SHARE = 0.02
 """The most a hooked segment may keep from forward that no value of the graph is (what its
 ops save beyond values, ``saved_extra_bytes``), as a share of its values' bytes: it is
-held from forward to backward, where the simulator counts it only during the recompute."""
+held from forward to backward, where torch's selective mode holds it only after the recompute."""
 
 
 def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:

@@ -184,10 +184,14 @@ def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, ta
 
 def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
-    inputs and generator states (and their matmul outputs, when selective)."""
+    inputs and generator states (and their matmul outputs, when selective; and what their
+    ops save beyond values, when run by hooks)."""
     for segment in segments:
         if segment.recompute:
             _call_recomputed(memory, graph, segment, ("rng",))
+            if keeps_by_hooks(graph, segment):  # run by hooks: what its ops save beyond values stays
+                for node in memory.index.id_list(segment.nodes):
+                    memory.allocate(slot(node, EXTRA), memory.index.saved_extra[node])
         else:
             _run_forward(memory, memory.index.id_list(segment.nodes), save=True)
 
@@ -256,7 +260,6 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
     nodes = index.id_list(segment.nodes)
     savers: dict[int, int] = {}
     for node in nodes:
-        memory.allocate(slot(node, EXTRA), index.saved_extra[node])  # what ops saved beyond values
         for value in index.saved[node]:
             savers[index.roots[value]] = savers.get(index.roots[value], 0) + 1
     made: set[RemakeGroup] = set()
