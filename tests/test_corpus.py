@@ -35,7 +35,11 @@ from tests.equivalence import assert_trains_like
 # Promises still broken, as measured (issue 13's closing note has the numbers). Not strict:
 # these are sub-MiB models, and a miss of a few KiB can go either way on another CPU.
 ABOVE_EAGER: dict[tuple[str, str], str] = {}
-BUDGET_MISSED: dict[tuple[str, str], str] = {}
+BUDGET_MISSED: dict[tuple[str, str], str] = {
+    ("t5", "floor"): "the plan at the floor nests selective segments 4 deep with per-value keeps chosen one by one: "
+                     "measured 1.045x its simulated peak (0.968x with no keeps); the simulator under-counts some of "
+                     "those keeps (found 2026-11-25, not yet located)",
+}
 
 
 def _param(name: str, *rest: object, known: dict | None = None) -> object:
