@@ -201,16 +201,17 @@ def _hooked_module(source: fx.GraphModule, planned: PlannedSegment) -> HookedSeg
             env[name] = body.call_function(report, (hooks, env[name], name), name=f"{report.__name__}_{name}")
     _return(body, [env[name] for name in planned.outputs])
     return HookedSegmentModule(fx.GraphModule(_attribute_table(body, source), body, "HookedBody"),
-                               [_remake_module(source, planned, group) for group in groups],
+                               [_remake_module(source, originals, planned, group) for group in groups],
                                nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
                                groups=groups, kept=planned.saved_inside)
 
 
-def _remake_module(source: fx.GraphModule, planned: PlannedSegment, values: Sequence[str]) -> fx.GraphModule:
+def _remake_module(source: fx.GraphModule, originals: Mapping[str, fx.Node], planned: PlannedSegment,
+                   values: Sequence[str]) -> fx.GraphModule:
     """What makes ``values`` of a hooked segment again from its inputs and kept values: the
     segment's other ops that they need, nothing else (not fx's dead-code elimination, which
-    keeps every dropout, and with it the ops feeding one)."""
-    originals = {n.name: n for n in source.graph.nodes}
+    keeps every dropout, and with it the ops feeding one). ``originals``: ``source``'s nodes
+    by name."""
     graph = fx.Graph()
     made = {name: graph.placeholder(name) for name in (*planned.inputs, *planned.saved_inside)}
     inside, needed, stack = set(planned.nodes), set(), list(values)
@@ -264,9 +265,10 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
                    copy_node: Callable[[str], None], prefix: str) -> dict[str, nn.Module]:
     """Emit a sequence of planned segments into ``target_graph``: kept ones inline, each
     recomputed one as a call of a new :class:`SegmentModule` or, run by hooks, a new
-    :class:`DropModule` (returned by name)."""
+    :class:`DropModule` or :class:`HookedSegmentModule` (returned by name, each kind
+    numbered on its own)."""
     modules: dict[str, nn.Module] = {}
-    drops = 0  # modules that are not SegmentModules, numbered apart
+    made = {DropModule: 0, HookedSegmentModule: 0, SegmentModule: 0}
     for planned in segments:
         if not planned.recompute:
             for name in planned.nodes:
@@ -279,14 +281,15 @@ def _emit_segments(target_graph: fx.Graph, source: fx.GraphModule,
         for name in planned.inputs:
             copy_node(name)
         if _facts(planned).by_hooks:
-            target, drops = f"drop_{sum(isinstance(m, DropModule) for m in modules.values())}", drops + 1
+            target = f"drop_{made[DropModule]}"
             modules[target] = _drop_module(source, planned)
         elif _facts(planned).keeps_by_hooks:
-            target, drops = f"hooked_{sum(isinstance(m, HookedSegmentModule) for m in modules.values())}", drops + 1
+            target = f"hooked_{made[HookedSegmentModule]}"
             modules[target] = _hooked_module(source, planned)
         else:
-            target = f"{prefix}{len(modules) - drops}"
+            target = f"{prefix}{made[SegmentModule]}"
             modules[target] = _segment_module(source, planned, target)
+        made[type(modules[target])] += 1
         _emit_call(target_graph, target, planned, env)
     return modules
 
