@@ -221,8 +221,10 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     index = memory.index
     ran, stop = recompute_steps(graph, segment)
     kept = set(index.id_list(segment.saved_inside)) if cached else set()
-    within = set(index.id_list(step_nodes(ran)))
-    memory.fresh.append(within - kept | set(index.id_list(remat_nodes(segment))))
+    computed = set(index.id_list(step_nodes(ran)))
+    within = set(index.id_list(segment.nodes))  # readers that hold a value: the body's, run or not
+    memory.fresh.append(computed - kept | set(index.id_list(remat_nodes(segment))))
+    unwound = _held_until_stop(memory, segment, computed)
     remade = run_remat(memory, segment) if ran or stop is not None else set()  # before its own ops
     for value in _stop_holds(graph, stop):
         memory.hold(index.ids[value])  # saved by the step the recompute stops at, which does not run
@@ -237,6 +239,8 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
             _call_recomputed(memory, graph, child, rerun, within=within)
     for value in remade:  # the recompute is over: a rematerialized input lives on if backward saved it
         memory.release(value)
+    for value, times in unwound.items():  # the body's frame unwinds at the stop
+        memory.release(value, times)
     for value in kept:
         memory.release(value)
         memory.free(slot(value, SELECTIVE_EXTRA))  # what the recompute did not reach is dropped
@@ -246,6 +250,27 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
     _backward_sequence(memory, graph, children, grads, ran)
     memory.fresh.pop()
+
+
+def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int]) -> dict[int, int]:
+    """The holds a recompute's body keeps on what it computed until the recompute stops:
+    the body is Python code that lets a value go after its last use *in the body*, so a
+    value read by an op past the stop, or returned by the segment, lives until then (T5's
+    decoder mask and encoder output did, 86 KB over the simulated peak). Held here for
+    the segment's outputs; :func:`_run_forward` holds for readers past the stop when given
+    the whole body as ``within``. Returns the holds to release once the recompute ends."""
+    index = memory.index
+    unwound: dict[int, int] = {}
+    for node in index.id_list(segment.outputs):
+        if node in computed:
+            memory.hold(node)
+            unwound[node] = 1
+    body = set(index.id_list(segment.nodes))
+    for node in computed:
+        later = sum(r in body and r not in computed for r in index.readers[node])
+        if later:
+            unwound[node] = unwound.get(node, 0) + later
+    return unwound
 
 
 def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int]) -> None:

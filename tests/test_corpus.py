@@ -35,12 +35,7 @@ from tests.equivalence import assert_trains_like
 # Promises still broken, as measured (issue 13's closing note has the numbers). Not strict:
 # these are sub-MiB models, and a miss of a few KiB can go either way on another CPU.
 ABOVE_EAGER: dict[tuple[str, str], str] = {}
-BUDGET_MISSED: dict[tuple[str, str], str] = {
-    ("t5", "floor"): "measured 1.045x its simulated peak: the plan at the floor keeps linear_10 and linear_11 (the "
-                     "FF matmuls, 96 KB) in a selective segment nested in a recomputed one, pow_4 .. to_10, which also "
-                     "draws dropout; without those two keeps 0.968x. The simulator under-counts how long torch's "
-                     "selective mode holds them there (found 2026-11-25, not yet fixed)",
-}
+BUDGET_MISSED: dict[tuple[str, str], str] = {}
 
 
 def _param(name: str, *rest: object, known: dict | None = None) -> object:
