@@ -17,7 +17,7 @@ from passes.costgraph import op_nodes
 from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
 from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
-from passes.keeps import best_with_keeps, leaf_segments
+from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_whole
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
 from passes.search import SEARCH_MAX_OPS, search
@@ -222,7 +222,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
     the best of the flat :func:`candidates`; then the spare memory filled with values its
-    recomputed segments keep, chosen one by one (:mod:`passes.keeps`), and on small graphs a
+    recomputed segments keep, chosen one by one, or a plan nearly fitting brought under by
+    giving up some of what it keeps (:mod:`passes.keeps`), and on small graphs a
     local search from there (:mod:`passes.search`), which also looks below the program's
     floor. Its ``strategy`` is ``"optimal"``; a note says which plan won.
 
@@ -252,11 +253,16 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
             raise _unreachable(graph, budget_bytes, [*tried, program.smallest(), *([searched] if searched else [])],
                                None if floor is None else floor.peak_bytes)
         chosen, origin = searched, "a searched plan below the dynamic program's floor"
-    kept = best_with_keeps(graph, [chosen, *program.plans(), *tried], budget_bytes)
+    starts = [*program.plans(), *tried, *filter(None, [selective_whole(graph)])]
+    kept = best_with_keeps(graph, [chosen, *starts], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
             origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
         chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
+    trimmed = best_without_keeps(graph, starts, budget_bytes)
+    if trimmed is not None and trimmed.cost_key < chosen.cost_key:
+        chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
+                                   f"by one, {_kept_count(trimmed)} left")
     others = [plan for plan in (dropping,) if plan is not None and plan is not chosen]
     searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:

@@ -16,7 +16,8 @@ hundreds of ops costs a few dozen simulations, not one per value.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import networkx as nx
@@ -24,7 +25,7 @@ import networkx as nx
 from passes.costgraph import op_nodes
 from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Plan, plan_of_segments
-from passes.segments import Segment, cost_key, rerun_nodes
+from passes.segments import Segment, cost_key, make_segments, rerun_nodes
 from passes.simulate import simulate
 
 MAX_SIMULATIONS = 40
@@ -91,9 +92,10 @@ def ranked_keeps(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[P
     return sorted(options, key=lambda option: (-keep_value(graph, option[1]), order[option[1]]))
 
 
-def add_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
-    """``segments`` with each ``(path, value)`` of ``keeps`` added to that segment's
-    ``saved_inside`` (in the segment's own order)."""
+def _edit_leaves(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]],
+                 edit: Callable[[Segment, set[str]], Segment]) -> tuple[Segment, ...]:
+    """``segments`` with ``edit(segment, names)`` applied to each leaf segment that ``keeps``
+    names values of, by path."""
     by_path: dict[Path, set[str]] = {}
     for path, name in keeps:
         by_path.setdefault(path, set()).add(name)
@@ -105,12 +107,99 @@ def add_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keeps: Sequence[tu
             if segment.children:
                 segment = replace(segment, children=rebuild(segment.children, path))
             elif path in by_path:
-                chosen = set(segment.saved_inside) | by_path[path]
-                segment = replace(segment, saved_inside=tuple(n for n in segment.nodes if n in chosen))
+                segment = edit(segment, by_path[path])
             out.append(segment)
         return tuple(out)
 
     return rebuild(segments, ())
+
+
+def add_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
+    """``segments`` with each ``(path, value)`` of ``keeps`` added to that segment's
+    ``saved_inside`` (in the segment's own order)."""
+    def add(segment: Segment, names: set[str]) -> Segment:
+        chosen = set(segment.saved_inside) | names
+        return replace(segment, saved_inside=tuple(n for n in segment.nodes if n in chosen))
+
+    return _edit_leaves(segments, keeps, add)
+
+
+def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
+    """``segments`` with each ``(path, value)`` of ``keeps`` taken out of that segment's
+    ``saved_inside``: the inverse of :func:`add_keeps`."""
+    def remove(segment: Segment, names: set[str]) -> Segment:
+        return replace(segment, saved_inside=tuple(n for n in segment.saved_inside if n not in names))
+
+    return _edit_leaves(segments, keeps, remove)
+
+
+def selective_whole(graph: nx.DiGraph) -> Plan | None:
+    """One recomputed segment over the whole graph (split where ops cannot be recomputed)
+    keeping every matmul/convolution output it may keep: where torch.compile's min cut
+    starts, and a start for :func:`with_keeps` and :func:`without_keeps` that no plan of
+    the dynamic program is near. ``None`` when the graph has no such output."""
+    segments = make_segments(graph, [(op_nodes(graph), True)])
+    kept = [(path, name) for path, segment in leaf_segments(segments) for name in segment.nodes
+            if graph.nodes[name]["expensive"] and keepable(graph, name)]
+    if not kept:
+        return None
+    return plan_of_segments(graph, "selective", add_keeps(graph, segments, kept))
+
+
+def _keep_value_band(graph: nx.DiGraph, name: str) -> int:
+    """:func:`keep_value` on a logarithmic scale of 25% steps: measured op times vary that
+    much between nodes of one kind, so values in one band count as equal."""
+    return math.floor(math.log(max(keep_value(graph, name), 1e-12)) / math.log(1.25))
+
+
+def ranked_removals(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[Path, str]]:
+    """Every value a leaf recomputed segment keeps, the one whose keeping saves least per
+    byte first (:func:`_keep_value_band`); among equals the later value first (made again late in backward, when less
+    is alive: the last matmul of a chain is the one torch.compile's min cut gives up)."""
+    order = {name: graph.nodes[name]["order"] for name in graph}
+    options = [(path, name) for path, segment in leaf_segments(segments) for name in segment.saved_inside]
+    return sorted(options, key=lambda option: (_keep_value_band(graph, option[1]), -order[option[1]]))
+
+
+def without_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulations: int | None = None) -> Plan | None:
+    """``plan``, whose simulated peak is over ``budget_bytes``, brought under it by giving up
+    kept values one at a time (:func:`ranked_removals`), each only if it lowers the simulated
+    peak; ``None`` when the peak is still over after ``max_simulations`` (default
+    :func:`simulation_limit`) simulations or when nothing is left to give up.
+
+    :func:`with_keeps` fills a plan that fits; this trims one that nearly fits. A chain of
+    layers kept whole but for its last matmul (torch.compile's plan for an MLP at half of
+    eager's memory) is no plan of the dynamic program, which keeps every matmul of a
+    selective segment or none, but is one removal away from one."""
+    limit = simulation_limit(graph) if max_simulations is None else max_simulations
+    segments, peak = plan.segments, plan.peak_bytes
+    for simulation, removal in enumerate(ranked_removals(graph, plan.segments)):
+        if simulation >= limit:
+            break
+        trial = remove_keeps(segments, [removal])
+        trial_peak = simulate(graph, trial).peak_bytes
+        if trial_peak < peak:
+            segments, peak = trial, trial_peak
+            if peak <= budget_bytes:
+                return plan_of_segments(graph, plan.strategy, segments, plan.notes)
+    return None
+
+
+NEARLY_FITS = 1.1  # how far over the budget a plan may be for :func:`best_without_keeps` to trim it
+
+
+def best_without_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, starts: int = 4) -> Plan | None:
+    """The least recompute of :func:`without_keeps` over the ``starts`` cheapest distinct
+    plans of ``plans`` that keep values and are over ``budget_bytes`` by at most
+    :data:`NEARLY_FITS` (one start on graphs over :data:`MANY_STARTS_UP_TO` ops); ``None``
+    when none is brought under."""
+    starts = starts if len(op_nodes(graph)) <= MANY_STARTS_UP_TO else 1
+    distinct = {plan.segments: plan for plan in plans
+                if budget_bytes < plan.peak_bytes <= NEARLY_FITS * budget_bytes
+                and any(segment.saved_inside for _, segment in leaf_segments(plan.segments))}
+    over = sorted(distinct.values(), key=lambda plan: (*plan.cost_key, plan.peak_bytes))[:starts]
+    trimmed = [found for plan in over if (found := without_keeps(graph, plan, budget_bytes)) is not None]
+    return min(trimmed, key=lambda plan: (*plan.cost_key, plan.peak_bytes), default=None)
 
 
 def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulations: int | None = None) -> Plan:
