@@ -17,7 +17,7 @@ from passes.costgraph import op_nodes
 from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
 from passes.floor import true_floor
 from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
-from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_whole
+from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
 from passes.search import SEARCH_MAX_OPS, search
@@ -253,7 +253,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
             raise _unreachable(graph, budget_bytes, [*tried, program.smallest(), *([searched] if searched else [])],
                                None if floor is None else floor.peak_bytes)
         chosen, origin = searched, "a searched plan below the dynamic program's floor"
-    starts = [*program.plans(), *tried, *filter(None, [selective_whole(graph)])]
+    starts = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
     kept = best_with_keeps(graph, [chosen, *starts], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win

@@ -26,7 +26,7 @@ from passes.costgraph import op_nodes
 from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Plan, plan_of_segments
 from passes.segments import Segment, cost_key, make_segments, rerun_nodes
-from passes.simulate import simulate
+from passes.simulate import forward_floor, simulate
 
 MAX_SIMULATIONS = 40
 SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
@@ -38,6 +38,9 @@ def simulation_limit(graph: nx.DiGraph) -> int:
     fewer on large graphs (one replay of a 500-op step takes about 5 ms, of a 50k-op one
     about half a second), never fewer than 2."""
     return max(2, min(MAX_SIMULATIONS, SIMULATED_OPS // max(len(op_nodes(graph)), 1)))
+
+NEARLY_FITS = 1.1  # how far over the budget a plan may be for :func:`best_without_keeps` to trim it
+MIN_TRIM_SIMULATIONS = 4  # fewer allowed per plan (graphs over 2000 ops): no trimming
 
 Path = tuple[int, ...]  # a segment's place in a plan: index at the top, then index among children
 
@@ -133,17 +136,26 @@ def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]])
     return _edit_leaves(segments, keeps, remove)
 
 
-def selective_whole(graph: nx.DiGraph) -> Plan | None:
+def selective_whole(graph: nx.DiGraph) -> tuple[Segment, ...]:
     """One recomputed segment over the whole graph (split where ops cannot be recomputed)
     keeping every matmul/convolution output it may keep: where torch.compile's min cut
     starts, and a start for :func:`with_keeps` and :func:`without_keeps` that no plan of
-    the dynamic program is near. ``None`` when the graph has no such output."""
+    the dynamic program is near. Empty when the graph has no such output."""
     segments = make_segments(graph, [(op_nodes(graph), True)])
     kept = [(path, name) for path, segment in leaf_segments(segments) for name in segment.nodes
             if graph.nodes[name]["expensive"] and keepable(graph, name)]
-    if not kept:
-        return None
-    return plan_of_segments(graph, "selective", add_keeps(graph, segments, kept))
+    return add_keeps(graph, segments, kept) if kept else ()
+
+
+def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:
+    """:func:`selective_whole` as a plan, when it could fit ``budget_bytes`` or be trimmed
+    under it (:data:`NEARLY_FITS`): its lower bound on the peak
+    (:func:`passes.simulate.forward_floor`) is checked before it is simulated, which on a
+    50k-op graph takes a second."""
+    segments = selective_whole(graph)
+    if not segments or forward_floor(graph, segments) > NEARLY_FITS * budget_bytes:
+        return []
+    return [plan_of_segments(graph, "selective", segments)]
 
 
 def _keep_value_band(graph: nx.DiGraph, name: str) -> int:
@@ -185,14 +197,15 @@ def without_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simula
     return None
 
 
-NEARLY_FITS = 1.1  # how far over the budget a plan may be for :func:`best_without_keeps` to trim it
-
-
 def best_without_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, starts: int = 4) -> Plan | None:
     """The least recompute of :func:`without_keeps` over the ``starts`` cheapest distinct
     plans of ``plans`` that keep values and are over ``budget_bytes`` by at most
     :data:`NEARLY_FITS` (one start on graphs over :data:`MANY_STARTS_UP_TO` ops); ``None``
-    when none is brought under."""
+    when none is brought under, or when the graph is too large to afford
+    :data:`MIN_TRIM_SIMULATIONS` simulations per plan (a 50k-op graph affords 2, a second each,
+    and a plan keeping thousands of values is rarely brought under by two removals)."""
+    if simulation_limit(graph) < MIN_TRIM_SIMULATIONS:
+        return None
     starts = starts if len(op_nodes(graph)) <= MANY_STARTS_UP_TO else 1
     distinct = {plan.segments: plan for plan in plans
                 if budget_bytes < plan.peak_bytes <= NEARLY_FITS * budget_bytes

@@ -224,7 +224,7 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     computed = set(index.id_list(step_nodes(ran)))
     within = set(index.id_list(segment.nodes))  # readers that hold a value: the body's, run or not
     memory.fresh.append(computed - kept | set(index.id_list(remat_nodes(segment))))
-    unwound = _held_until_stop(memory, segment, computed)
+    unwound = _held_until_stop(memory, segment, computed, within)
     remade = run_remat(memory, segment) if ran or stop is not None else set()  # before its own ops
     for value in _stop_holds(graph, stop):
         memory.hold(index.ids[value])  # saved by the step the recompute stops at, which does not run
@@ -252,20 +252,20 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     memory.fresh.pop()
 
 
-def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int]) -> dict[int, int]:
+def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int], body: set[int]) -> dict[int, int]:
     """The holds a recompute's body keeps on what it computed until the recompute stops:
     the body is Python code that lets a value go after its last use *in the body*, so a
     value read by an op past the stop, or returned by the segment, lives until then (T5's
     decoder mask and encoder output did, 86 KB over the simulated peak). Held here for
     the segment's outputs; :func:`_run_forward` holds for readers past the stop when given
-    the whole body as ``within``. Returns the holds to release once the recompute ends."""
+    the whole ``body`` (its node ids) as ``within``. Returns the holds to release once the
+    recompute ends."""
     index = memory.index
     unwound: dict[int, int] = {}
     for node in index.id_list(segment.outputs):
         if node in computed:
             memory.hold(node)
             unwound[node] = 1
-    body = set(index.id_list(segment.nodes))
     for node in computed:
         later = sum(r in body and r not in computed for r in index.readers[node])
         if later:

@@ -110,8 +110,7 @@ def test_remove_keeps_undoes_add_keeps(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_without_keeps_fits_by_giving_up_keeps_that_lower_the_peak(seed: int) -> None:
     graph = random_cost_graph(random.Random(seed), 16)
-    start = selective_whole(graph)
-    assert start is not None
+    start = plan_of_segments(graph, "selective", selective_whole(graph))
     budget = start.peak_bytes - 1
     trimmed = without_keeps(graph, start, budget, max_simulations=64)
     if trimmed is None:  # nothing it keeps is alive at the peak
