@@ -6,7 +6,10 @@ what is cheap to hold and dear to recompute wherever it sits, a pointwise value 
 matmul, and recomputes the rest. This pass fills a plan's spare memory that way: with the
 budget's slack after a plan fits, it keeps the values of its recomputed segments that save
 the most recompute per byte (:func:`ranked_keeps`), as many as the *simulated* peak allows
-(:func:`with_keeps`). The runtime keeps exactly the values named
+(:func:`with_keeps`). A plan a little over the budget is trimmed the other way, giving up
+the kept values that save least until it fits (:func:`without_keeps`), from the planner's
+plans and from one selective segment over the whole graph (:func:`selective_whole`), which is
+where torch.compile's min cut starts. The runtime keeps exactly the values named
 (:func:`graphckpt.runtime.keep_begin`), so the plan runs as simulated.
 
 The search simulates a bounded number of plans (``max_simulations``): a run of keeps is
@@ -38,6 +41,7 @@ def simulation_limit(graph: nx.DiGraph) -> int:
     fewer on large graphs (one replay of a 500-op step takes about 5 ms, of a 50k-op one
     about half a second), never fewer than 2."""
     return max(2, min(MAX_SIMULATIONS, SIMULATED_OPS // max(len(op_nodes(graph)), 1)))
+
 
 NEARLY_FITS = 1.1  # how far over the budget a plan may be for :func:`best_without_keeps` to trim it
 MIN_TRIM_SIMULATIONS = 4  # fewer allowed per plan (graphs over 2000 ops): no trimming
@@ -166,8 +170,9 @@ def _keep_value_band(graph: nx.DiGraph, name: str) -> int:
 
 def ranked_removals(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[Path, str]]:
     """Every value a leaf recomputed segment keeps, the one whose keeping saves least per
-    byte first (:func:`_keep_value_band`); among equals the later value first (made again late in backward, when less
-    is alive: the last matmul of a chain is the one torch.compile's min cut gives up)."""
+    byte first (:func:`_keep_value_band`); among equals the later value first (made again
+    late in backward, when less is alive: the last matmul of a chain is the one
+    torch.compile's min cut gives up)."""
     order = {name: graph.nodes[name]["order"] for name in graph}
     options = [(path, name) for path, segment in leaf_segments(segments) for name in segment.saved_inside]
     return sorted(options, key=lambda option: (_keep_value_band(graph, option[1]), -order[option[1]]))
