@@ -253,13 +253,13 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
             raise _unreachable(graph, budget_bytes, [*tried, program.smallest(), *([searched] if searched else [])],
                                None if floor is None else floor.peak_bytes)
         chosen, origin = searched, "a searched plan below the dynamic program's floor"
-    starts = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
-    kept = best_with_keeps(graph, [chosen, *starts], budget_bytes)
+    built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
+    kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
             origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
         chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
-    trimmed = best_without_keeps(graph, starts, budget_bytes)
+    trimmed = best_without_keeps(graph, built, budget_bytes)
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")
