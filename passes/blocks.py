@@ -84,7 +84,7 @@ def block_mixes(graph: nx.DiGraph, every: Candidate) -> list[Candidate]:
     per-block checkpointing and eager the cheapest way to spend memory: a selective block
     reruns only its cheap ops. Past :data:`MIXES_UP_TO` blocks only the mixes recomputing
     every block, and the selective prefixes, are listed (the rest grow as blocks squared).
-    ``every`` itself and the prefixes recomputed whole (:func:`passes.budget.partially_recomputed`)
+    ``every`` itself and the prefixes recomputed whole (:func:`passes.flat_plans.partially_recomputed`)
     are not repeated.
     """
     count = sum(s.recompute for s in every.segments)
@@ -97,7 +97,7 @@ def block_mixes(graph: nx.DiGraph, every: Candidate) -> list[Candidate]:
 
 def _mixed(graph: nx.DiGraph, every: Candidate, whole: int, kept: int) -> Candidate:
     """``every`` recomputing only its first ``whole + kept`` recomputed segments (as
-    :func:`passes.budget.partially_recomputed` does), the last ``kept`` of them selectively."""
+    :func:`passes.flat_plans.partially_recomputed` does), the last ``kept`` of them selectively."""
     recomputed = [i for i, s in enumerate(every.segments) if s.recompute][:whole + kept]
     segments = make_segments(graph, [(s.nodes, i in recomputed) for i, s in enumerate(every.segments)])
     selective = {every.segments[i].nodes for i in recomputed[whole:]}

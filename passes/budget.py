@@ -15,13 +15,14 @@ import networkx as nx
 from passes.blocks import block_mixes
 from passes.costgraph import op_nodes
 from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
+from passes.flat_plans import candidates, cheapest_fitting, partially_recomputed
 from passes.floor import true_floor
-from passes.heuristics import articulation_candidate, auto_plan, blocks_candidate, mincut_candidate, sqrt_candidate
+from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
 from passes.optimal import DynamicProgram, plan_for_budget
-from passes.plan import Candidate, Plan, Progress, build_plan, selective, simulated
+from passes.plan import Plan, Progress, build_plan, simulated
 from passes.search import SEARCH_MAX_OPS, search
-from passes.segments import PlanError, Segment, cost_key, make_segments
+from passes.segments import PlanError, Segment, cost_key
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
 
@@ -126,92 +127,6 @@ def read_budget(text: str) -> Budget:
     raise BudgetError(f"budget {text!r}: give a fraction 0 < b <= 1, bytes, or a size like '2GiB' or '25%'")
 
 
-def segment_counts(graph: nx.DiGraph) -> list[int]:
-    """Segment counts worth trying: every count up to 8, then geometrically up to √n·4."""
-    ops = len(op_nodes(graph))
-    counts = set(range(1, min(ops, 8) + 1))
-    count = 8.0
-    while count < min(ops, 4 * math.sqrt(ops) + 1):
-        count *= 1.25
-        counts.add(min(ops, round(count)))
-    return sorted(counts)
-
-
-def partially_recomputed(graph: nx.DiGraph, candidate: Candidate) -> list[Candidate]:
-    """Variants of ``candidate`` that recompute only its first r recomputed segments: less
-    recompute for a budget that does not need them all."""
-    recomputed = [i for i, s in enumerate(candidate.segments) if s.recompute]
-    variants = []
-    for r in range(1, len(recomputed)):
-        keep = set(recomputed[r:])
-        groups = [(s.nodes, s.recompute and i not in keep) for i, s in enumerate(candidate.segments)]
-        variants.append(replace(candidate, segments=make_segments(graph, groups)))
-    return variants
-
-
-THOROUGH_UP_TO = 400  # ops; larger graphs try fewer flat plans (the dynamic program covers them)
-
-
-def candidates(graph: nx.DiGraph) -> list[Candidate]:
-    """Flat plans of every heuristic strategy over a range of segment counts (their default
-    √n count included), per-block checkpointing when the module tree names blocks
-    (:mod:`passes.blocks`), their partially recomputed variants, and selective variants of all
-    of these that keep matmul/convolution outputs; not yet simulated. Graphs over
-    ``THOROUGH_UP_TO`` ops get only the default count of the two fast strategies."""
-    if len(op_nodes(graph)) > THOROUGH_UP_TO:
-        found = [sqrt_candidate(graph), articulation_candidate(graph)]
-    else:
-        heuristics = (sqrt_candidate, articulation_candidate, mincut_candidate)
-        found = [strategy(graph, count) for count in [*segment_counts(graph)[1:], None] for strategy in heuristics]
-        found += [v for c in found if len(c.segments) <= 9 for v in partially_recomputed(graph, c)]
-    blocks = blocks_candidate(graph)
-    if blocks is not None:
-        found += [blocks, *partially_recomputed(graph, blocks)]
-    if any(graph.nodes[n]["expensive"] for n in graph):
-        found += [selective(graph, c) for c in found if any(s.recompute for s in c.segments)]
-    return found
-
-
-def candidate_plans(graph: nx.DiGraph) -> list[Plan]:
-    """Every one of :func:`candidates`, simulated."""
-    return [simulated(graph, c) for c in candidates(graph)]
-
-
-def _cheapest(plans: list[Plan]) -> Plan:
-    """Least recompute (:attr:`Plan.cost_key`: FLOPs, then bytes recomputed, then
-    checkpoint calls), then the lower peak."""
-    return min(plans, key=lambda p: (*p.cost_key, p.peak_bytes))
-
-
-def cheapest_fitting(graph: nx.DiGraph, flat: list[Candidate], budget_bytes: int,
-                     best: Plan | None) -> tuple[Plan | None, list[Plan]]:
-    """The plan of least recompute that fits, from ``best`` (already simulated, or None)
-    and the ``flat`` candidates, and the candidates it simulated.
-
-    Simulating a plan is what costs; pricing it and bounding its peak from below
-    (:func:`passes.simulate.forward_floor`) are cheap. So candidates are simulated cheapest
-    first, only while they could still win and when their bound fits. When none fits,
-    every candidate is simulated, so the error can name the smallest peak.
-    """
-    tried: list[Plan] = []
-    skipped: list[Candidate] = []
-    priced = sorted(((cost_key(graph, c.segments), index) for index, c in enumerate(flat)))
-    for key, index in priced:
-        candidate = flat[index]
-        if best is not None and key > best.cost_key:
-            break
-        if forward_floor(graph, candidate.segments) > budget_bytes:
-            skipped.append(candidate)
-            continue
-        plan = simulated(graph, candidate)
-        tried.append(plan)
-        if plan.peak_bytes <= budget_bytes:
-            best = plan if best is None else _cheapest([best, plan])
-    if best is None:
-        tried += [simulated(graph, c) for c in skipped]
-    return best, tried
-
-
 def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
     """The plan that recomputes nothing, for a budget eager's peak already fits."""
     note = f"{strategy}: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
@@ -221,7 +136,7 @@ def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
 def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
-    the best of the flat :func:`candidates`; then the spare memory filled with values its
+    the best of the flat :func:`passes.flat_plans.candidates`; then the spare memory filled with values its
     recomputed segments keep, chosen one by one, or a plan nearly fitting brought under by
     giving up some of what it keeps (:mod:`passes.keeps`), and on small graphs a
     local search from there (:mod:`passes.search`), which also looks below the program's

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import networkx as nx
 
-from passes.budget import BudgetError, candidate_plans, fit_budget
+from passes.budget import BudgetError, fit_budget
 from passes.checkmate import checkmate_schedule
 from passes.costgraph import add_value, op_nodes
+from passes.flat_plans import candidate_plans
 from passes.optimal import DynamicProgram
 from passes.plan import Plan
 from passes.simulate import eager_peak

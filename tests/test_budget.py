@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 import graphckpt
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.budget import BudgetError, candidate_plans, candidates, cheapest_fitting, fit_budget, parse_budget
+from passes.budget import BudgetError, fit_budget, parse_budget
 from passes.costgraph import add_value
+from passes.flat_plans import candidate_plans, candidates, cheapest_fitting
 from passes.plan import simulated
 from passes.simulate import eager_peak, forward_floor
 from tests.equivalence import assert_trains_like, fresh_pair
