@@ -27,7 +27,7 @@ import networkx as nx
 
 from passes.costgraph import op_nodes
 from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
-from passes.plan import Plan, plan_of_segments
+from passes.plan import Candidate, Plan, plan_of_segments, selective
 from passes.segments import Segment, cost_key, make_segments, rerun_nodes
 from passes.simulate import forward_floor, simulate
 
@@ -141,14 +141,13 @@ def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]])
 
 
 def selective_whole(graph: nx.DiGraph) -> tuple[Segment, ...]:
-    """One recomputed segment over the whole graph (split where ops cannot be recomputed)
-    keeping every matmul/convolution output it may keep: where torch.compile's min cut
-    starts, and a start for :func:`with_keeps` and :func:`without_keeps` that no plan of
-    the dynamic program is near. Empty when the graph has no such output."""
-    segments = make_segments(graph, [(op_nodes(graph), True)])
-    kept = [(path, name) for path, segment in leaf_segments(segments) for name in segment.nodes
-            if graph.nodes[name]["expensive"] and keepable(graph, name)]
-    return add_keeps(graph, segments, kept) if kept else ()
+    """One recomputed segment over the whole graph (split where ops cannot be recomputed),
+    selective (:func:`passes.plan.selective`): where torch.compile's min cut starts, and a
+    start for :func:`with_keeps` and :func:`without_keeps` that no plan of the dynamic
+    program is near. Empty when the graph has no matmul/convolution output to keep."""
+    if not any(graph.nodes[name]["expensive"] for name in op_nodes(graph)):
+        return ()
+    return selective(graph, Candidate("whole", make_segments(graph, [(op_nodes(graph), True)]))).segments
 
 
 def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:
@@ -159,7 +158,7 @@ def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:
     segments = selective_whole(graph)
     if not segments or forward_floor(graph, segments) > NEARLY_FITS * budget_bytes:
         return []
-    return [plan_of_segments(graph, "selective", segments)]
+    return [plan_of_segments(graph, "whole+selective", segments)]
 
 
 def _keep_value_band(graph: nx.DiGraph, name: str) -> int:
