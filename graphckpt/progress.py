@@ -85,7 +85,7 @@ def stage_progress(description: str, show_after: float = SHOW_AFTER_SECONDS,
 def paused_gc() -> Iterator[None]:
     """Python's cyclic garbage collector off for a while (back on after, as it was).
 
-    Costs, planning and codegen make millions of small objects and few cycles, so the collector
+    Capture, costs, planning and codegen make millions of small objects and few cycles, so the collector
     finds next to nothing, but each of its full passes scans the whole heap (the fx graph,
     the module, the cost graph): about 1.4 s at 50k fx nodes, landing in a stage or not by
     chance (a 50k-node plan auto took 4.5 s or 5.9 s). Reference counting still frees what

@@ -39,8 +39,8 @@ from passes.cuts import (
     prefix_costs,
 )
 from passes.plan import Candidate, Plan, Progress, from_positions, plan_of_segments, simulated
-from passes.segments import make_segments
-from passes.simulate import eager_segments
+from passes.segments import make_segments, validate_plan
+from passes.simulate import eager_segments, peak_exceeds
 
 
 def sqrt_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:
@@ -168,20 +168,30 @@ def blocks_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Pro
 def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
     """The plan of lowest simulated peak among sqrt, articulation and mincut (less
     recompute breaks ties); its ``strategy`` names the winner. Candidates with the same
-    segments (on a chain of blocks the three often agree) are simulated once. ``progress``
-    hears ``(done, 3)`` as each candidate is made and simulated (seconds each at 50k nodes)."""
+    segments (on a chain of blocks the three often agree) are simulated once, and one whose
+    replay goes above the best peak so far is dropped there (:func:`peak_exceeds`).
+    ``progress`` hears ``(done, 3)`` as each candidate is made and simulated (seconds each at
+    50k nodes)."""
     simulated_by_segments: dict[tuple, Plan] = {}
     plans: list[Plan] = []
     makers = (mincut_candidate, articulation_candidate, sqrt_candidate)
-    for make in makers:
+    for done, make in enumerate(makers):
         if progress is not None:
-            progress(len(plans), len(makers))
+            progress(done, len(makers))
         candidate = make(graph, segments)
         if candidate.segments not in simulated_by_segments:
+            if plans and _beaten(graph, candidate, min(p.peak_bytes for p in plans)):
+                continue
             simulated_by_segments[candidate.segments] = simulated(graph, candidate)
         plan = replace(simulated_by_segments[candidate.segments], strategy=candidate.strategy, notes=candidate.notes)
         plans.append(no_worse_than_eager(graph, plan))
     if progress is not None:
-        progress(len(plans), len(makers))
+        progress(len(makers), len(makers))
     best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
     return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))
+
+
+def _beaten(graph: nx.DiGraph, candidate: Candidate, best_peak: int) -> bool:
+    """Whether a valid ``candidate`` peaks above ``best_peak``, so it cannot win."""
+    validate_plan(graph, candidate.segments)
+    return peak_exceeds(graph, candidate.segments, best_peak)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import networkx as nx
 
 from passes.costgraph import draws_random, storage_root
-from passes.remat import SegmentLike, pure
+from passes.remat import SegmentLike, pure_ops
 
 SAVED_EXTRA_SHARE = 0.02
 """The most a hooked segment may keep from forward that no value of the graph is (what its
@@ -55,7 +55,7 @@ def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     nodes = graph.nodes
     if draws_random(graph, segment.nodes) or any(nodes[v]["state"] for v in segment.inputs):
         return False
-    if not all(pure(graph, name) for name in segment.nodes):
+    if not pure_ops(graph).issuperset(segment.nodes):
         return False
     if any(nodes[name]["selective_extra_bytes"] for name in segment.saved_inside):
         return False

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import networkx as nx
 
-from passes.costgraph import graph_outputs, in_order
+from passes.costgraph import graph_outputs, in_order, per_graph_value
 from passes.sim_memory import LiveMemory
 
 
@@ -115,10 +115,19 @@ def pure(graph: nx.DiGraph, name: str) -> bool:
     """Whether running op ``name`` again without gradients gives forward's value and changes
     nothing: recomputable, no random draw, no in-place write or state update kept in order,
     no storage written later, and no ``state`` value read (it changed since)."""
-    attributes = graph.nodes[name]
-    return (attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
-            and not (attributes["random"] or attributes["ordered"] or attributes["state"])
-            and not any(graph.nodes[u]["state"] for u in graph.predecessors(name)))
+    return name in pure_ops(graph)
+
+
+@per_graph_value
+def pure_ops(graph: nx.DiGraph) -> frozenset[str]:
+    """Every op :func:`pure` holds for, found once per cost graph (planning asks of every
+    node of every segment it weighs)."""
+    state = {name for name, value in graph.nodes(data="state") if value}
+    return frozenset(
+        name for name, attributes in graph.nodes(data=True)
+        if attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
+        and not (attributes["random"] or attributes["ordered"] or attributes["state"])
+        and state.isdisjoint(graph.predecessors(name)))
 
 
 def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:

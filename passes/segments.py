@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from passes.costgraph import draws_random, in_order, is_activation, keeps_order, op_nodes
+from passes.costgraph import draws_random, in_order, is_activation, keeps_order, node_attribute, op_nodes
 from passes.hooked import keeps_by_hooks, remake_groups
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
@@ -108,11 +108,12 @@ def recompute_steps(graph: nx.DiGraph, segment: Segment) -> tuple[list[Step], St
     reruns only its first Linear and the GELU: the last Linear saves only its input.
     """
     steps: list[tuple[Step, str]] = []
+    saves_from = node_attribute(graph, "saves_from")
     for child in segment.children or (segment,):
         if child is not segment and child.recompute:
             steps.append((child, "inputs"))
         else:
-            steps.extend((n, graph.nodes[n]["saves_from"]) for n in child.nodes)
+            steps.extend((n, saves_from[n]) for n in child.nodes)
     last = max((i for i, (_, saves) in enumerate(steps) if saves != "nothing"), default=-1)
     if last < 0:
         return [], None
@@ -186,7 +187,8 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
 def recompute_totals(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[int, int]:
     """FLOPs and bytes written by everything backward recomputes (:func:`recomputed_nodes`)."""
     again = recomputed_nodes(graph, segments)
-    return sum(graph.nodes[n]["flops"] for n in again), sum(graph.nodes[n]["bytes"] for n in again)
+    flops, nbytes = node_attribute(graph, "flops"), node_attribute(graph, "bytes")
+    return sum(map(flops.__getitem__, again)), sum(map(nbytes.__getitem__, again))
 
 
 def cost_key(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[int, int, int]:

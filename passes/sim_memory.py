@@ -126,6 +126,10 @@ _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes",
             "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views")
 
 
+class LimitExceeded(Exception):
+    """The running peak went above :attr:`LiveMemory.limit`: the replay stops there."""
+
+
 class LiveMemory:
     """Live storages with the number of reasons each is alive, and the running peak.
 
@@ -133,9 +137,11 @@ class LiveMemory:
     of a segment being recomputed get storages of their own: the recompute makes new
     tensors even where forward's are still alive. ``fresh`` is a stack with one set of
     recomputed node ids per level of nesting; a value belongs to the innermost level naming it.
+    A peak above ``limit`` raises :class:`LimitExceeded` (a replay that only asks whether a plan
+    stays under some peak need not go on once it does not).
     """
 
-    def __init__(self, graph: nx.DiGraph) -> None:
+    def __init__(self, graph: nx.DiGraph, limit: float = float("inf")) -> None:
         self.graph = graph
         self.index = graph_index(graph)
         self.size = len(self.index.names)
@@ -146,6 +152,7 @@ class LiveMemory:
         self.views_of: dict[int, int] = {}  # gradient buffer key -> gradients viewing it
         self.current = 0
         self.peak = 0
+        self.limit = limit
         self.pending_readers = dict(self.index.shared_readers)  # shared parameter -> backward still to add
 
     def key(self, node: int) -> int:
@@ -163,12 +170,17 @@ class LiveMemory:
             self.live[key] = nbytes
             self.current += nbytes
             if self.current > self.peak:
-                self.peak = self.current
+                self._raise_peak(self.current)
 
     def touch(self, nbytes: int) -> None:
         """``nbytes`` live for a moment only (temporaries freed right after they are made)."""
         if self.current + nbytes > self.peak:
-            self.peak = self.current + nbytes
+            self._raise_peak(self.current + nbytes)
+
+    def _raise_peak(self, peak: int) -> None:
+        self.peak = peak
+        if peak > self.limit:
+            raise LimitExceeded(peak)
 
     def hold(self, node: int, times: int = 1, key: int | None = None) -> None:
         """One more reason (``times`` more) for ``node``'s storage (``key``, when known) to live."""

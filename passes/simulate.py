@@ -41,7 +41,7 @@ from passes.hooked import RemakeGroup, keeps_by_hooks, remake_groups
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
-from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECTIVE_EXTRA, LiveMemory, slot
+from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
 
 LOSS_WORKING_SET = 3
 
@@ -320,9 +320,10 @@ def _stop_holds(graph: nx.DiGraph, stop: Step | None) -> Sequence[str]:
     return graph.nodes[stop]["saved"] if stop else ()
 
 
-def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment]) -> int:
-    """Peak live bytes of one forward + backward run segment by segment."""
-    memory = LiveMemory(graph)
+def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = float("inf")) -> int:
+    """Peak live bytes of one forward + backward run segment by segment (raises
+    :class:`passes.sim_memory.LimitExceeded` as soon as they go above ``limit``)."""
+    memory = LiveMemory(graph, limit)
     index = memory.index
     for name, kind in graph.nodes(data="kind"):
         if kind == "input":
@@ -377,6 +378,18 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments if segment.recompute
                 for value in segment.saved_inside)
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
+
+
+def peak_exceeds(graph: nx.DiGraph, segments: Iterable[Segment], limit: int) -> bool:
+    """Whether a plan's simulated peak goes above ``limit`` bytes, found by a replay that
+    stops where it does: a candidate that cannot beat the best plan so far is dropped for
+    part of a simulation (:func:`passes.heuristics.auto_plan`; at 50k nodes the √n
+    candidate went above the articulation plan's peak early in backward)."""
+    try:
+        _step_peak(graph, tuple(segments), limit)
+    except LimitExceeded:
+        return True
+    return False
 
 
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:

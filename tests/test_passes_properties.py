@@ -26,7 +26,7 @@ from passes.heuristics import sqrt_candidate
 from passes.kept_bytes import boundary, boundary_bytes, keep_cost
 from passes.plan import simulated
 from passes.segments import segment_edges, validate_plan
-from passes.simulate import eager_peak
+from passes.simulate import eager_peak, peak_exceeds
 from passes.strategies import STRATEGIES, choose_plan
 
 
@@ -167,6 +167,21 @@ def test_every_strategy_gives_a_valid_plan(strategy: str, graph: nx.DiGraph, seg
         assert plan.strategy in ("sqrt", "articulation", "mincut")
     else:
         assert plan.strategy in (strategy, "mincut", "sqrt" if strategy == "blocks" else strategy)
+
+
+@SETTINGS
+@given(graph=cost_graphs(), segments=st.sampled_from([None, 2, 3]))
+def test_auto_is_the_best_of_its_candidates_simulated_in_full(graph: nx.DiGraph, segments: int | None) -> None:
+    """auto drops a candidate as soon as its replay goes above the best peak so far; what it
+    chooses is still the lowest peak (then least recompute) of the three plans simulated in
+    full, and the early stop agrees with the full replay on each of them."""
+    plans = [choose_plan(graph, name, segments) for name in ("mincut", "articulation", "sqrt")]
+    best = min(plans, key=lambda p: (p.peak_bytes, p.recompute_flops))
+    auto = choose_plan(graph, "auto", segments)
+    assert (auto.peak_bytes, auto.recompute_flops) == (best.peak_bytes, best.recompute_flops)
+    for plan in plans:
+        assert not peak_exceeds(graph, plan.segments, plan.peak_bytes)
+        assert peak_exceeds(graph, plan.segments, plan.peak_bytes - 1) == (plan.peak_bytes > 0)
 
 
 # --- min-cut -----------------------------------------------------------------------------
