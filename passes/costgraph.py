@@ -292,13 +292,14 @@ def per_graph(function: Callable[[nx.DiGraph], list]) -> Callable[[nx.DiGraph], 
 def all_in_order(graph: nx.DiGraph) -> list[str]:
     """Every node in execution order (a sort reading every node's attribute dict: planning
     asks for it from several passes)."""
-    return sorted(graph.nodes, key=lambda name: graph.nodes[name]["order"])
+    return sorted(graph.nodes, key=node_attribute(graph, "order").__getitem__)
 
 
 @per_graph
 def op_nodes(graph: nx.DiGraph) -> list[str]:
     """The computed values (kind ``op``) in execution order: what segments partition."""
-    return [n for n in in_order(graph) if graph.nodes[n]["kind"] == "op"]
+    kind = node_attribute(graph, "kind")
+    return [n for n in in_order(graph) if kind[n] == "op"]
 
 
 def output_sink(graph: nx.DiGraph) -> str | None:

@@ -24,7 +24,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 from networkx.algorithms.flow import edmonds_karp
 
-from passes.costgraph import in_order, keeps_order, op_nodes, output_sink, per_graph, storage_root
+from passes.costgraph import in_order, keeps_order, node_attribute, op_nodes, output_sink, per_graph, storage_root
 from passes.kept_bytes import keep_cost
 
 INF = float("inf")
@@ -143,12 +143,13 @@ def sqrt_segment_count(graph: nx.DiGraph) -> int:
     """Chen et al.'s √n: about √(number of ops) segments, at least one. Updates of
     ``state`` (an export-captured BatchNorm's batch counter ``add_``) are bookkeeping, not
     layers: they do not count, so a graph plans alike however its norms were captured."""
-    return max(1, round(math.sqrt(sum(not graph.nodes[n]["state"] for n in op_nodes(graph)))))
+    state = node_attribute(graph, "state")
+    return max(1, round(math.sqrt(sum(not state[n] for n in op_nodes(graph)))))
 
 
 def op_weights(graph: nx.DiGraph, ops: Sequence[str]) -> list[float]:
     """What balancing divides evenly: each op's new bytes, or 1 each when sizes are unknown."""
-    weights = [float(graph.nodes[name]["bytes"]) for name in ops]
+    weights = list(map(float, map(node_attribute(graph, "bytes").__getitem__, ops)))
     return weights if sum(weights) > 0 else [1.0] * len(ops)
 
 
@@ -188,9 +189,10 @@ def articulation_points(graph: nx.DiGraph) -> list[str]:
         return []
     position = {name: index for index, name in enumerate(order)}
     jumps = [0] * (len(order) + 1)  # difference array: edges of such paths passing over each position
+    kind = node_attribute(graph, "kind")
     for name in on_path:
         starts = [position[p] for p in graph.predecessors(name) if p in on_path]
-        if graph.nodes[name]["kind"] == "input":
+        if kind[name] == "input":
             starts.append(-1)  # the virtual source's edge
         for start in starts:
             jumps[start + 1] += 1
@@ -198,7 +200,7 @@ def articulation_points(graph: nx.DiGraph) -> list[str]:
     chain, over = [], 0
     for index, name in enumerate(order):
         over += jumps[index]
-        if over == 0 and name in on_path and graph.nodes[name]["kind"] == "op":
+        if over == 0 and name in on_path and kind[name] == "op":
             chain.append(name)
     return chain
 
@@ -206,8 +208,9 @@ def articulation_points(graph: nx.DiGraph) -> list[str]:
 def _on_input_output_paths(graph: nx.DiGraph, order: list[str], sink: str | None) -> set[str]:
     """The nodes on some path from an input to ``sink`` that runs through no parameter."""
     reached: set[str] = set()
+    kinds = node_attribute(graph, "kind")
     for name in order:
-        kind = graph.nodes[name]["kind"]
+        kind = kinds[name]
         if kind == "input" or (kind != "param" and any(p in reached for p in graph.predecessors(name))):
             reached.add(name)
     if sink not in reached:
