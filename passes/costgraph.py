@@ -263,7 +263,8 @@ def in_order(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> list[str]
     by execution order."""
     if nodes is None:
         return all_in_order(graph)
-    return sorted(nodes, key=node_attribute(graph, "order").__getitem__)
+    nodes = list(nodes)
+    return nodes if len(nodes) < 2 else sorted(nodes, key=node_attribute(graph, "order").__getitem__)
 
 
 def per_graph_value(function: Callable[[nx.DiGraph], T]) -> Callable[[nx.DiGraph], T]:

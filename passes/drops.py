@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from passes.costgraph import op_nodes
+from passes.costgraph import node_attribute, op_nodes
 from passes.keeps import keepable
 from passes.plan import Plan, plan_of_segments
 from passes.remat import rematerializable, with_remat
@@ -36,8 +36,9 @@ def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[S
     dropped value. :class:`PlanError` when that cannot be (an op that saved it is recomputed
     by ``base`` or may not be recomputed, an impure chain)."""
     dropped = set(dropped)
+    saved = node_attribute(graph, "saved")
     isolated = {name for name in op_nodes(graph)
-                if dropped & set(graph.nodes[name]["saved"])}  # the savers, the value's own op included
+                if not dropped.isdisjoint(saved[name])}  # the savers, the value's own op included
     segments: list[Segment] = []
     for segment in base or eager_segments(graph):
         if segment.recompute:
@@ -45,16 +46,32 @@ def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[S
                 raise PlanError("an op that saved a dropped value is recomputed by the plan under it")
             segments.append(segment)
             continue
-        for piece in make_segments(graph, [([name], name in isolated) for name in segment.nodes]):
+        for piece in make_segments(graph, _isolating(segment.nodes, isolated)):
+            if not piece.recompute:
+                if not isolated.isdisjoint(piece.nodes):
+                    raise PlanError("an op that saved a dropped value may not be recomputed")
+                segments.append(piece)
+                continue
             name = piece.nodes[0]
-            if name in isolated and not piece.recompute:
-                raise PlanError("an op that saved a dropped value may not be recomputed")
-            own = piece.recompute and name not in dropped and keepable(graph, name)
+            own = name not in dropped and keepable(graph, name)
             saves_output = graph.nodes[name]["saves_from"] == "outputs"
             segments.append(replace(piece, saved_inside=(name,)) if own and saves_output else piece)
     picks = [(index, value) for index, segment in enumerate(segments) if segment.recompute
              for value in segment.inputs if value in dropped]
     return with_remat(graph, segments, picks, PlanError)
+
+
+def _isolating(nodes: Sequence[str], isolated: set[str]) -> list[tuple[list[str], bool]]:
+    """``(nodes, recompute)`` groups of a kept run: each ``isolated`` op alone and recomputed,
+    the ops between them one kept group (one segment each, not one per op: the drop search
+    splits every kept segment of a plan for each set of values it tries)."""
+    groups: list[tuple[list[str], bool]] = [([], False)]
+    for name in nodes:
+        if name in isolated:
+            groups += [([name], True), ([], False)]
+        else:
+            groups[-1][0].append(name)
+    return groups
 
 
 DROPS_MAX_OPS = 1500  # larger graphs: each validity check walks the whole plan, ~30 ms at 10k ops

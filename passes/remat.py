@@ -208,8 +208,9 @@ def _validate_chain(graph: nx.DiGraph, remat: Remat, where: str, error: type[Exc
 
 def _check_pure(graph: nx.DiGraph, remat: Remat, where: str, error: type[Exception]) -> None:
     """Check that every op of ``remat``'s chain may run again (:func:`pure`)."""
+    pure = pure_ops(graph)
     for name in remat.nodes:
-        if not pure(graph, name):
+        if name not in pure:
             raise error(f"{where}: {name!r} may not run again without gradients (random, in-place, "
                         "state, or written later)")
 
@@ -256,10 +257,13 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
         if not segments[index].recompute or value not in segments[index].inputs or not rematerializable(graph, value):
             raise error(f"segment {index} cannot rematerialize {value!r}")
         chosen.setdefault(index, []).append(value)
-    dropped = [replace(s, remat=tuple(Remat(v, (), ()) for v in in_order(graph, chosen.get(i, []))))
-               for i, s in enumerate(segments)]
+    dropped = [replace(s, remat=tuple(Remat(v, (), ()) for v in in_order(graph, chosen.get(i, ()))))
+               if i in chosen or s.remat else s for i, s in enumerate(segments)]
     result, alive = [], held_at_each(graph, dropped)
     for index, segment in enumerate(dropped):
+        if not segment.remat:  # nothing to rematerialize: kept as it is
+            result.append(segment)
+            continue
         held = alive[index]
         try:
             remats = tuple(remat_chain(graph, r.value, held - {r.value}, MAX_REMAT_OPS) for r in segment.remat)
