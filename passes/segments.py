@@ -247,21 +247,23 @@ def segment_edges(graph: nx.DiGraph, nodes: Sequence[str]) -> tuple[tuple[str, .
 def make_segments(graph: nx.DiGraph, groups: Iterable[tuple[Iterable[str], bool]]) -> tuple[Segment, ...]:
     """Segments from ``(nodes, recompute)`` groups; empty groups dropped, neighbours of
     the same kind with nothing recomputed merged, non-recomputable nodes split out."""
-    pieces: list[tuple[list[str], bool]] = []
+    pieces: list[tuple[list[str], tuple | None]] = []  # (nodes, edges when recomputed)
     for nodes, recompute in groups:
         for piece, flag in _split_unrecomputable(graph, in_order(graph, nodes), recompute):
-            flag = flag and _edges_cuttable(graph, piece)
-            if pieces and not flag and not pieces[-1][1]:
+            edges = segment_edges(graph, piece) if flag else None
+            if edges is not None and not _edges_cuttable(graph, edges):
+                edges = None
+            if pieces and edges is None and pieces[-1][1] is None:
                 pieces[-1][0].extend(piece)
             else:
-                pieces.append((list(piece), flag))
-    return tuple(Segment(tuple(nodes), flag, *segment_edges(graph, nodes))
-                 for nodes, flag in pieces if nodes)
+                pieces.append((list(piece), edges))
+    return tuple(Segment(tuple(nodes), edges is not None, *(edges or segment_edges(graph, nodes)))
+                 for nodes, edges in pieces if nodes)
 
 
-def _edges_cuttable(graph: nx.DiGraph, nodes: Sequence[str]) -> bool:
-    """Whether every value crossing the edge of ``nodes`` may be kept at a boundary."""
-    inputs, outputs = segment_edges(graph, nodes)
+def _edges_cuttable(graph: nx.DiGraph, edges: tuple[tuple[str, ...], tuple[str, ...]]) -> bool:
+    """Whether every value crossing a group's edge (:func:`segment_edges`) may be kept at a boundary."""
+    inputs, outputs = edges
     return all(graph.nodes[v]["cuttable"] for v in (*inputs, *outputs))
 
 
