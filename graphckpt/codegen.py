@@ -222,17 +222,23 @@ def _hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModu
 
 def _remake_module(source: Source, planned: PlannedSegment,
                    values: Sequence[str]) -> fx.GraphModule:
-    """What makes ``values`` of a hooked segment again from its inputs and kept values: the
-    segment's other ops that they need, nothing else (not fx's dead-code elimination, which
-    keeps every dropout, and with it the ops feeding one)."""
+    """What makes ``values`` of a hooked segment again from the inputs and kept values it
+    reads (its placeholders, nothing unread: the call holds for each group only what its
+    remake reads): the segment's other ops that they need, nothing else (not fx's dead-code
+    elimination, which keeps every dropout, and with it the ops feeding one)."""
     originals, graph = source.nodes, fx.Graph()
-    made = {name: graph.placeholder(name) for name in (*planned.inputs, *planned.saved_inside)}
-    inside, needed, stack = set(planned.nodes), set(), list(values)
+    sources = (*planned.inputs, *planned.saved_inside)
+    inside, needed, stack, read = set(planned.nodes) - set(sources), set(), list(values), set()
     while stack:
         name = stack.pop()
-        if name not in made and name not in needed:
+        if name not in needed:
             needed.add(name)
-            stack.extend(n.name for n in originals[name].all_input_nodes if n.name in inside)
+            for node in originals[name].all_input_nodes:
+                if node.name in inside:
+                    stack.append(node.name)
+                else:
+                    read.add(node.name)
+    made = {name: graph.placeholder(name) for name in sources if name in read}
     for name in planned.nodes:
         if name in needed:
             made[name] = graph.node_copy(originals[name], lambda n: made[n.name])

@@ -65,6 +65,7 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
         warnings.warn("the model already checkpoints its layers (gradient_checkpointing_enable()); layers would be "
                       "recomputed twice: call model.gradient_checkpointing_disable() first", stacklevel=2)
     _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
+    graph.graph["hooks"] = False  # a block's forward runs under torch's (selective) checkpoint
     plan = block_plan(graph, None if budget is None else parse_budget(budget, eager_peak(graph)))
     shapes = _shapes(example_inputs, example_kwargs)
     if shapes:

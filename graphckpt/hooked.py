@@ -12,7 +12,11 @@ address while it is alive (:func:`graphckpt.torch_compat.storage_alive`): an add
 freed and given to another tensor is never taken for it. The marked values come in remake
 groups (:func:`passes.hooked.remake_groups`): the first handle backward unpacks of a group
 makes the group's values again from the segment's inputs and kept values, without
-gradients (``hooked_i_remake_g``); each is let go once its last handle is unpacked.
+gradients (``hooked_i_remake_g``); each is let go once its last handle is unpacked. What a
+group's remake reads is held by the group's handles, not by the call: an input or kept
+value goes once the ops that saved it and the handles that may remake from it are done
+(:func:`passes.hooked.last_needed`), and a retained graph's handles keep it for the next
+backward.
 
 **Gradients.** Only what backward saved is replaced, by a value computed by the same pure
 ops from the same tensors (:func:`passes.hooked.keeps_by_hooks`), so gradients are eager's.
@@ -36,9 +40,10 @@ _NOTHING = contextlib.nullcontext()
 
 class _Saved:
     """What autograd keeps for a tensor a hooked segment's op saved: the tensor itself until
-    it is known to be a marked value's storage, then which value and the tensor's view of it."""
+    it is known to be a marked value's storage, then which value, the tensor's view of it,
+    and what its group's remake reads (so that lives while a handle that may remake does)."""
 
-    __slots__ = ("call", "element", "node", "offset", "size", "stride", "tensor")
+    __slots__ = ("call", "element", "node", "offset", "reads", "size", "stride", "tensor")
 
     def __init__(self, call: _HookedCall, tensor: torch.Tensor) -> None:
         self.call, self.tensor, self.node = call, tensor, ""
@@ -47,12 +52,13 @@ class _Saved:
         tensor = self.tensor
         self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
         self.node, self.element, self.tensor = node, element, None
+        self.reads = self.call.reads[self.call.module.group_of[node]]
         self.call.pending[node] = self.call.pending.get(node, 0) + 1
 
     def unpack(self) -> torch.Tensor:
         if self.tensor is not None:
             return self.tensor
-        value = self.call.take(self.node, self.element)
+        value = self.call.take(self.node, self.element, self.reads)
         if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
             return value
         return value.as_strided(self.size, self.stride, self.offset)
@@ -81,15 +87,20 @@ def _detached(value: Any) -> Any:
 
 
 class _HookedCall:
-    """One call of a hooked segment in a forward backward will use: what it keeps for the
-    remake (inputs, kept values), the storages of its marked values while forward runs, and
-    in backward the values made again and the handles of each still to be unpacked."""
+    """One call of a hooked segment in a forward backward will use: while forward runs, what
+    each group's remake reads (inputs, kept values; afterwards only the handles of the group
+    hold it, so each goes once no handle that may remake from it is left) and the storages
+    of its marked values; in backward the values made again and the handles of each still
+    to be unpacked."""
 
     def __init__(self, module: HookedSegmentModule, inputs: tuple[Any, ...]) -> None:
-        self.module, self.inputs = module, inputs
+        self.module = module
         self.autocast = autocast_now(inputs)
-        self.kept: dict[str, Any] = {}
-        self.known = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}  # saved as they are
+        self.reads: list[list[Any]] = [[None] * len(names) for names in module.reads]
+        for name, value in zip(module.inputs, inputs, strict=True):
+            self._fill(name, value)
+        self.known = {storage_key(t): storage_ref(t) for t in inputs if isinstance(t, torch.Tensor)}  # saved as
+        # they are, while alive: a kept value nothing holds goes in forward, and its address can be a marked value's
         self.storages: dict[int, tuple[str, int | None, torch.dtype, Any]] = {}
         self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
         self.pending: dict[str, int] = {}
@@ -97,7 +108,8 @@ class _HookedCall:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         key = storage_key(tensor)
-        if key in self.known:
+        known = self.known.get(key)
+        if known is not None and storage_alive(known):
             return tensor
         saved = _Saved(self, tensor)
         if not self._match(saved, key):
@@ -118,19 +130,26 @@ class _HookedCall:
             self._match(saved, storage_key(saved.tensor))
         self.recent.clear()
 
+    def _fill(self, name: str, value: Any) -> None:
+        """Give ``value`` to the remakes that read ``name``."""
+        for group, position in self.module.readers.get(name, ()):
+            self.reads[group][position] = value
+
     def keep(self, value: Any, name: str) -> None:
-        self.kept[name] = _detached(value)  # its grad_fn may hold handles to this call: no cycle
-        self.known.update(storage_key(t) for _, t in _tensors(value))
+        self._fill(name, _detached(value))  # its grad_fn may hold handles to this call: no cycle
+        self.known.update((storage_key(t), storage_ref(t)) for _, t in _tensors(value))
         self.recent.clear()
 
     def finish(self) -> None:
-        """Forward is done: nothing more is packed, so no storage is remembered."""
+        """Forward is done: nothing more is packed, so no storage is remembered, and what the
+        remakes read is held by their handles alone."""
         self.storages.clear()
         self.recent.clear()
+        self.reads = []
 
-    def take(self, name: str, element: int | None) -> torch.Tensor:
+    def take(self, name: str, element: int | None, reads: list[Any]) -> torch.Tensor:
         if name not in self.values:
-            self.values.update(self.module.remake(self, name))
+            self.values.update(self.module.remake(self, name, reads))
         value = self.values[name]
         self.pending[name] -= 1
         if self.pending[name] <= 0:  # its last handle: a second backward makes it again
@@ -142,8 +161,8 @@ class HookedSegmentModule(nn.Module):
     """One selective segment of a rewritten module run by saved-tensor hooks (see the
     module's docstring). ``body`` takes the segment's inputs and the call's hooks (``None``
     when no backward will run) and returns its outputs; each of ``remakes`` takes the inputs
-    and the kept values, in ``kept`` order, and returns its group's values (``groups``, the
-    marked values by group). The graph modules are plain attributes, not submodules, so
+    and kept values it reads (its placeholders, in order) and returns its group's values
+    (``groups``, the marked values by group). The graph modules are plain attributes, not submodules, so
     parameters and ``state_dict`` keys stay the model's."""
 
     def __init__(self, body: fx.GraphModule, remakes: Sequence[fx.GraphModule], *, nodes: Sequence[str],
@@ -155,6 +174,11 @@ class HookedSegmentModule(nn.Module):
         self.nodes, self.inputs, self.outputs = tuple(nodes), tuple(inputs), tuple(outputs)
         self.groups, self.kept = tuple(tuple(group) for group in groups), tuple(kept)
         self.group_of = {name: i for i, group in enumerate(self.groups) for name in group}
+        self.reads = tuple(tuple(n.name for n in remake.graph.nodes if n.op == "placeholder") for remake in remakes)
+        self.readers: dict[str, list[tuple[int, int]]] = {}  # input or kept value -> (group, position)
+        for group, names in enumerate(self.reads):
+            for position, name in enumerate(names):
+                self.readers.setdefault(name, []).append((group, position))
         self.recomputations = 0
         self.remake_norms = [m for remake in remakes for m in remake.modules()
                              if isinstance(m, NormBase) and m.track_running_stats]
@@ -174,14 +198,14 @@ class HookedSegmentModule(nn.Module):
         finally:
             call.finish()
 
-    def remake(self, call: _HookedCall, wanted: str) -> dict[str, Any]:
-        """The values of ``wanted``'s group in ``call`` made again without gradients:
-        ``wanted`` and those with handles still to unpack."""
+    def remake(self, call: _HookedCall, wanted: str, reads: Sequence[Any]) -> dict[str, Any]:
+        """The values of ``wanted``'s group in ``call`` made again without gradients from what
+        its remake ``reads``: ``wanted`` and those with handles still to unpack."""
         self.__dict__["recomputations"] += 1  # not nn.Module's __setattr__: a few microseconds
         group = self.group_of[wanted]
         norms = frozen_running_stats(self.remake_norms) if self.remake_norms else _NOTHING
         with torch.no_grad(), call.autocast, norms:
-            made = self.remakes[group].forward(*call.inputs, *(call.kept[name] for name in self.kept))
+            made = self.remakes[group].forward(*reads)
         made = made if isinstance(made, tuple) else (made,)
         return {name: value for name, value in zip(self.groups[group], made, strict=True)
                 if name == wanted or call.pending.get(name, 0) > 0}

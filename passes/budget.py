@@ -21,6 +21,7 @@ from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Plan, Progress, build_plan, simulated
+from passes.relaxed import relaxed_plan
 from passes.search import SEARCH_MAX_OPS, search
 from passes.segments import PlanError, Segment, cost_key
 from passes.simulate import eager_peak, forward_floor
@@ -178,6 +179,10 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")
+    rounded = relaxed_plan(graph, budget_bytes)
+    if rounded is not None and rounded.cost_key < chosen.cost_key:
+        chosen, origin = rounded, (f"one segment run by hooks keeping {_kept_count(rounded)} values rounded from the "
+                                   "exact schedule's LP relaxation (passes.relaxed)")
     others = [plan for plan in (dropping,) if plan is not None and plan is not chosen]
     searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:

@@ -255,13 +255,14 @@ class _Model:
                 coefficients[self.columns[key]] = coefficients.get(self.columns[key], 0.0) + value
         self.rows.append((coefficients, lower, upper))
 
-    def solve(self, cost: np.ndarray, time_limit: float):
+    def solve(self, cost: np.ndarray, time_limit: float, relaxed: bool = False):
+        """HiGHS's solution; ``relaxed``: of the LP relaxation (no variable integer)."""
         data = [(r, c, v) for r, (terms, _, _) in enumerate(self.rows) for c, v in terms.items()]
         rows, columns, values = zip(*data, strict=True) if data else ((), (), ())
         matrix = coo_array((values, (rows, columns)), shape=(len(self.rows), len(self.bounds))).tocsr()
         lower, upper, integer = zip(*self.bounds, strict=True)
         return milp(cost, constraints=LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows]),
-                    integrality=np.array(integer), bounds=Bounds(lower, upper),
+                    integrality=np.zeros(len(integer)) if relaxed else np.array(integer), bounds=Bounds(lower, upper),
                     options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
 
 
@@ -335,6 +336,34 @@ def _matrix(model: _Model, x: np.ndarray, name: str, T: int) -> Matrix:
     return tuple(tuple(value(t, i) for i in range(T)) for t in range(T))
 
 
+def _recompute_cost(model: _Model, training: TrainingGraph) -> np.ndarray:
+    """The objective: each forward op's FLOPs per run, over their common divisor."""
+    cost = np.zeros(len(model.bounds))
+    divisor = math.gcd(*training.flops) or 1
+    for (kind, _, i, *_), column in model.columns.items():
+        if kind == "R" and i < training.n_forward:
+            cost[column] = training.flops[i] / divisor
+    return cost
+
+
+def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 5.0) -> dict[str, float] | None:
+    """For each forward value, how much of it the LP relaxation of the MILP under
+    ``budget_bytes`` holds from forward into backward (``S`` entering the first backward
+    stage, in ``[0, 1]``): Checkmate's rounding starts from it, and it solves in a fraction
+    of a second where the MILP takes seconds. ``None`` when the relaxation is infeasible
+    or not solved in ``time_limit``; :class:`ValueError` above :data:`MAX_OPS` op nodes."""
+    if len(op_nodes(graph)) > MAX_OPS:
+        raise ValueError(f"relaxed_holds: {len(op_nodes(graph))} op nodes, more than {MAX_OPS}")
+    training = training_graph(graph)
+    model = _build(training, budget_bytes)
+    solution = model.solve(_recompute_cost(model, training), time_limit, relaxed=True)
+    if solution.status != 0 or solution.x is None:
+        return None
+    first = training.n_forward
+    return {training.names[i]: float(solution.x[column]) for (kind, t, i, *_), column in model.columns.items()
+            if kind == "S" and t == first and training.home[i] == i}  # values, not extras
+
+
 def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0) -> CheckmateResult | None:
     """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits.
 
@@ -349,11 +378,8 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
         return None
     training = training_graph(graph)
     model = _build(training, budget_bytes)
-    cost = np.zeros(len(model.bounds))
+    cost = _recompute_cost(model, training)
     divisor = math.gcd(*training.flops) or 1
-    for (kind, _, i, *_), column in model.columns.items():
-        if kind == "R" and i < training.n_forward:
-            cost[column] = training.flops[i] / divisor
     started = time.perf_counter()
     solution = model.solve(cost, time_limit)
     seconds = time.perf_counter() - started

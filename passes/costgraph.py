@@ -31,6 +31,11 @@ Graph attributes, all optional:
     it again (:func:`passes.remat.runs_by_hooks`: the hooks, the recipe, one no-grad call),
     in ``cost_unit``; also the price of a selective segment run by hooks
     (:mod:`passes.hooked`), once for its call, once per remake group and once per value it drops.
+``hooks`` (default ``True``)
+    Whether a selective segment may run by saved-tensor hooks (:mod:`passes.hooked`);
+    ``False`` where the runtime has only torch's checkpoint, as :func:`graphckpt.enable`,
+    which wraps a module's own forward, so the simulator models what torch's selective
+    checkpointing holds instead.
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,
@@ -338,6 +343,25 @@ def random_nodes(graph: nx.DiGraph) -> frozenset[str]:
     """The nodes that draw random numbers: planning asks :func:`draws_random` of every
     segment it weighs, a set answers without reading each node's attributes again."""
     return frozenset(name for name, random in graph.nodes(data="random") if random)
+
+
+def pure(graph: nx.DiGraph, name: str) -> bool:
+    """Whether running op ``name`` again without gradients gives forward's value and changes
+    nothing: recomputable, no random draw, no in-place write or state update kept in order,
+    no storage written later, and no ``state`` value read (it changed since)."""
+    return name in pure_ops(graph)
+
+
+@per_graph_value
+def pure_ops(graph: nx.DiGraph) -> frozenset[str]:
+    """Every op :func:`pure` holds for, found once per cost graph (planning asks of every
+    node of every segment it weighs)."""
+    state = {name for name, value in graph.nodes(data="state") if value}
+    return frozenset(
+        name for name, attributes in graph.nodes(data=True)
+        if attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
+        and not (attributes["random"] or attributes["ordered"] or attributes["state"])
+        and state.isdisjoint(graph.predecessors(name)))
 
 
 def node_attribute(graph: nx.DiGraph, key: str) -> Mapping[str, Any]:

@@ -44,7 +44,7 @@ class Floor:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Silence what HiGHS's C++ code prints to the process's stdout and stderr while it
     solves (on this model its MIP heuristics print debug lines), so a BudgetError does not
     come with a screen of solver chatter."""
@@ -79,7 +79,7 @@ def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor
         model.row([(key, 1.0), (("P",), -1.0)], -np.inf, 0.0)
     cost = np.zeros(len(model.bounds))
     cost[model.columns[("P",)]] = 1.0
-    with _quiet():
+    with quiet():
         solution = model.solve(cost, time_limit)
     if solution.x is None:
         return None

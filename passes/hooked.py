@@ -15,8 +15,10 @@ of it is unpacked. The dropped values are made again in groups (:func:`remake_gr
 when backward first needs one of its values, so only part of the segment is live again at
 a time.
 
-Memory (``passes.simulate``): inputs and kept values are held from forward to the end of
-the segment's backward, and so is what its ops save that is no value of the graph
+Memory (``passes.simulate``): inputs and kept values are held from forward until the
+backward of the last op that saved one or saved a value of a group remade from it
+(:func:`last_needed`); what its ops save that is no value of the graph is held from forward
+to the end of the segment's backward
 (``saved_extra_bytes``: norm statistics, attention's log-sum-exp, the contiguous copies a
 ``matmul`` of transposed views saves, kept ops' included), which torch's selective mode
 would make again in the recompute instead: so only segments where that is small are
@@ -29,12 +31,28 @@ again once, when ``addmm_3``'s backward unpacks ``mul_3``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import networkx as nx
 
-from passes.costgraph import draws_random, storage_root
-from passes.remat import SegmentLike, pure_ops
+from passes.costgraph import draws_random, pure_ops, storage_root
+
+
+class SegmentLike(Protocol):
+    """What this module and :mod:`passes.remat` read of a :class:`passes.segments.Segment`
+    (which imports both)."""
+
+    nodes: tuple[str, ...]
+    recompute: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    remat: tuple  # of passes.remat.Remat
+    saved_inside: tuple[str, ...]
+
+    @property
+    def children(self) -> Sequence[SegmentLike]: ...
+
 
 SAVED_EXTRA_SHARE = 0.02
 """The most a hooked segment may keep from forward that no value of the graph is (what its
@@ -49,8 +67,10 @@ def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     (no random draw, no state, no in-place write, so making a value again gives forward's),
     every kept value the whole of what selective checkpointing keeps for it (no
     ``selective_extra_bytes``), and what its ops save beyond values is small
-    (:data:`SAVED_EXTRA_SHARE`)."""
+    (:data:`SAVED_EXTRA_SHARE`); never on a graph whose runtime has no hooks (``hooks``)."""
     if not (segment.recompute and segment.saved_inside) or segment.children or segment.remat:
+        return False
+    if not graph.graph.get("hooks", True):  # a runtime without them (graphckpt.enable)
         return False
     nodes = graph.nodes
     if draws_random(graph, segment.nodes) or any(nodes[v]["state"] for v in segment.inputs):
@@ -104,6 +124,39 @@ def remake_groups(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeGroup,
         if name in needed:
             groups.setdefault(parts[name], []).append(name)
     return tuple(RemakeGroup(tuple(nodes), tuple(n for n in nodes if n in marked)) for nodes in groups.values())
+
+
+def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
+    """For each input and kept value of a hooked segment that backward needs, the op of the
+    segment whose backward needs it last (the earliest in forward order): an op that saved
+    it (autograd holds it until that op's backward), or one that saved a marked value of a
+    remake group reading it (each handle of a group holds what the group's remake reads,
+    :class:`graphckpt.hooked.HookedSegmentModule`, so a retained graph can remake it again).
+    After that op's backward the value is let go; one missing from the map is let go when
+    the segment's forward ends. Values are matched by storage (a saved view holds its owner).
+
+    Example: a segment ``fc1, relu1, fc2, relu2, fc3`` keeping ``fc1`` and ``fc2`` remakes
+    ``relu2`` from ``fc2``; ``relu2`` is saved by ``fc3`` and by ``relu2`` itself, so ``fc2``
+    goes after ``relu2``'s backward, before backward reaches ``fc2`` (a linear saves its
+    input, not its output), where it used to stay until the segment's backward ended.
+    """
+    sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
+    reads: dict[str, set[str]] = {}  # marked value -> the sources its group's remake reads
+    for group in remake_groups(graph, segment):
+        inside = set(group.nodes)
+        read = {sources[root] for name in group.nodes for pred in graph.predecessors(name)
+                if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
+        for name in group.marked:
+            reads[name] = read
+    needed: dict[str, str] = {}
+    for name in reversed(segment.nodes):  # backward's order: the last write per value wins
+        for value in graph.nodes[name]["saved"]:
+            root = storage_root(graph, value)
+            if root in sources:
+                needed[sources[root]] = name
+            for source in reads.get(root, ()):
+                needed[source] = name
+    return needed
 
 
 def _needed_for(graph: nx.DiGraph, values: set[str], inside: set[str]) -> set[str]:

@@ -28,7 +28,8 @@ import networkx as nx
 from passes.costgraph import op_nodes
 from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Candidate, Plan, plan_of_segments, selective
-from passes.segments import Segment, cost_key, make_segments, rerun_nodes
+from passes.remat import validate_remat
+from passes.segments import PlanError, Segment, cost_key, make_segments, rerun_nodes
 from passes.simulate import forward_floor, simulate
 
 MAX_SIMULATIONS = 40
@@ -140,6 +141,19 @@ def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]])
     return _edit_leaves(segments, keeps, remove)
 
 
+def remat_still_valid(graph: nx.DiGraph, segments: Sequence[Segment]) -> bool:
+    """Whether ``segments``' rematerialized inputs still have their sources alive after a
+    change of kept values: a segment that comes to run by saved-tensor hooks, or keeps
+    other values, holds only what its own backward needs (:func:`passes.remat.held_at_each`)."""
+    if not any(segment.remat for segment in segments):
+        return True
+    try:
+        validate_remat(graph, segments, PlanError)
+    except PlanError:
+        return False
+    return True
+
+
 def selective_whole(graph: nx.DiGraph) -> tuple[Segment, ...]:
     """One recomputed segment over the whole graph (split where ops cannot be recomputed),
     selective (:func:`passes.plan.selective`): where torch.compile's min cut starts, and a
@@ -193,6 +207,8 @@ def without_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simula
         if simulation >= limit:
             break
         trial = remove_keeps(segments, [removal])
+        if not remat_still_valid(graph, trial):
+            continue
         trial_peak = simulate(graph, trial).peak_bytes
         if trial_peak < peak:
             segments, peak = trial, trial_peak
@@ -233,7 +249,7 @@ def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulatio
         trial = [*chosen, *ranked[position:position + run]]
         segments = add_keeps(graph, plan.segments, trial)
         simulations += 1
-        if simulate(graph, segments).peak_bytes <= budget_bytes:
+        if remat_still_valid(graph, segments) and simulate(graph, segments).peak_bytes <= budget_bytes:
             chosen, position, run = trial, position + run, run * 2
             if cost_key(graph, segments) < best_key:
                 best, best_key = segments, cost_key(graph, segments)

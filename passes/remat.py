@@ -30,11 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import networkx as nx
 
-from passes.costgraph import graph_outputs, in_order, per_graph_value
+from passes.costgraph import graph_outputs, in_order, pure, pure_ops
+from passes.hooked import SegmentLike, keeps_by_hooks, last_needed
 from passes.sim_memory import LiveMemory
 
 
@@ -47,19 +47,6 @@ class Remat:
     value: str
     sources: tuple[str, ...]
     nodes: tuple[str, ...]
-
-
-class SegmentLike(Protocol):
-    """What this module reads of a :class:`passes.segments.Segment` (which imports this module)."""
-
-    nodes: tuple[str, ...]
-    recompute: bool
-    inputs: tuple[str, ...]
-    remat: tuple[Remat, ...]
-    saved_inside: tuple[str, ...]
-
-    @property
-    def children(self) -> Sequence[SegmentLike]: ...
 
 
 MAX_REMAT_OPS = 48
@@ -111,25 +98,6 @@ def runs_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     return attributes["saves_from"] != "outputs" or (name in segment.saved_inside and not attributes["expensive"])
 
 
-def pure(graph: nx.DiGraph, name: str) -> bool:
-    """Whether running op ``name`` again without gradients gives forward's value and changes
-    nothing: recomputable, no random draw, no in-place write or state update kept in order,
-    no storage written later, and no ``state`` value read (it changed since)."""
-    return name in pure_ops(graph)
-
-
-@per_graph_value
-def pure_ops(graph: nx.DiGraph) -> frozenset[str]:
-    """Every op :func:`pure` holds for, found once per cost graph (planning asks of every
-    node of every segment it weighs)."""
-    state = {name for name, value in graph.nodes(data="state") if value}
-    return frozenset(
-        name for name, attributes in graph.nodes(data=True)
-        if attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
-        and not (attributes["random"] or attributes["ordered"] or attributes["state"])
-        and state.isdisjoint(graph.predecessors(name)))
-
-
 def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:
     """For each top-level segment, the activations certainly alive when backward recomputes it
     (its backward comes before the segments before it): the graph's outputs; the inputs the
@@ -137,7 +105,9 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
     the values recomputed segments before it keep inside (``saved_inside``, held until their
     own recompute) and return (one the segment uses only inside never reaches the forward code
     calling later segments); and what the ops of kept segments before it saved for their
-    backward. One pass over the plan."""
+    backward. A segment run by saved-tensor hooks holds an input or kept value only while its
+    own backward needs it (:func:`passes.hooked.last_needed`), so only those count for it.
+    One pass over the plan."""
     returned = set(graph_outputs(graph))
     earlier: set[str] = set()  # what the segments before the current one hold for it
     result = []
@@ -149,10 +119,13 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
         result.append(returned | earlier | own)
         if not segment.recompute:
             earlier |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
-        else:
-            earlier |= own
-            if not segment.children:  # forward's value: only an output reaches later calls
-                earlier |= set(segment.saved_inside) & set(segment.outputs)
+            continue
+        held = own
+        if not segment.children:  # forward's value: only an output reaches later calls
+            held = own | (set(segment.saved_inside) & set(segment.outputs))
+        if keeps_by_hooks(graph, segment):  # let go at their last use, in forward for some
+            held = held & last_needed(graph, segment).keys()
+        earlier |= held
     return result
 
 

@@ -37,7 +37,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.hooked import RemakeGroup, keeps_by_hooks, remake_groups
+from passes.hooked import RemakeGroup, keeps_by_hooks, last_needed, remake_groups
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
@@ -192,6 +192,10 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
             if keeps_by_hooks(graph, segment):  # run by hooks: what its ops save beyond values stays
                 for node in memory.index.id_list(segment.nodes):
                     memory.allocate(slot(node, EXTRA), memory.index.saved_extra[node])
+                needed = last_needed(graph, segment)  # the rest goes when the call's forward ends
+                for value in (*kept_inputs(segment), *segment.saved_inside):
+                    if value not in needed:
+                        memory.release(memory.index.ids[value])
         else:
             _run_forward(memory, memory.index.id_list(segment.nodes), save=True)
 
@@ -206,11 +210,11 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
             _run_backward(memory, memory.index.id_list(segment.nodes), grads)
             continue
         if ran is None and keeps_by_hooks(graph, segment):
-            _backward_hooked(memory, graph, segment, grads)
+            _backward_hooked(memory, graph, segment, grads)  # lets its inputs go as it goes
         else:
             _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
-        for value in memory.index.id_list(kept_inputs(segment)):
-            memory.release(value)
+            for value in memory.index.id_list(kept_inputs(segment)):
+                memory.release(value)
         memory.free(("rng", id(segment)))
 
 
@@ -277,7 +281,8 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
     """Backward of a segment run by saved-tensor hooks (:mod:`passes.hooked`): its ops in
     reverse, on forward's own graph; the first op that unpacks a value of a remake group
     makes the whole group again, and each value made goes after its last saver's backward.
-    The kept values, held by the call since forward, go at the end."""
+    The inputs and kept values, held by the call since forward, go after the backward of
+    the last op needing them (:func:`passes.hooked.last_needed`)."""
     index = memory.index
     groups = remake_groups(graph, segment)
     group_of = {index.ids[name]: group for group in groups for name in group.marked}
@@ -288,6 +293,9 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
         for value in index.saved[node]:
             savers[index.roots[value]] = savers.get(index.roots[value], 0) + 1
     made: set[RemakeGroup] = set()
+    let_go: dict[int, list[int]] = {}  # op -> the inputs and kept values going after its backward
+    for value, name in last_needed(graph, segment).items():
+        let_go.setdefault(index.ids[name], []).append(index.ids[value])
     for node in reversed(nodes):
         for value in index.saved[node]:
             group = group_of.get(index.roots[value])
@@ -297,8 +305,8 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
                 made.add(group)
                 _remake(memory, group, savers)
         _run_backward(memory, [node], grads)
-    for value in index.id_list(segment.saved_inside):
-        memory.release(value)
+        for value in let_go.get(node, ()):
+            memory.release(value)
     memory.fresh.pop()
 
 

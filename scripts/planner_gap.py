@@ -59,8 +59,10 @@ class Gap:
 
 
 def random_cost_graph(rng: random.Random, ops: int) -> nx.DiGraph:
-    """A random DAG: each op reads the previous one and sometimes an earlier value (skips)."""
-    graph = nx.DiGraph()
+    """A random DAG: each op reads the previous one and sometimes an earlier value (skips).
+    Marked ``measured``, as a model's graph costed from example inputs is: no op draws
+    random numbers, so selective segments may run by saved-tensor hooks."""
+    graph = nx.DiGraph(measured=True)
     add_value(graph, "x", kind="input", order=0, bytes=64, requires_grad=False)
     names = ["x"]
     for index in range(ops):

@@ -146,11 +146,13 @@ def test_a_priced_checkpoint_call_buys_fewer_segments() -> None:
     them), the least-cost plan at a budget makes no more calls than with them free, and its
     cost key counts them (ops run by hooks make no call: their price is apart)."""
     from graphckpt.api import cost_model
+    from passes.hooked import keeps_by_hooks
     from passes.remat import runs_by_hooks
     from passes.segments import overhead_cost, recomputed_count
 
     def calls(plan: object) -> int:
-        return recomputed_count(plan.segments) - sum(runs_by_hooks(graph, s) for s in plan.segments)
+        return recomputed_count(plan.segments) - sum(runs_by_hooks(graph, s) or keeps_by_hooks(graph, s)
+                                                     for s in plan.segments)
 
     model, inputs = zoo.make("mlp", depth=16, width=64, batch=64)
     _, graph = cost_model(model, inputs)

@@ -1,0 +1,93 @@
+"""Plans rounded from the LP relaxation of the exact schedule (Checkmate's approach).
+
+The exact optimum (:mod:`passes.checkmate`) keeps, at the start of backward, a set of
+values that is rarely a prefix cut or "every matmul": it holds what is cheap to hold and dear
+to make again, anywhere in the graph, and makes the rest again just before backward needs
+it. One selective segment over the whole graph run by saved-tensor hooks (:mod:`passes.hooked`)
+executes such a set: it keeps the values named, remakes each group of the others when
+backward first needs one, and lets every value go after its last use. Which set is the
+question; the MILP answers it in seconds on 40 ops, its LP relaxation in a fraction of one.
+
+:func:`relaxed_plan` rounds the relaxation's holds (:func:`passes.checkmate.relaxed_holds`)
+at a few thresholds, brings each rounded plan to the budget by giving up or adding kept
+values (:func:`passes.keeps.without_keeps`, :func:`passes.keeps.with_keeps`) and returns the
+cheapest that fits. On the 40-op random DAGs of ``scripts/planner_gap.py`` at 0.7 of eager
+it is where the exact optimum is on most graphs; where backward must remake only part of a
+group to fit (tighter budgets) whole-group remakes overshoot and it finds nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import networkx as nx
+
+from passes.checkmate import MAX_OPS, relaxed_holds
+from passes.costgraph import op_nodes
+from passes.floor import quiet
+from passes.hooked import keeps_by_hooks
+from passes.keeps import keepable, with_keeps, without_keeps
+from passes.plan import Plan, plan_of_segments
+from passes.segments import Segment, make_segments
+
+RELAXED_MAX_OPS = MAX_OPS
+THRESHOLDS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)  # a value held at least this much is kept
+
+
+def keeping_everywhere(graph: nx.DiGraph, kept: set[str]) -> tuple[Segment, ...]:
+    """One recomputed segment over the whole graph (split where ops cannot be recomputed)
+    keeping ``kept`` from forward and making every other value again for backward."""
+    return tuple(replace(s, saved_inside=tuple(n for n in s.nodes if n in kept)) if s.recompute else s
+                 for s in make_segments(graph, [(op_nodes(graph), True)]))
+
+
+def rounded_keeps(graph: nx.DiGraph, holds: dict[str, float]) -> list[set[str]]:
+    """The distinct sets of keepable values held at least each of :data:`THRESHOLDS`."""
+    found: list[set[str]] = []
+    for threshold in THRESHOLDS:
+        kept = {name for name, share in holds.items() if share >= threshold and keepable(graph, name)}
+        if kept and kept not in found:
+            found.append(kept)
+    return found
+
+
+def fitted(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float) -> Plan | None:
+    """The plan of ``segments`` brought under ``budget_bytes`` by giving up kept values, or
+    its spare memory filled with more of them; ``None`` when it cannot be brought under."""
+    plan = plan_of_segments(graph, "relaxed", segments)
+    if plan.peak_bytes > budget_bytes:
+        return without_keeps(graph, plan, budget_bytes)
+    return with_keeps(graph, plan, budget_bytes)
+
+
+def _hooks_possible(graph: nx.DiGraph) -> bool:
+    """Whether any segment keeping values over the graph would run by hooks: not on graphs
+    costed without inputs, drawing random numbers everywhere, or planned for
+    :func:`graphckpt.enable` (then the relaxation is not solved at all)."""
+    everything = keeping_everywhere(graph, {name for name in op_nodes(graph) if keepable(graph, name)})
+    return any(segment.recompute and keeps_by_hooks(graph, segment) for segment in everything)
+
+
+def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
+    """The cheapest plan fitting ``budget_bytes`` among the relaxation's rounded keep sets,
+    each kept by one hooked segment over the graph; ``None`` on graphs over
+    :data:`RELAXED_MAX_OPS` ops, where no segment would run by hooks, or when none fits."""
+    if len(op_nodes(graph)) > RELAXED_MAX_OPS or not _hooks_possible(graph):
+        return None
+    with quiet():
+        holds = relaxed_holds(graph, budget_bytes)
+    if holds is None:
+        return None
+    best: Plan | None = None
+    for kept in rounded_keeps(graph, holds):
+        segments = keeping_everywhere(graph, kept)
+        if not any(s.recompute and keeps_by_hooks(graph, s) for s in segments):
+            continue
+        plan = fitted(graph, segments, budget_bytes)
+        if plan is not None and plan.peak_bytes <= budget_bytes and (best is None or plan.cost_key < best.cost_key):
+            best = plan
+    if best is None:
+        return None
+    note = (f"relaxed: one segment run by saved-tensor hooks keeping {sum(len(s.saved_inside) for s in best.segments)} "
+            "values, rounded from the LP relaxation of the exact schedule")
+    return replace(best, strategy="relaxed", notes=(note, *best.notes))
