@@ -3,22 +3,8 @@
 It measures how far the heuristic strategies are from optimal; it is not a strategy itself.
 The MILP is solved by HiGHS through :func:`scipy.optimize.milp`.
 
-**Training graph** (one node per stage; it mirrors :mod:`passes.simulate`, so the schedule
-without recompute peaks at the simulator's eager peak). Forward: the op nodes in ``order``
-(size ``bytes``, 0 for views); an op with ``saved_extra_bytes`` is preceded by an *extra*
-node of that size, made only together with its op and only if wanted (a recomputed segment
-does not save in forward). An op reading a view also reads the view's storage root. Then one
-gradient seed per graph output that needs a gradient (size: its storage root's bytes; the
-loss working set ``LOSS_WORKING_SET`` x those bytes is held for a moment). Then, ops in
-reverse, the backward of op ``k``: one node per gradient buffer it creates (one node if none),
-each reading ``k``'s gradient buffer, the buffers it adds into, ``k``'s extra and the storage
-roots of ``k``'s ``saved`` values. A gradient added into an existing buffer, and the
-``param_grad_bytes`` with, if any, the ``backward_extra_bytes`` plus the gradients ``k`` adds
-into existing buffers, are held for a moment (*transient* bytes). Inputs and params are free;
-input gradients, graph outputs and their storage roots stay in memory to the end (*kept*).
-``random`` and ``ordered`` ops need nothing more: each first runs in its own stage, in eager
-order. ``grad_views`` is not modelled (each input gradient is a buffer of its own, as the
-simulator did before it learnt views), so parity with the simulator holds on graphs without it.
+The graph it schedules, one stage per forward op, seed and backward node, is
+:mod:`passes.training_graph`.
 
 **Variables** (stage ``t`` of ``T``; ``m_i`` is node ``i``'s size; ``home(i)`` is ``i``, or
 an extra's op): ``R[t,i]`` binary, ``i`` computed in stage ``t``; ``S[t,i]`` binary, ``i`` in
@@ -51,58 +37,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from passes.costgraph import graph_outputs, needs_grad, op_nodes, storage_root
-from passes.kept_bytes import gradient_bytes
-from passes.simulate import loss_working_bytes, trained_outputs
+from passes.costgraph import op_nodes
+from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
 MAX_OPS = 60
-Matrix = tuple[tuple[int, ...], ...]
-FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home")
-
-
-@dataclass(frozen=True)
-class TrainingGraph:
-    """The forward + backward graph the MILP schedules; stage ``t`` is node ``t``'s stage."""
-
-    names: tuple[str, ...]
-    mem: tuple[int, ...]
-    flops: tuple[int, ...]
-    preds: tuple[tuple[int, ...], ...]
-    once: tuple[bool, ...]  # computed in its home stage only
-    kept: tuple[bool, ...]  # in memory from its home stage to the end
-    fresh: tuple[tuple[int, ...], ...]  # uncuttable values a recompute must recompute too
-    transient: tuple[int, ...]  # bytes held for a moment on top when the node runs at home
-    home: tuple[int, ...]  # the stage where it first runs: itself, or its op for an extra
-    n_forward: int
-    makers: frozenset[int] = field(init=False)  # ops with an extra
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "makers", frozenset(h for i, h in enumerate(self.home) if h != i))
-
-    @property
-    def size(self) -> int:
-        return len(self.names)
-
-    def frees(self, k: int) -> tuple[int, ...]:
-        """Nodes that may be freed right after ``k`` runs: its inputs, and itself for a maker."""
-        return (*self.preds[k], k) if k in self.makers else self.preds[k]
-
-    def readers(self) -> list[list[int]]:
-        """For each node, the nodes that read it, ascending."""
-        out: list[list[int]] = [[] for _ in self.names]
-        for k, preds in enumerate(self.preds):
-            for i in preds:
-                out[i].append(k)
-        return out
-
 
 @dataclass(frozen=True)
 class CheckmateResult:
@@ -116,124 +61,6 @@ class CheckmateResult:
     R: Matrix = ()
     S: Matrix = ()
     recompute_lower_bound: float = 0.0  # proven: no schedule under the budget recomputes less
-
-
-def training_graph(graph: nx.DiGraph) -> TrainingGraph:
-    """The forward ops and their extras, the gradient seeds and the backward nodes."""
-    nodes: dict[str, list] = {name: [] for name in FIELDS}
-
-    def add(name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True, kept: bool = False,
-            fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None) -> int:
-        index = len(nodes["names"])
-        values = (name, mem, flops, tuple(sorted(set(preds))), once, kept, fresh, transient,
-                  index if home is None else home)
-        for key, value in zip(FIELDS, values, strict=True):
-            nodes[key].append(value)
-        return index
-
-    index: dict[str, int] = {}
-    extra: dict[str, int] = {}
-    sink_reads = set(graph_outputs(graph))
-    kept = {storage_root(graph, v) for v in sink_reads} | sink_reads
-    for k in op_nodes(graph):
-        attributes, reads = graph.nodes[k], _forward_reads(graph, k, index)
-        once = not attributes["recomputable"] or any(
-            not graph.nodes[u]["cuttable"] and u not in index for u in graph.predecessors(k))
-        if attributes["saved_extra_bytes"]:
-            extra[k] = add(f"extra:{k}", attributes["saved_extra_bytes"], reads, once=once, home=len(nodes["names"]) + 1)
-        fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
-        index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh)
-    n_forward = len(nodes["names"])
-    trained = trained_outputs(graph)
-    loss = loss_working_bytes(graph)
-    owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
-                    transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
-    for k in reversed(list(index)):
-        gets_grad = k in owner and needs_grad(graph, k)
-        inputs = [u for u in graph.predecessors(k) if gets_grad and needs_grad(graph, u)]
-        reads = [owner[k]] if gets_grad else []
-        reads += [owner[u] for u in inputs if u in owner] + ([extra[k]] if k in extra else [])
-        reads += [index[r] for r in {storage_root(graph, v) for v in graph.nodes[k]["saved"]} if r in index]
-        new = [u for u in inputs if u not in owner]
-        moment = max(_partial_peak(graph, inputs, owner), _kernel_moment(graph, k, inputs, owner) if gets_grad else 0)
-        for position, u in enumerate(new or [None]):
-            node = add(f"backward:{k}" + (f":{u}" if position else ""), gradient_bytes(graph, u) if u else 0, reads,
-                       kept=bool(u) and graph.nodes[u]["kind"] == "input",
-                       transient=moment if position == max(len(new) - 1, 0) else 0)
-            if u is not None:
-                owner[u] = node
-    return TrainingGraph(**{key: tuple(values) for key, values in nodes.items()}, n_forward=n_forward)
-
-
-def _partial_peak(graph: nx.DiGraph, inputs: list[str], owner: dict[str, int]) -> int:
-    """Bytes above "all new gradient buffers made" that adding into existing ones needs: each
-    such gradient is made on its own first, before the new buffers of the inputs after it."""
-    peak, made_after = 0, 0
-    for u in reversed(inputs):
-        if u in owner:
-            peak = max(peak, gradient_bytes(graph, u) - made_after)
-        else:
-            made_after += gradient_bytes(graph, u)
-    return peak
-
-
-def _kernel_moment(graph: nx.DiGraph, name: str, inputs: list[str], owner: dict[str, int]) -> int:
-    """Bytes above "all new gradient buffers made" while ``name``'s parameter gradients
-    exist and, if it has any, its ``backward_extra_bytes`` with every gradient it returns
-    (those to be added into existing buffers too), as :func:`passes.simulate` holds them."""
-    extra = graph.nodes[name]["backward_extra_bytes"]
-    partial = sum(gradient_bytes(graph, u) for u in inputs if u in owner)
-    return graph.nodes[name]["param_grad_bytes"] + (extra and extra + partial)
-
-
-def _forward_reads(graph: nx.DiGraph, name: str, index: dict[str, int]) -> set[int]:
-    """The ops ``name`` reads, and the storage root of each view it reads."""
-    return {index[v] for u in graph.predecessors(name) for v in (u, storage_root(graph, u)) if v in index}
-
-
-def stage_peaks(training: TrainingGraph, R: Matrix, S: Matrix) -> list[float]:
-    """Peak bytes of each stage of a schedule in the memory model above, freeing eagerly."""
-    T, readers = training.size, training.readers()
-    peaks = []
-    for t in range(T):
-        current = sum(training.mem[i] for i in range(t) if S[t][i])
-        peak = current
-        for k in (k for k in range(t + 1) if R[t][k]):
-            current += training.mem[k]
-            peak = max(peak, current + (training.transient[k] if k == t else 0))
-            for i in (*training.preds[k], k):
-                unread = i != k or not any(R[t][j] for j in readers[k] if j <= t)
-                if unread and not (t + 1 < T and S[t + 1][i]) and not any(R[t][j] for j in readers[i] if j > k):
-                    current -= training.mem[i]
-        peaks.append(peak)
-    return peaks
-
-
-def no_recompute_schedule(training: TrainingGraph) -> tuple[Matrix, Matrix]:
-    """Each node once, at home, kept while a later stage reads it."""
-    T, readers, home = training.size, training.readers(), training.home
-    R = tuple(tuple(int(home[i] == t) for i in range(T)) for t in range(T))
-    S = tuple(tuple(int(home[i] < t and (training.kept[i] or any(home[j] >= t for j in readers[i])))
-                    for i in range(T)) for t in range(T))
-    return R, S
-
-
-def no_recompute_peak(graph: nx.DiGraph) -> float:
-    """Peak bytes without recompute (the simulator's eager peak): enough budget for no recompute."""
-    training = training_graph(graph)
-    return max(stage_peaks(training, *no_recompute_schedule(training)), default=0)
-
-
-def last_use(training: TrainingGraph) -> list[int]:
-    """The last stage at which each node can be of use: a once-only reader reads it at home,
-    a recomputable one as late as it is itself of use, an op as late as its extra."""
-    T, readers, home = training.size, training.readers(), training.home
-    last = [T - 1 if kept else -1 for kept in training.kept]
-    for i in reversed(range(T)):
-        for j in readers[i]:
-            last[i] = max(last[i], home[j] if training.once[j] else max(home[j], last[j]))
-        last[home[i]] = max(last[home[i]], last[i])
-    return [max(used, home[i]) for i, used in enumerate(last)]
 
 
 class _Model:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from passes.checkmate import _build, no_recompute_peak, training_graph
+from passes.checkmate import _build
 from passes.costgraph import op_nodes
+from passes.training_graph import no_recompute_peak, training_graph
 
 FLOOR_MAX_OPS = 40
 FLOOR_TIME_LIMIT = 5.0

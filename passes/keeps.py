@@ -141,6 +141,17 @@ def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]])
     return _edit_leaves(segments, keeps, remove)
 
 
+def whole_graph(graph: nx.DiGraph) -> tuple[Segment, ...]:
+    """One recomputed segment over the whole graph, split where ops cannot be recomputed."""
+    return make_segments(graph, [(op_nodes(graph), True)])
+
+
+def keeping(segments: Sequence[Segment], kept: set[str]) -> tuple[Segment, ...]:
+    """``segments`` with each recomputed one keeping exactly the values of ``kept`` it runs."""
+    return tuple(replace(s, saved_inside=tuple(n for n in s.nodes if n in kept)) if s.recompute else s
+                 for s in segments)
+
+
 def remat_still_valid(graph: nx.DiGraph, segments: Sequence[Segment]) -> bool:
     """Whether ``segments``' rematerialized inputs still have their sources alive after a
     change of kept values: a segment that comes to run by saved-tensor hooks, or keeps
@@ -161,7 +172,7 @@ def selective_whole(graph: nx.DiGraph) -> tuple[Segment, ...]:
     program is near. Empty when the graph has no matmul/convolution output to keep."""
     if not any(graph.nodes[name]["expensive"] for name in op_nodes(graph)):
         return ()
-    return selective(graph, Candidate("whole", make_segments(graph, [(op_nodes(graph), True)]))).segments
+    return selective(graph, Candidate("whole", whole_graph(graph))).segments
 
 
 def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:

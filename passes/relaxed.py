@@ -26,19 +26,12 @@ from passes.checkmate import MAX_OPS, relaxed_holds
 from passes.costgraph import op_nodes
 from passes.floor import quiet
 from passes.hooked import keeps_by_hooks
-from passes.keeps import keepable, with_keeps, without_keeps
+from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
 from passes.plan import Plan, plan_of_segments
-from passes.segments import Segment, make_segments
+from passes.segments import Segment
 
 RELAXED_MAX_OPS = MAX_OPS
 THRESHOLDS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)  # a value held at least this much is kept
-
-
-def keeping_everywhere(graph: nx.DiGraph, kept: set[str]) -> tuple[Segment, ...]:
-    """One recomputed segment over the whole graph (split where ops cannot be recomputed)
-    keeping ``kept`` from forward and making every other value again for backward."""
-    return tuple(replace(s, saved_inside=tuple(n for n in s.nodes if n in kept)) if s.recompute else s
-                 for s in make_segments(graph, [(op_nodes(graph), True)]))
 
 
 def rounded_keeps(graph: nx.DiGraph, holds: dict[str, float]) -> list[set[str]]:
@@ -60,11 +53,11 @@ def fitted(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float
     return with_keeps(graph, plan, budget_bytes)
 
 
-def _hooks_possible(graph: nx.DiGraph) -> bool:
+def _hooks_possible(graph: nx.DiGraph, whole: tuple[Segment, ...]) -> bool:
     """Whether any segment keeping values over the graph would run by hooks: not on graphs
     costed without inputs, drawing random numbers everywhere, or planned for
     :func:`graphckpt.enable` (then the relaxation is not solved at all)."""
-    everything = keeping_everywhere(graph, {name for name in op_nodes(graph) if keepable(graph, name)})
+    everything = keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})
     return any(segment.recompute and keeps_by_hooks(graph, segment) for segment in everything)
 
 
@@ -72,7 +65,10 @@ def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
     """The cheapest plan fitting ``budget_bytes`` among the relaxation's rounded keep sets,
     each kept by one hooked segment over the graph; ``None`` on graphs over
     :data:`RELAXED_MAX_OPS` ops, where no segment would run by hooks, or when none fits."""
-    if len(op_nodes(graph)) > RELAXED_MAX_OPS or not _hooks_possible(graph):
+    if len(op_nodes(graph)) > RELAXED_MAX_OPS:
+        return None
+    whole = whole_graph(graph)
+    if not _hooks_possible(graph, whole):
         return None
     with quiet():
         holds = relaxed_holds(graph, budget_bytes)
@@ -80,7 +76,7 @@ def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
         return None
     best: Plan | None = None
     for kept in rounded_keeps(graph, holds):
-        segments = keeping_everywhere(graph, kept)
+        segments = keeping(whole, kept)
         if not any(s.recompute and keeps_by_hooks(graph, s) for s in segments):
             continue
         plan = fitted(graph, segments, budget_bytes)

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import networkx as nx
 
 from passes.costgraph import op_nodes
-from passes.keeps import keepable
+from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments
 from passes.remat import rematerializable, with_remat
@@ -63,10 +63,6 @@ def _runs(starts: Sequence[bool], first: int, last: int) -> list[tuple[int, int]
     return runs
 
 
-def _with_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keep: set[str]) -> list[Segment]:
-    return [replace(s, saved_inside=tuple(n for n in s.nodes if n in keep)) if s.recompute else s for s in segments]
-
-
 def build(graph: nx.DiGraph, layout: PlanLayout, memo: dict | None = None) -> tuple[Segment, ...]:
     """The segments a layout describes: runs of the op order made by
     :func:`passes.segments.make_segments` (which splits out what may not be recomputed and
@@ -87,9 +83,9 @@ def build(graph: nx.DiGraph, layout: PlanLayout, memo: dict | None = None) -> tu
             continue
         children = _runs(layout.child_start, start, end)
         if len(children) == 1:
-            segments += _with_keeps(graph, run(start, end, True), keep)
+            segments += keeping(run(start, end, True), keep)
             continue
-        inner = [s for a, b in children for s in _with_keeps(graph, run(a, b, layout.child_recompute[a]), keep)]
+        inner = [s for a, b in children for s in keeping(run(a, b, layout.child_recompute[a]), keep)]
         parent = nested(graph, inner)
         if not all(graph.nodes[n]["recomputable"] for n in parent.nodes) or \
                 boundary_bytes(graph, (*parent.inputs, *parent.outputs)) == float("inf"):

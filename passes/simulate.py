@@ -41,7 +41,8 @@ from passes.hooked import RemakeGroup, keeps_by_hooks, last_needed, remake_group
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
-from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
+from passes.sim_memory import EXTRA, GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
+from passes.sim_ops import run_backward, run_forward
 
 LOSS_WORKING_SET = 3
 
@@ -72,96 +73,6 @@ def loss_working_bytes(graph: nx.DiGraph) -> int:
     return LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
 
 
-def _run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
-                 within: set[int] | None = None, keep: Iterable[int] = ()) -> None:
-    """Compute ``nodes`` (ids); with ``save`` each op also holds what its backward needs.
-
-    ``within`` limits the readers that keep a value alive to that set (a recompute only
-    feeds its own segment); ``keep`` values get one more hold (kept from forward).
-    """
-    index = memory.index
-    owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
-    reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
-    kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
-    for node in nodes:
-        key = memory.key(node)
-        if owns[node]:
-            memory.allocate(key, nbytes[node])
-        here = readers[node] if within is None else [r for r in readers[node] if r in within]
-        memory.hold(node, len(here) + (node in kept), key)
-        if save:
-            for value in saved[node]:
-                memory.hold(value)
-            memory.allocate(slot(node, EXTRA), index.saved_extra[node])
-        memory.touch(forward_extra[node])
-        for value in reads[node]:
-            if within is None or value in within:
-                memory.release(value)
-        memory.release(node, 0, key)
-        # A selective segment keeps the matmul outputs inside a kept node until its recompute
-        # reruns the node (the cache is consumed there).
-        if node in kept:
-            memory.allocate(slot(node, SELECTIVE_EXTRA), selective_extra[node])
-        else:
-            memory.free(slot(node, SELECTIVE_EXTRA))
-
-
-def _run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> None:
-    """Backward of ``nodes`` (ids) in reverse: gradients in, gradients out, saved values released.
-
-    A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
-    (those added into existing buffers too), for a moment after its gradients are made.
-    """
-    index = memory.index
-    for node in reversed(nodes):
-        early = index.released_early[node] if node in grads else ()  # let go by its first functions
-        if node in grads:
-            _gradients_of(memory, node, grads)
-            grads.discard(node)
-        for value in index.saved[node]:
-            if value not in early:
-                memory.release(value)
-        memory.free(slot(node, EXTRA))
-
-
-def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> None:
-    """``node``'s backward: its inputs' gradients made (or added into theirs), its
-    parameters' gradients, its scratch for a moment; then its own gradient freed."""
-    index = memory.index
-    partial = 0
-    for value, size in index.grad_reads[node]:
-        if value in grads:
-            memory.touch(size)  # made beside the existing buffer, then added into it
-            partial += size
-        elif index.grad_views[node]:
-            memory.share_gradient(value, node)
-            grads.add(value)
-        else:
-            memory.allocate(slot(value, GRAD), size)
-            grads.add(value)
-    shared = index.shared[node]
-    own = index.param_grad[node]
-    for param, nbytes in shared:  # summed in one buffer until its last reader's backward:
-        if slot(param, PARAM_ACCUMULATOR) not in memory.live:  # the first gradient becomes it;
-            memory.allocate(slot(param, PARAM_ACCUMULATOR), nbytes)
-            own -= nbytes
-        else:  # a later one is made beside it, and their sum (out of place) replaces it
-            own += nbytes
-    memory.allocate(slot(node, PARAM_GRAD), max(0, own))
-    for value in index.released_early[node]:
-        memory.release(value)
-    # Kernel scratch lives while every gradient the node returns exists: the new
-    # buffers and parameter gradients above and those still to be added into a buffer.
-    extra = index.backward_extra[node]
-    memory.touch(extra and extra + partial)
-    memory.free(slot(node, PARAM_GRAD))
-    for param, _ in shared:
-        memory.pending_readers[param] -= 1
-        if memory.pending_readers[param] == 0:
-            memory.free(slot(param, PARAM_ACCUMULATOR))
-    memory.free_gradient(node)
-
-
 def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, tag: tuple,
                      within: set[int] | None = None) -> None:
     """One checkpoint call of a recomputed segment, saving nothing: it holds the segment's
@@ -176,41 +87,43 @@ def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, ta
     done = 0
     for call in random_calls(graph, segment):  # in call order, so their first nodes in order
         at = segment.nodes.index(call.nodes[0], done)
-        _run_forward(memory, nodes[done:at], save=False, within=within, keep=keep)
+        run_forward(memory, nodes[done:at], save=False, within=within, keep=keep)
         memory.allocate((*tag, id(call)), graph.graph.get("rng_state_bytes", 0))
         done = at
-    _run_forward(memory, nodes[done:], save=False, within=within, keep=keep)
+    run_forward(memory, nodes[done:], save=False, within=within, keep=keep)
 
 
-def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment]) -> None:
+def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment],
+                      hooked: dict[Segment, dict[str, str]]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
     inputs and generator states (and their matmul outputs, when selective; and what their
-    ops save beyond values, when run by hooks)."""
+    ops save beyond values, when run by hooks: ``hooked``, with :func:`passes.hooked.last_needed`)."""
     for segment in segments:
         if segment.recompute:
             _call_recomputed(memory, graph, segment, ("rng",))
-            if keeps_by_hooks(graph, segment):  # run by hooks: what its ops save beyond values stays
+            needed = hooked.get(segment)
+            if needed is not None:  # run by hooks: what its ops save beyond values stays
                 for node in memory.index.id_list(segment.nodes):
                     memory.allocate(slot(node, EXTRA), memory.index.saved_extra[node])
-                needed = last_needed(graph, segment)  # the rest goes when the call's forward ends
-                for value in (*kept_inputs(segment), *segment.saved_inside):
+                for value in (*kept_inputs(segment), *segment.saved_inside):  # the rest goes now
                     if value not in needed:
                         memory.release(memory.index.ids[value])
         else:
-            _run_forward(memory, memory.index.id_list(segment.nodes), save=True)
+            run_forward(memory, memory.index.id_list(segment.nodes), save=True)
 
 
 def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[int],
-                       ran: Sequence[Step] | None = None) -> None:
+                       ran: Sequence[Step] | None = None, hooked: dict[Segment, dict[str, str]] | None = None) -> None:
     """Backward of segments in reverse; each recomputed one is first run again, with its
     kept matmul outputs when they were cached (always at the top level; nested, only when
-    the enclosing recompute ran it: ``ran``)."""
+    the enclosing recompute ran it: ``ran``), or, run by hooks (``hooked``, top level only),
+    makes its values again as backward needs them."""
     for segment in reversed(segments):
         if not segment.recompute:
-            _run_backward(memory, memory.index.id_list(segment.nodes), grads)
+            run_backward(memory, memory.index.id_list(segment.nodes), grads)
             continue
-        if ran is None and keeps_by_hooks(graph, segment):
-            _backward_hooked(memory, graph, segment, grads)  # lets its inputs go as it goes
+        if hooked and segment in hooked:
+            _backward_hooked(memory, graph, segment, grads, hooked[segment])  # lets its inputs go as it goes
         else:
             _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
             for value in memory.index.id_list(kept_inputs(segment)):
@@ -237,7 +150,7 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         memory.allocate(("rng-fork", id(segment)), graph.graph.get("rng_state_bytes", 0))
     for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
         if not is_segment:
-            _run_forward(memory, index.id_list(steps), save=True, within=within)
+            run_forward(memory, index.id_list(steps), save=True, within=within)
             continue
         for child in steps:
             _call_recomputed(memory, graph, child, rerun, within=within)
@@ -261,7 +174,7 @@ def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int], b
     the body is Python code that lets a value go after its last use *in the body*, so a
     value read by an op past the stop, or returned by the segment, lives until then (T5's
     decoder mask and encoder output did, 86 KB over the simulated peak). Held here for
-    the segment's outputs; :func:`_run_forward` holds for readers past the stop when given
+    the segment's outputs; :func:`passes.sim_ops.run_forward` holds for readers past the stop when given
     the whole ``body`` (its node ids) as ``within``. Returns the holds to release once the
     recompute ends."""
     index = memory.index
@@ -277,12 +190,13 @@ def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int], b
     return unwound
 
 
-def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int]) -> None:
+def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
+                     needed: dict[str, str]) -> None:
     """Backward of a segment run by saved-tensor hooks (:mod:`passes.hooked`): its ops in
     reverse, on forward's own graph; the first op that unpacks a value of a remake group
     makes the whole group again, and each value made goes after its last saver's backward.
     The inputs and kept values, held by the call since forward, go after the backward of
-    the last op needing them (:func:`passes.hooked.last_needed`)."""
+    the last op needing them (``needed``: :func:`passes.hooked.last_needed`)."""
     index = memory.index
     groups = remake_groups(graph, segment)
     group_of = {index.ids[name]: group for group in groups for name in group.marked}
@@ -294,7 +208,7 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
             savers[index.roots[value]] = savers.get(index.roots[value], 0) + 1
     made: set[RemakeGroup] = set()
     let_go: dict[int, list[int]] = {}  # op -> the inputs and kept values going after its backward
-    for value, name in last_needed(graph, segment).items():
+    for value, name in needed.items():
         let_go.setdefault(index.ids[name], []).append(index.ids[value])
     for node in reversed(nodes):
         for value in index.saved[node]:
@@ -304,7 +218,7 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
             elif group not in made:
                 made.add(group)
                 _remake(memory, group, savers)
-        _run_backward(memory, [node], grads)
+        run_backward(memory, [node], grads)
         for value in let_go.get(node, ()):
             memory.release(value)
     memory.fresh.pop()
@@ -317,7 +231,7 @@ def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int]) -> N
     for name in group.marked:
         memory.hold(index.ids[name], savers[index.ids[name]])
     nodes = index.id_list(group.nodes)
-    _run_forward(memory, nodes, save=False, within=set(nodes))
+    run_forward(memory, nodes, save=False, within=set(nodes))
 
 
 def _stop_holds(graph: nx.DiGraph, stop: Step | None) -> Sequence[str]:
@@ -338,14 +252,16 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = fl
             memory.hold(index.ids[name], graph.out_degree(name))
     for value in index.id_list(graph_outputs(graph)):
         memory.hold(value)
-    _forward_sequence(memory, graph, segments)
+    hooked = {segment: last_needed(graph, segment) for segment in segments
+              if segment.recompute and keeps_by_hooks(graph, segment)}  # asked in forward and backward
+    _forward_sequence(memory, graph, segments, hooked)
     grads: set[int] = set()
     memory.allocate(("loss",), loss_working_bytes(graph))
     for value in trained_outputs(graph):
         memory.allocate(slot(index.ids[value], GRAD), gradient_bytes(graph, value))
         grads.add(index.ids[value])
     memory.free(("loss",))
-    _backward_sequence(memory, graph, segments, grads)
+    _backward_sequence(memory, graph, segments, grads, hooked=hooked)
     return memory.peak
 
 

@@ -23,11 +23,11 @@ from graphckpt.api import Analysis, analyze, generate_rewrite
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step, peak_memory
 from passes.budget import BudgetError
-from passes.checkmate import no_recompute_peak
 from passes.costgraph import add_value, check_cost_graph, op_nodes
 from passes.kept_bytes import shared_parameters
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak, eager_segments, simulate
+from passes.training_graph import no_recompute_peak
 from tests.device import DEVICE, on_test_device
 from tests.test_checkmate import check_strategies, small_cost_graphs
 

@@ -1,0 +1,101 @@
+"""One op's forward and backward on the simulator's live memory (:class:`passes.sim_memory.LiveMemory`):
+what it allocates, holds, saves and releases, and the gradients its backward makes. The
+replay of a whole plan, segment by segment, is :mod:`passes.simulate`; this is the step it
+repeats for every op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECTIVE_EXTRA, LiveMemory, slot
+
+
+def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
+                 within: set[int] | None = None, keep: Iterable[int] = ()) -> None:
+    """Compute ``nodes`` (ids); with ``save`` each op also holds what its backward needs.
+
+    ``within`` limits the readers that keep a value alive to that set (a recompute only
+    feeds its own segment); ``keep`` values get one more hold (kept from forward).
+    """
+    index = memory.index
+    owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
+    reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
+    kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
+    for node in nodes:
+        key = memory.key(node)
+        if owns[node]:
+            memory.allocate(key, nbytes[node])
+        here = readers[node] if within is None else [r for r in readers[node] if r in within]
+        memory.hold(node, len(here) + (node in kept), key)
+        if save:
+            for value in saved[node]:
+                memory.hold(value)
+            memory.allocate(slot(node, EXTRA), index.saved_extra[node])
+        memory.touch(forward_extra[node])
+        for value in reads[node]:
+            if within is None or value in within:
+                memory.release(value)
+        memory.release(node, 0, key)
+        # A selective segment keeps the matmul outputs inside a kept node until its recompute
+        # reruns the node (the cache is consumed there).
+        if node in kept:
+            memory.allocate(slot(node, SELECTIVE_EXTRA), selective_extra[node])
+        else:
+            memory.free(slot(node, SELECTIVE_EXTRA))
+
+
+def run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> None:
+    """Backward of ``nodes`` (ids) in reverse: gradients in, gradients out, saved values released.
+
+    A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
+    (those added into existing buffers too), for a moment after its gradients are made.
+    """
+    index = memory.index
+    for node in reversed(nodes):
+        early = index.released_early[node] if node in grads else ()  # let go by its first functions
+        if node in grads:
+            _gradients_of(memory, node, grads)
+            grads.discard(node)
+        for value in index.saved[node]:
+            if value not in early:
+                memory.release(value)
+        memory.free(slot(node, EXTRA))
+
+
+def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> None:
+    """``node``'s backward: its inputs' gradients made (or added into theirs), its
+    parameters' gradients, its scratch for a moment; then its own gradient freed."""
+    index = memory.index
+    partial = 0
+    for value, size in index.grad_reads[node]:
+        if value in grads:
+            memory.touch(size)  # made beside the existing buffer, then added into it
+            partial += size
+        elif index.grad_views[node]:
+            memory.share_gradient(value, node)
+            grads.add(value)
+        else:
+            memory.allocate(slot(value, GRAD), size)
+            grads.add(value)
+    shared = index.shared[node]
+    own = index.param_grad[node]
+    for param, nbytes in shared:  # summed in one buffer until its last reader's backward:
+        if slot(param, PARAM_ACCUMULATOR) not in memory.live:  # the first gradient becomes it;
+            memory.allocate(slot(param, PARAM_ACCUMULATOR), nbytes)
+            own -= nbytes
+        else:  # a later one is made beside it, and their sum (out of place) replaces it
+            own += nbytes
+    memory.allocate(slot(node, PARAM_GRAD), max(0, own))
+    for value in index.released_early[node]:
+        memory.release(value)
+    # Kernel scratch lives while every gradient the node returns exists: the new
+    # buffers and parameter gradients above and those still to be added into a buffer.
+    extra = index.backward_extra[node]
+    memory.touch(extra and extra + partial)
+    memory.free(slot(node, PARAM_GRAD))
+    for param, _ in shared:
+        memory.pending_readers[param] -= 1
+        if memory.pending_readers[param] == 0:
+            memory.free(slot(param, PARAM_ACCUMULATOR))
+    memory.free_gradient(node)
