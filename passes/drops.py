@@ -26,7 +26,7 @@ from passes.keeps import keepable
 from passes.plan import Plan, plan_of_segments
 from passes.remat import rematerializable, with_remat
 from passes.segments import PlanError, Segment, cost_key, make_segments
-from passes.simulate import eager_segments, simulate
+from passes.simulate import eager_segments, peak_within, simulate
 
 
 def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[Segment] = ()) -> tuple[Segment, ...]:
@@ -150,12 +150,18 @@ def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 1
 def _longest_valid_prefix(graph: nx.DiGraph, chosen: list[str], block: list[str],
                           segments: Sequence[Segment]) -> int:
     """How many values of ``block``, from its start, ``segments`` can drop with ``chosen``:
-    all of them in one check when they can; otherwise found by bisection, taking a plan
-    that is invalid as staying invalid with more values dropped (a dropped value only
-    takes sources away from the others' chains)."""
+    all of them in one check when they can; otherwise found by galloping from the start
+    (prefixes of 1, 2, 4, ... values) and then bisection, taking a plan that is invalid as
+    staying invalid with more values dropped (a dropped value only takes sources away from
+    the others' chains). Refused values come mostly first in a block (the one refused just
+    before it was the start of a run the chains cannot reach across), where galloping
+    needs one check past the whole block's and bisection needed four."""
     if _valid(graph, [*chosen, *block], segments):
         return len(block)
-    low, high = 0, len(block)  # low values are known to be droppable, high are known not to be
+    low, high = 0, 1  # low values are known to be droppable, high are not known to be
+    while high < len(block) and _valid(graph, [*chosen, *block[:high]], segments):
+        low, high = high, 2 * high
+    high = min(high, len(block))  # known not to be droppable
     while high - low > 1:
         middle = (low + high) // 2
         if _valid(graph, [*chosen, *block[:middle]], segments):
@@ -185,7 +191,7 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], opt
             trial = dropped_segments(graph, options[:count], segments)
         except PlanError:
             return False
-        if simulate(graph, trial).peak_bytes > budget_bytes:
+        if peak_within(graph, trial, budget_bytes) is None:
             return False
         fitting[count] = trial
         return True
@@ -271,8 +277,8 @@ def _in_order(graph: nx.DiGraph, budget_bytes: float, max_simulations: int) -> l
         if trial is None:
             continue
         simulations += 1
-        trial_peak = simulate(graph, trial).peak_bytes
-        if trial_peak < peak:
+        trial_peak = peak_within(graph, trial, peak - 1)
+        if trial_peak is not None:
             chosen, peak = [*chosen, name], trial_peak
     return chosen if peak <= budget_bytes else None
 
@@ -292,6 +298,6 @@ def _pruned(graph: nx.DiGraph, chosen: list[str], budget_bytes: float, max_simul
         if cost_key(graph, segments) >= best:
             continue
         max_simulations -= 1
-        if simulate(graph, segments).peak_bytes <= budget_bytes:
+        if peak_within(graph, segments, budget_bytes) is not None:
             chosen, best = trial, cost_key(graph, segments)
     return chosen

@@ -30,7 +30,7 @@ from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute cos
 from passes.plan import Candidate, Plan, plan_of_segments, selective
 from passes.remat import validate_remat
 from passes.segments import PlanError, Segment, cost_key, make_segments, rerun_nodes
-from passes.simulate import forward_floor, simulate
+from passes.simulate import forward_floor, peak_within
 
 MAX_SIMULATIONS = 40
 SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
@@ -220,8 +220,8 @@ def without_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simula
         trial = remove_keeps(segments, [removal])
         if not remat_still_valid(graph, trial):
             continue
-        trial_peak = simulate(graph, trial).peak_bytes
-        if trial_peak < peak:
+        trial_peak = peak_within(graph, trial, peak - 1)
+        if trial_peak is not None:
             segments, peak = trial, trial_peak
             if peak <= budget_bytes:
                 return plan_of_segments(graph, plan.strategy, segments, plan.notes)
@@ -260,7 +260,7 @@ def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulatio
         trial = [*chosen, *ranked[position:position + run]]
         segments = add_keeps(graph, plan.segments, trial)
         simulations += 1
-        if remat_still_valid(graph, segments) and simulate(graph, segments).peak_bytes <= budget_bytes:
+        if remat_still_valid(graph, segments) and peak_within(graph, segments, budget_bytes) is not None:
             chosen, position, run = trial, position + run, run * 2
             if cost_key(graph, segments) < best_key:
                 best, best_key = segments, cost_key(graph, segments)

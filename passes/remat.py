@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from passes.costgraph import graph_outputs, in_order, pure, pure_ops
+from passes.costgraph import graph_outputs, in_order, node_attribute, per_graph_value, pure, pure_ops
 from passes.hooked import SegmentLike, keeps_by_hooks, last_needed
 from passes.sim_memory import LiveMemory
 
@@ -65,7 +65,10 @@ def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str], limit: int |
     that start at a value of ``keep``, a model input or a parameter (the sources are the ones
     of those that are not parameters and that the chain reads). :class:`ChainTooLong` as soon
     as the chain has more than ``limit`` ops."""
-    stop = set(keep)
+    stop = keep if isinstance(keep, (set, frozenset)) else set(keep)
+    last = _last_chains(graph).get(value)
+    if last is not None and _same_chain(graph, last, stop) and (limit is None or len(last.nodes) <= limit):
+        return last
     chain, sources, todo = {value}, set(), [value]
     while todo:
         for u in graph.predecessors(todo.pop()):
@@ -79,7 +82,27 @@ def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str], limit: int |
                 todo.append(u)
                 if limit is not None and len(chain) > limit:
                     raise ChainTooLong(f"{value!r} is more than {limit} ops from the values kept")
-    return Remat(value, tuple(in_order(graph, sources)), tuple(in_order(graph, chain)))
+    remat = Remat(value, tuple(in_order(graph, sources)), tuple(in_order(graph, chain)))
+    _last_chains(graph)[value] = remat
+    return remat
+
+
+@per_graph_value
+def _last_chains(graph: nx.DiGraph) -> dict[str, Remat]:
+    """The chain :func:`remat_chain` last traced to each value of ``graph``: a cache, not a
+    fact. Plan searches ask for the chains of the same values again and again with kept sets
+    that differ elsewhere (the drop search checks ~200 plans on a 500-op graph, each
+    re-tracing every chain); one still the same is checked in a few set lookups."""
+    return {}
+
+
+def _same_chain(graph: nx.DiGraph, remat: Remat, stop: set[str] | frozenset[str]) -> bool:
+    """Whether tracing ``remat.value`` back to ``stop`` gives ``remat`` again: the trace
+    looks only at the nodes it visits, and it visits the same ones when each source is still
+    a stop (or a model input) and no op of the chain but the value itself is one."""
+    kind = node_attribute(graph, "kind")
+    return (all(s in stop or kind[s] == "input" for s in remat.sources)
+            and not any(n in stop for n in remat.nodes if n != remat.value))
 
 
 def runs_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
@@ -137,6 +160,12 @@ def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: ty
     and checked them, as :func:`with_remat` does); every source a model input or a value
     :func:`held_at_each` the segment's recompute, not written later and not rematerialized itself."""
     alive = held_at_each(graph, segments) if any(s.remat for s in segments) else []
+    _validate_held(graph, segments, alive, error, check_chains=not chains_built)
+
+
+def _validate_held(graph: nx.DiGraph, segments: Sequence[SegmentLike], alive: Sequence[set[str]],
+                   error: type[Exception], check_chains: bool) -> None:
+    """:func:`validate_remat` given what is alive at each segment's recompute (``alive``)."""
     for index, segment in enumerate(segments):
         for child in segment.children:
             if child.remat or any(c.remat for c in child.children):
@@ -151,7 +180,7 @@ def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: ty
             raise error(f"{where} rematerializes an input twice: {values}")
         for remat in segment.remat:
             _validate_one(graph, remat, segment, held, f"{where} rematerializing {remat.value!r}", error,
-                          check_chain=not chains_built)
+                          check_chain=check_chains)
 
 
 def _validate_one(graph: nx.DiGraph, remat: Remat, segment: SegmentLike, held: set[str], where: str,
@@ -239,13 +268,15 @@ def with_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], picks: Iterab
             continue
         held = alive[index]
         try:
-            remats = tuple(remat_chain(graph, r.value, held - {r.value}, MAX_REMAT_OPS) for r in segment.remat)
+            remats = tuple(remat_chain(graph, r.value, held, MAX_REMAT_OPS) for r in segment.remat)
         except ChainTooLong as long:
             raise error(f"segment {index}: {long}") from None
         for remat in remats:
             _check_pure(graph, remat, f"segment {index} rematerializing {remat.value!r}", error)
         result.append(replace(segment, remat=remats))
-    validate_remat(graph, result, error, chains_built=True)  # sources that change after forward, ...
+    # sources that change after forward, ...; what is held depends on which values are
+    # rematerialized, not on their chains: ``alive`` is the result's too
+    _validate_held(graph, result, alive, error, check_chains=False)
     return tuple(result)
 
 

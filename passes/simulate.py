@@ -304,16 +304,21 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
 
 
-def peak_exceeds(graph: nx.DiGraph, segments: Iterable[Segment], limit: int) -> bool:
-    """Whether a plan's simulated peak goes above ``limit`` bytes, found by a replay that
-    stops where it does: a candidate that cannot beat the best plan so far is dropped for
-    part of a simulation (:func:`passes.heuristics.auto_plan`; at 50k nodes the √n
-    candidate went above the articulation plan's peak early in backward)."""
+def peak_within(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) -> int | None:
+    """A plan's simulated peak when it is at most ``limit`` bytes, else ``None``, found by a
+    replay that stops where the peak goes above: the plan searches ask of each trial only
+    whether it fits (or beats a peak), and a trial that does not is dropped for part of a
+    simulation (at 50k nodes the √n candidate of :func:`passes.heuristics.auto_plan` went
+    above the articulation plan's peak early in backward)."""
     try:
-        _step_peak(graph, tuple(segments), limit)
+        return _step_peak(graph, tuple(segments), limit)
     except LimitExceeded:
-        return True
-    return False
+        return None
+
+
+def peak_exceeds(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) -> bool:
+    """Whether a plan's simulated peak goes above ``limit`` bytes (:func:`peak_within`)."""
+    return peak_within(graph, segments, limit) is None
 
 
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
