@@ -280,10 +280,10 @@ def per_graph_value(function: Callable[[nx.DiGraph], T]) -> Callable[[nx.DiGraph
 
     @wraps(function)
     def memoised(graph: nx.DiGraph) -> T:
-        size = len(graph)
-        if graph not in memo or memo[graph][0] != size:
-            memo[graph] = size, function(graph)
-        return memo[graph][1]
+        size, entry = len(graph), memo.get(graph)
+        if entry is None or entry[0] != size:
+            entry = memo[graph] = size, function(graph)
+        return entry[1]
 
     return memoised
 
@@ -308,14 +308,17 @@ def op_nodes(graph: nx.DiGraph) -> list[str]:
     return [n for n in in_order(graph) if kind[n] == "op"]
 
 
+@per_graph_value
 def output_sink(graph: nx.DiGraph) -> str | None:
     """The node of kind ``output`` that gathers the forward's results (``None`` in a graph
     without one)."""
     return next((n for n, kind in graph.nodes(data="kind") if kind == "output"), None)
 
 
+@per_graph
 def graph_outputs(graph: nx.DiGraph) -> list[str]:
-    """The values the forward returns (those the output sink reads), in execution order."""
+    """The values the forward returns (those the output sink reads), in execution order
+    (asked by every replay and every validity check of a plan search)."""
     sink = output_sink(graph)
     return [] if sink is None else in_order(graph, set(graph.predecessors(sink)))
 

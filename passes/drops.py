@@ -16,7 +16,7 @@ takes the cheaper. Each try is one simulation, so it is for small graphs (the lo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import networkx as nx
@@ -80,14 +80,13 @@ DROPS_MAX_OPS = 1500  # larger graphs: each validity check walks the whole plan,
 def drops_on_top(graph: nx.DiGraph, bases: Sequence[Plan], budget_bytes: float) -> Plan | None:
     """The cheapest plan fitting ``budget_bytes`` made by dropping values on top of one of
     ``bases`` (:func:`dropped_segments`): for each base, the shortest prefix of the values it
-    could drop (:func:`drop_order`) that fits, found by bisection, one simulation a try. For
+    could drop (:func:`droppable_values`) that fits (:func:`_shortest_fitting_prefix`). For
     graphs of any size, where :func:`drop_plan`'s greedy takes a simulation per value: a
     transformer's plan keeps its matmul outputs and drops the pointwise values between them,
     what torch.compile's partitioner recomputes."""
     found: list[tuple[tuple[int, int, int], int, Plan, list[str], tuple[Segment, ...]]] = []
     for index, base in enumerate(bases):
-        options = _droppable_on(graph, base.segments)
-        fitting = _shortest_fitting_prefix(graph, base.segments, options, budget_bytes)
+        fitting = _shortest_fitting_prefix(graph, base.segments, droppable_values(graph, base.segments), budget_bytes)
         if fitting is not None:
             chosen, segments = fitting
             found.append((cost_key(graph, segments), index, base, chosen, segments))
@@ -119,14 +118,15 @@ def drop_bases(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, ch
 DROP_REFUSALS = 16  # values refused before the scan for more to drop gives up
 
 
-def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16) -> list[str]:
-    """The values of :func:`drop_order` that ``segments`` can drop together, in that order:
-    made and saved only by ops of kept segments, each added with those before it only when
-    the plan stays valid, until :data:`DROP_REFUSALS` values have been refused. Each
-    check rebuilds the whole plan (3 ms on GPT-2's 538 ops), so values are tried a ``chunk``
-    at a time, and in a chunk that fails the first value refused is found by bisection
-    (:func:`_longest_valid_prefix`), not one by one: 15 checks where there were 41. On a
-    1000-op residual stack, where dropping a run of values in a row makes chains too long
+def droppable_values(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16) -> Iterator[str]:
+    """The values of :func:`drop_order` that ``segments`` can drop together, in that order,
+    as they are found: made and saved only by ops of kept segments, each taken with those
+    before it only when the plan stays valid, until :data:`DROP_REFUSALS` values have been
+    refused. Each check rebuilds the whole plan (3 ms on GPT-2's 538 ops), so values are
+    tried a ``chunk`` at a time, and in a chunk that fails the first value refused is found
+    by :func:`_longest_valid_prefix`, not one by one. Lazy: a budget that a few dropped
+    values meet stops the scan there (:func:`_shortest_fitting_prefix`). On a 1000-op
+    residual stack, where dropping a run of values in a row makes chains too long
     (:data:`passes.remat.MAX_REMAT_OPS`), checking every value was most of a 12 s budget
     plan, and the values late in the order are the ones worth least."""
     kept = {name for s in segments if not s.recompute for name in s.nodes}
@@ -141,10 +141,10 @@ def _droppable_on(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 1
         block, todo = todo[:chunk], todo[chunk:]
         taken = _longest_valid_prefix(graph, chosen, block, segments)
         chosen += block[:taken]
+        yield from block[:taken]
         if taken < len(block):  # block[taken] is refused; the rest of the block is tried again
             refused += 1
             todo = block[taken + 1:] + todo
-    return chosen
 
 
 def _longest_valid_prefix(graph: nx.DiGraph, chosen: list[str], block: list[str],
@@ -179,16 +179,24 @@ def _valid(graph: nx.DiGraph, dropped: list[str], segments: Sequence[Segment]) -
     return True
 
 
-def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], options: list[str],
+FIRST_FIT_TEST = 16  # dropped values after which the scan first asks whether the plan fits
+
+
+def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], options: Iterable[str],
                              budget_bytes: float) -> tuple[list[str], tuple[Segment, ...]] | None:
-    """The shortest prefix of ``options`` whose plan fits ``budget_bytes``, by bisection
-    (dropping more lowers the peak, all but always), with that plan's segments; ``None``
-    when all of them do not fit."""
+    """The shortest prefix of ``options`` whose plan fits ``budget_bytes``, with that plan's
+    segments; ``None`` when all of them do not fit. ``options`` is taken lazily: the plan of
+    the values taken so far is tried after :data:`FIRST_FIT_TEST` values, then each time
+    their count doubles, and once one fits no more are scanned; the shortest fitting prefix
+    is then found by bisection since the last that did not fit (dropping more lowers the
+    peak, all but always). A budget near the base's peak needs a few values, where checking
+    every value droppable was most of the plan's time."""
     fitting: dict[int, tuple[Segment, ...]] = {}
+    chosen: list[str] = []
 
     def fits(count: int) -> bool:
         try:
-            trial = dropped_segments(graph, options[:count], segments)
+            trial = dropped_segments(graph, chosen[:count], segments)
         except PlanError:
             return False
         if peak_within(graph, trial, budget_bytes) is None:
@@ -196,16 +204,24 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], opt
         fitting[count] = trial
         return True
 
-    if not options or not fits(len(options)):
-        return None
-    low, high = 0, len(options)  # fits(high); low: not known to fit
+    low, test_at = 0, FIRST_FIT_TEST  # low: the longest prefix known not to fit (0: not known to)
+    for value in options:
+        chosen.append(value)
+        if len(chosen) == test_at:
+            if fits(test_at):
+                break
+            low, test_at = test_at, 2 * test_at
+    else:  # every option taken: the plan dropping all of them is the last to try
+        if len(chosen) == low or not fits(len(chosen)):
+            return None
+    high = len(chosen)  # fits
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):
             high = middle
         else:
             low = middle
-    return options[:high], fitting[high]
+    return chosen[:high], fitting[high]
 
 
 def drop_order(graph: nx.DiGraph) -> list[str]:

@@ -293,7 +293,7 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
     monkeypatch.setattr(drops, "_valid", refuse)
     monkeypatch.setattr(drops, "DROP_REFUSALS", 3)
     assert len(drops.drop_order(graph)) > 8
-    assert drops._droppable_on(graph, base.segments, chunk=4) == []
+    assert list(drops.droppable_values(graph, base.segments, chunk=4)) == []
     # Three values refused, each found in a chunk of four by two checks: the chunk, its
     # first value (bisection took three: the chunk, its first two values, its first one).
     assert len(checks) == 3 * 2
@@ -306,8 +306,8 @@ def test_dropping_values_skips_exactly_the_values_refused(monkeypatch: pytest.Mo
 
     graph, _ = _mlp_graph()
     base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
-    options = drops._droppable_on(graph, base.segments)
+    options = list(drops.droppable_values(graph, base.segments))
     refused = set(options[1::3])
     monkeypatch.setattr(drops, "_valid", lambda graph, dropped, segments: not refused & set(dropped))
     assert len(refused) < drops.DROP_REFUSALS
-    assert drops._droppable_on(graph, base.segments, chunk=4) == [v for v in options if v not in refused]
+    assert list(drops.droppable_values(graph, base.segments, chunk=4)) == [v for v in options if v not in refused]
