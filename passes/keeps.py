@@ -279,5 +279,16 @@ def best_with_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: floa
     starts = starts if len(op_nodes(graph)) <= MANY_STARTS_UP_TO else 1
     distinct = {plan.segments: plan for plan in plans if plan.peak_bytes <= budget_bytes}
     fitting = sorted(distinct.values(), key=lambda plan: (*plan.cost_key, plan.peak_bytes))[:starts]
-    improved = [with_keeps(graph, plan, budget_bytes) for plan in fitting]
+    improved: list[Plan] = []
+    for plan in fitting:
+        if improved and least_with_keeps(graph, plan) > min(p.cost_key[0] for p in improved):
+            continue  # even keeping everything it could, it recomputes more than a plan found
+        improved.append(with_keeps(graph, plan, budget_bytes))
     return min(improved, key=lambda plan: (*plan.cost_key, plan.peak_bytes), default=None)
+
+
+def least_with_keeps(graph: nx.DiGraph, plan: Plan) -> int:
+    """The recompute FLOPs of ``plan`` keeping every value :func:`ranked_keeps` offers, memory
+    aside: no plan :func:`with_keeps` makes of it recomputes less (each value kept takes its
+    rerun away), so a start that cannot beat a plan already found is not simulated."""
+    return cost_key(graph, add_keeps(graph, plan.segments, ranked_keeps(graph, plan.segments)))[0]

@@ -136,12 +136,26 @@ def _first_children(chain: Chain, unit: float, selective: bool) -> _FirstChild:
     return _FirstChild(as_int["stored"], as_int["own"], as_int["expensive"], boundary, recompute, cheap)
 
 
-def _shifted(values: np.ndarray, by: np.ndarray) -> np.ndarray:
-    """``out[r, m] = values[r, m - by[r]]``: each row's sub-problem run with ``by[r]``
-    slots already taken (``inf`` where that is more than ``m``)."""
+def _windows(values: np.ndarray) -> np.ndarray:
+    """Every row of ``values`` seen through every shift: ``windows[r, s, m]`` is
+    ``values[r, m + s - width]``, ``inf`` left of the row. A view, no copy: what
+    :func:`_shifted` reads, made once for the several shifts of one array."""
     rows, width = values.shape
-    index = np.arange(width) - np.minimum(by, width)[:, None]  # negative: masked below
-    return np.where(index >= 0, values[np.arange(rows)[:, None], index], np.inf)
+    padded = np.concatenate([np.full((rows, width), np.inf), values], axis=1)
+    return np.lib.stride_tricks.sliding_window_view(padded, width, axis=1)
+
+
+def _shifted(windows: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """``out[r, m] = values[r, m - by[r]]`` of the array ``windows`` views (:func:`_windows`):
+    each row's sub-problem run with ``by[r]`` slots already taken (``inf`` where that is more
+    than ``m``). A row copied per row, not an element gathered per element: half the dynamic
+    program's time went to this on a 500-op graph.
+
+    >>> _shifted(_windows(np.array([[1.0, 2.0, 3.0]])), np.array([1]))
+    array([[inf,  1.,  2.]])
+    """
+    rows, _, width = windows.shape
+    return windows[np.arange(rows), width - np.minimum(by, width)]
 
 
 def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
@@ -186,9 +200,10 @@ def _first_child_options(first: _FirstChild, memory: np.ndarray, inner: np.ndarr
     (whose costs are ``inner``), selective."""
     k = np.arange(i + 1, j)
     boundary, own_fits = first.boundary[k], memory[None, :] >= first.own_backward[i, k][:, None]
-    kept = np.where(own_fits, _shifted(rest, first.stored[i, k]), np.inf)
-    recomputed = first.recompute[i, k][:, None] + _shifted(inner, boundary) + _shifted(rest, boundary)
-    cheap = np.where(own_fits, first.selective[i, k][:, None] + _shifted(rest, boundary + first.expensive[i, k]), np.inf)
+    after = _windows(rest)
+    kept = np.where(own_fits, _shifted(after, first.stored[i, k]), np.inf)
+    recomputed = first.recompute[i, k][:, None] + _shifted(_windows(inner), boundary) + _shifted(after, boundary)
+    cheap = np.where(own_fits, first.selective[i, k][:, None] + _shifted(after, boundary + first.expensive[i, k]), np.inf)
     return np.stack([kept, recomputed, cheap], axis=1)
 
 
