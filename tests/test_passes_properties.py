@@ -23,10 +23,12 @@ from passes.cuts import (
     prefix_costs,
 )
 from passes.heuristics import sqrt_candidate
+from passes.keeps import least_with_keeps, with_keeps
 from passes.kept_bytes import boundary, boundary_bytes, keep_cost
 from passes.plan import simulated
+from passes.remat import remat_chain
 from passes.segments import segment_edges, validate_plan
-from passes.simulate import eager_peak, peak_exceeds
+from passes.simulate import eager_peak, peak_exceeds, peak_within
 from passes.strategies import STRATEGIES, choose_plan
 
 
@@ -182,6 +184,32 @@ def test_auto_is_the_best_of_its_candidates_simulated_in_full(graph: nx.DiGraph,
     for plan in plans:
         assert not peak_exceeds(graph, plan.segments, plan.peak_bytes)
         assert peak_exceeds(graph, plan.segments, plan.peak_bytes - 1) == (plan.peak_bytes > 0)
+        assert peak_within(graph, plan.segments, plan.peak_bytes) == plan.peak_bytes
+
+
+@SETTINGS
+@given(graph=cost_graphs(), data=st.data())
+def test_a_chain_traced_again_is_the_chain_traced_afresh(graph: nx.DiGraph, data: st.DataObject) -> None:
+    """remat_chain reuses the chain it last traced to a value when the new kept set would
+    make the trace visit the same nodes; whatever the kept sets asked in turn, each answer is
+    the one a graph never traced before gives."""
+    ops = op_nodes(graph)
+    value = data.draw(st.sampled_from(ops))
+    others = [n for n in graph if n != value and graph.nodes[n]["kind"] == "op"]
+    for _ in range(4):
+        keep = set(data.draw(st.lists(st.sampled_from(others), max_size=len(others)))) if others else set()
+        assert remat_chain(graph, value, keep) == remat_chain(nx.DiGraph(graph), value, keep)
+
+
+@SETTINGS
+@given(graph=cost_graphs(), segments=st.sampled_from([None, 2, 3]), slack=st.sampled_from([1.0, 1.3, 2.0]))
+def test_keeping_values_never_recomputes_less_than_keeping_them_all(graph: nx.DiGraph, segments: int | None,
+                                                                    slack: float) -> None:
+    """least_with_keeps is a floor of what with_keeps makes of a plan at any budget: the
+    budget search skips a start whose floor is above a plan it has."""
+    plan = choose_plan(graph, "sqrt", segments)
+    kept = with_keeps(graph, plan, slack * plan.peak_bytes)
+    assert least_with_keeps(graph, plan) <= kept.cost_key[0] <= plan.cost_key[0]
 
 
 # --- min-cut -----------------------------------------------------------------------------
