@@ -51,8 +51,8 @@ def memory_per_time(result: Result) -> float:
     """Share of eager's peak saved per share of eager's step added: how much memory a unit
     of slowdown buys. A plan no slower than eager that saves memory buys it for free (inf).
 
-    >>> memory_per_time(Result("a", "graphckpt", "", 50, 1.1, peak_ratio=0.5, time_ratio=1.1))
-    5.000000000000001
+    >>> memory_per_time(Result("a", "graphckpt", "", 50, 1.25, peak_ratio=0.5, time_ratio=1.25))
+    2.0
     """
     saved, added = 1.0 - result.peak_ratio, result.time_ratio - 1.0
     if saved <= 0:
