@@ -36,6 +36,7 @@ import networkx as nx
 from passes.costgraph import graph_outputs, in_order, node_attribute, per_graph_value, pure, pure_ops
 from passes.hooked import SegmentLike, keeps_by_hooks, last_needed
 from passes.sim_memory import LiveMemory
+from passes.sim_ops import run_forward
 
 
 @dataclass(frozen=True)
@@ -312,15 +313,6 @@ def run_remat(memory: LiveMemory, segment: SegmentLike) -> set[int]:
     each: the caller releases them once the recompute has run (what backward saved of them stays)."""
     index = memory.index
     chain = index.id_list(remat_nodes(segment))
-    inside, targets = set(chain), set(index.id_list(r.value for r in segment.remat))
-    for node in chain:
-        key = memory.key(node)
-        if index.owns[node]:
-            memory.allocate(key, index.nbytes[node])
-        memory.hold(node, sum(r in inside for r in index.readers[node]) + (node in targets), key)
-        memory.touch(index.forward_extra[node])
-        for value in index.activation_reads[node]:
-            if value in inside:
-                memory.release(value)
-        memory.release(node, 0, key)
+    targets = set(index.id_list(r.value for r in segment.remat))
+    run_forward(memory, chain, save=False, within=set(chain), keep=targets, selective=False)
     return targets

@@ -12,11 +12,14 @@ from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECT
 
 
 def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
-                 within: set[int] | None = None, keep: Iterable[int] = ()) -> None:
+                 within: set[int] | None = None, keep: Iterable[int] = (), selective: bool = True) -> None:
     """Compute ``nodes`` (ids); with ``save`` each op also holds what its backward needs.
 
     ``within`` limits the readers that keep a value alive to that set (a recompute only
-    feeds its own segment); ``keep`` values get one more hold (kept from forward).
+    feeds its own segment); ``keep`` values get one more hold (kept from forward), and with
+    ``selective`` they are a selective segment's kept values, holding what selective
+    checkpointing caches beside them (``selective=False``: a rematerialization chain, which
+    caches nothing and leaves alone what others cache).
     """
     index = memory.index
     owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
@@ -39,6 +42,8 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
         memory.release(node, 0, key)
         # A selective segment keeps the matmul outputs inside a kept node until its recompute
         # reruns the node (the cache is consumed there).
+        if not selective:
+            continue
         if node in kept:
             memory.allocate(slot(node, SELECTIVE_EXTRA), selective_extra[node])
         else:
