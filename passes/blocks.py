@@ -16,7 +16,7 @@ from itertools import groupby
 
 import networkx as nx
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.plan import Candidate, Segment, selective_segment
 from passes.segments import make_segments
 

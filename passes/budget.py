@@ -13,10 +13,10 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.blocks import block_mixes
-from passes.costgraph import op_nodes
 from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
 from passes.flat_plans import candidates, cheapest_fitting, partially_recomputed
 from passes.floor import true_floor
+from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
 from passes.optimal import DynamicProgram, plan_for_budget

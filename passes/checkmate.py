@@ -44,7 +44,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
 MAX_OPS = 60

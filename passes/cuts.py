@@ -24,7 +24,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 from networkx.algorithms.flow import edmonds_karp
 
-from passes.costgraph import in_order, keeps_order, node_attribute, op_nodes, output_sink, per_graph, storage_root
+from passes.graph_facts import in_order, keeps_order, node_attribute, op_nodes, output_sink, per_graph, storage_root
 from passes.kept_bytes import keep_cost
 
 INF = float("inf")
@@ -69,7 +69,7 @@ _LAYOUTS: WeakKeyDictionary[nx.DiGraph, tuple[int, OpLayout]] = WeakKeyDictionar
 
 
 def op_layout(graph: nx.DiGraph) -> OpLayout:
-    """The :class:`OpLayout` of ``graph``, memoised like :func:`passes.costgraph.per_graph`
+    """The :class:`OpLayout` of ``graph``, memoised like :func:`passes.graph_facts.per_graph`
     (a graph still gaining nodes is laid out again)."""
     if graph not in _LAYOUTS or _LAYOUTS[graph][0] != len(graph):
         ops = op_nodes(graph)

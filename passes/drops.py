@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from passes.costgraph import node_attribute, op_nodes
+from passes.graph_facts import node_attribute, op_nodes
 from passes.keeps import keepable
 from passes.plan import Plan, plan_of_segments
 from passes.remat import rematerializable, with_remat

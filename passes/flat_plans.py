@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.heuristics import articulation_candidate, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.plan import Candidate, Plan, selective, simulated
 from passes.segments import cost_key, make_segments

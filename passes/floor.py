@@ -24,7 +24,7 @@ import networkx as nx
 import numpy as np
 
 from passes.checkmate import _build
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.training_graph import no_recompute_peak, training_graph
 
 FLOOR_MAX_OPS = 40

@@ -78,7 +78,7 @@ def mincut_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidat
     cost graph and segment count (a flow per window, the slowest heuristic, and articulation
     falls back to it on graphs without articulation points)."""
     found = _MINCUTS.setdefault(graph, {})
-    key = (len(graph), segments)  # like passes.costgraph.per_graph: a graph still gaining nodes is cut again
+    key = (len(graph), segments)  # like passes.graph_facts.per_graph: a graph still gaining nodes is cut again
     if key not in found:
         found[key] = _mincut_candidate(graph, segments)
     return found[key]

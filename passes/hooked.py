@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol
 
 import networkx as nx
 
-from passes.costgraph import draws_random, pure_ops, storage_root
+from passes.graph_facts import draws_random, pure_ops, storage_root
 
 
 class SegmentLike(Protocol):

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Candidate, Plan, plan_of_segments, selective
 from passes.remat import validate_remat

@@ -14,7 +14,7 @@ from typing import Any
 
 import networkx as nx
 
-from passes.costgraph import in_order, per_graph, storage_root
+from passes.graph_facts import in_order, per_graph, storage_root
 
 
 def gradient_bytes(graph: nx.DiGraph, name: str) -> int:

@@ -18,7 +18,7 @@ from itertools import pairwise
 
 import networkx as nx
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.kept_bytes import boundary_bytes
 from passes.segments import (
     Segment,

@@ -23,8 +23,8 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.checkmate import MAX_OPS, relaxed_holds
-from passes.costgraph import op_nodes
 from passes.floor import quiet
+from passes.graph_facts import op_nodes
 from passes.hooked import keeps_by_hooks
 from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
 from passes.plan import Plan, plan_of_segments

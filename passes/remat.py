@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from passes.costgraph import graph_outputs, in_order, node_attribute, per_graph_value, pure, pure_ops
+from passes.graph_facts import graph_outputs, in_order, node_attribute, per_graph_value, pure, pure_ops
 from passes.hooked import SegmentLike, keeps_by_hooks, last_needed
 from passes.sim_memory import LiveMemory
 from passes.sim_ops import run_forward

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments

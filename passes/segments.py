@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from passes.costgraph import draws_random, in_order, is_activation, keeps_order, node_attribute, op_nodes
+from passes.graph_facts import draws_random, in_order, is_activation, keeps_order, node_attribute, op_nodes
 from passes.hooked import keeps_by_hooks, remake_groups
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat

@@ -36,7 +36,7 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.costgraph import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
+from passes.graph_facts import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
 from passes.hooked import RemakeGroup, keeps_by_hooks, last_needed, remake_groups
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from passes.costgraph import graph_outputs, needs_grad, op_nodes, storage_root
+from passes.graph_facts import graph_outputs, needs_grad, op_nodes, storage_root
 from passes.kept_bytes import gradient_bytes
 from passes.simulate import loss_working_bytes, trained_outputs
 

@@ -28,8 +28,9 @@ import networkx as nx
 
 from passes.budget import BudgetError, fit_budget
 from passes.checkmate import checkmate_schedule
-from passes.costgraph import add_value, op_nodes
+from passes.costgraph import add_value
 from passes.flat_plans import candidate_plans
+from passes.graph_facts import op_nodes
 from passes.optimal import DynamicProgram
 from passes.plan import Plan
 from passes.simulate import eager_peak

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from passes.checkmate import MAX_OPS, CheckmateResult, checkmate_schedule
-from passes.costgraph import add_value, check_cost_graph, op_nodes
+from passes.costgraph import add_value, check_cost_graph
+from passes.graph_facts import op_nodes
 from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
 from passes.training_graph import no_recompute_peak, stage_peaks, training_graph

@@ -14,8 +14,8 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.costgraph import op_nodes
 from passes.drops import dropped_segments, drops_on_top
+from passes.graph_facts import op_nodes
 from passes.plan import build_plan, plan_of_segments
 from passes.remat import runs_by_hooks
 from passes.segments import PlanError

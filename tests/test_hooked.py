@@ -12,7 +12,7 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.hooked import keeps_by_hooks, marked_values, remake_groups
 from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
 from passes.segments import make_segments

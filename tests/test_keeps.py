@@ -19,7 +19,7 @@ from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget import fit_budget
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.keeps import (
     add_keeps,
     keepable,

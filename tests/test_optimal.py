@@ -21,7 +21,7 @@ from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from passes.budget import BudgetError, fit_budget
 from passes.chain import Chain, build_chain
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.optimal import (
     KEPT,
     RECOMPUTED,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from passes.costgraph import DEFAULTS, add_value, check_cost_graph, keeps_order, op_nodes, storage_root
+from passes.costgraph import DEFAULTS, add_value, check_cost_graph
 from passes.cuts import (
     INF,
     articulation_points,
@@ -22,6 +22,7 @@ from passes.cuts import (
     op_positions,
     prefix_costs,
 )
+from passes.graph_facts import keeps_order, op_nodes, storage_root
 from passes.heuristics import sqrt_candidate
 from passes.keeps import least_with_keeps, with_keeps
 from passes.kept_bytes import boundary, boundary_bytes, keep_cost

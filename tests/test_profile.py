@@ -8,7 +8,7 @@ from torch import fx, nn
 from graphckpt.api import cost_model
 from graphckpt.costs import prepare
 from graphckpt.profile import fake_copy, node_costs
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 
 GRAD_MODES: list[bool] = []
 

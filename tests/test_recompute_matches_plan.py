@@ -28,7 +28,8 @@ from graphckpt.api import Analysis, cost_model, generate_rewrite, plan_cost_grap
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError
-from passes.costgraph import add_value, op_nodes
+from passes.costgraph import add_value
+from passes.graph_facts import op_nodes
 from passes.plan import Plan, plan_of_segments
 from passes.segments import Segment, make_segments, nested, recompute_steps, recomputed_nodes
 from tests.device import DEVICE

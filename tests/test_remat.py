@@ -20,8 +20,8 @@ from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget import fit_budget
-from passes.costgraph import op_nodes
 from passes.drops import drop_plan
+from passes.graph_facts import op_nodes
 from passes.optimal import DynamicProgram
 from passes.plan import Plan, plan_of_segments
 from passes.remat import ChainTooLong, Remat, greedy_remat, remat_chain, with_remat

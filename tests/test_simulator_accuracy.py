@@ -23,7 +23,8 @@ from graphckpt.api import Analysis, analyze, generate_rewrite
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step, peak_memory
 from passes.budget import BudgetError
-from passes.costgraph import add_value, check_cost_graph, op_nodes
+from passes.costgraph import add_value, check_cost_graph
+from passes.graph_facts import op_nodes
 from passes.kept_bytes import shared_parameters
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak, eager_segments, simulate

@@ -15,7 +15,7 @@ from torch import nn
 
 from graphckpt.api import Analysis, analyze, cost_model, generate_rewrite
 from graphckpt.tools.measure import peak_memory
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.heuristics import sqrt_candidate
 from passes.kept_bytes import shared_parameters
 from passes.plan import Plan, from_positions, plan_of_segments, selective, simulated

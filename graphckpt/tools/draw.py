@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 
 from graphckpt.tools.report import human_flops, recomputed_flops
-from passes.costgraph import in_order, is_activation
+from passes.graph_facts import in_order, is_activation
 from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.units import format_bytes

@@ -17,7 +17,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from passes.costgraph import op_nodes
+from passes.graph_facts import op_nodes
 from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.segments import Segment, recomputed_nodes
