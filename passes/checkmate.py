@@ -35,8 +35,12 @@ a constant). ``recompute_flops`` is that minus the forward's flops.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import networkx as nx
@@ -61,6 +65,27 @@ class CheckmateResult:
     R: Matrix = ()
     S: Matrix = ()
     recompute_lower_bound: float = 0.0  # proven: no schedule under the budget recomputes less
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence what HiGHS's C++ code prints to the process's stdout and stderr while it
+    solves (on this model its MIP heuristics print debug lines), so a BudgetError or a
+    budget plan does not come with a screen of solver chatter: every solve runs under it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as devnull:
+        try:
+            os.dup2(devnull.fileno(), 1)
+            os.dup2(devnull.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
 
 
 class _Model:
@@ -88,9 +113,11 @@ class _Model:
         rows, columns, values = zip(*data, strict=True) if data else ((), (), ())
         matrix = coo_array((values, (rows, columns)), shape=(len(self.rows), len(self.bounds))).tocsr()
         lower, upper, integer = zip(*self.bounds, strict=True)
-        return milp(cost, constraints=LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows]),
-                    integrality=np.zeros(len(integer)) if relaxed else np.array(integer), bounds=Bounds(lower, upper),
-                    options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
+        with quiet():  # its MIP heuristics print debug lines from C++
+            return milp(cost, constraints=LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows]),
+                        integrality=np.zeros(len(integer)) if relaxed else np.array(integer),
+                        bounds=Bounds(lower, upper),
+                        options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
 
 
 def _build(training: TrainingGraph, budget: float) -> _Model:

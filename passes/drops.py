@@ -171,12 +171,16 @@ def _longest_valid_prefix(graph: nx.DiGraph, chosen: list[str], block: list[str]
     return low
 
 
-def _valid(graph: nx.DiGraph, dropped: list[str], segments: Sequence[Segment]) -> bool:
+def _trial(graph: nx.DiGraph, dropped: list[str], base: Sequence[Segment] = ()) -> tuple[Segment, ...] | None:
+    """:func:`dropped_segments`, or ``None`` when the values cannot be dropped together."""
     try:
-        dropped_segments(graph, dropped, segments)
+        return dropped_segments(graph, dropped, base)
     except PlanError:
-        return False
-    return True
+        return None
+
+
+def _valid(graph: nx.DiGraph, dropped: list[str], segments: Sequence[Segment]) -> bool:
+    return _trial(graph, dropped, segments) is not None
 
 
 FIRST_FIT_TEST = 16  # dropped values after which the scan first asks whether the plan fits
@@ -195,11 +199,8 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, segments: Sequence[Segment], opt
     chosen: list[str] = []
 
     def fits(count: int) -> bool:
-        try:
-            trial = dropped_segments(graph, chosen[:count], segments)
-        except PlanError:
-            return False
-        if peak_within(graph, trial, budget_bytes) is None:
+        trial = _trial(graph, chosen[:count], segments)
+        if trial is None or peak_within(graph, trial, budget_bytes) is None:
             return False
         fitting[count] = trial
         return True
@@ -249,12 +250,6 @@ def drop_plan(graph: nx.DiGraph, budget_bytes: float, max_simulations: int = 300
     return plan_of_segments(graph, "dropped values", dropped_segments(graph, chosen),
                             [f"dropped values: {len(chosen)} values made again before their backward"])
 
-
-def _trial(graph: nx.DiGraph, dropped: list[str]) -> tuple[Segment, ...] | None:
-    try:
-        return dropped_segments(graph, dropped)
-    except PlanError:
-        return None
 
 
 def _best_first(graph: nx.DiGraph, budget_bytes: float, max_simulations: int) -> list[str] | None:
@@ -307,11 +302,8 @@ def _pruned(graph: nx.DiGraph, chosen: list[str], budget_bytes: float, max_simul
         if max_simulations <= 0:
             break
         trial = [c for c in chosen if c != name]
-        try:
-            segments = dropped_segments(graph, trial)
-        except PlanError:
-            continue
-        if cost_key(graph, segments) >= best:
+        segments = _trial(graph, trial)
+        if segments is None or cost_key(graph, segments) >= best:
             continue
         max_simulations -= 1
         if peak_within(graph, segments, budget_bytes) is not None:

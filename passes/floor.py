@@ -14,10 +14,6 @@ there gives the smallest peak it found and the bound it proved.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import networkx as nx
@@ -44,26 +40,6 @@ class Floor:
         return self.peak_bytes - self.lower_bound_bytes < 1
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence what HiGHS's C++ code prints to the process's stdout and stderr while it
-    solves (on this model its MIP heuristics print debug lines), so a BudgetError does not
-    come with a screen of solver chatter."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(os.devnull, "w") as devnull:
-        try:
-            os.dup2(devnull.fileno(), 1)
-            os.dup2(devnull.fileno(), 2)
-            yield
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
 def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor | None:
     """The least peak any recompute schedule of ``graph`` reaches in the simulator's model of
     memory, or ``None`` for graphs over :data:`FLOOR_MAX_OPS` ops or a solve that found no
@@ -80,8 +56,7 @@ def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor
         model.row([(key, 1.0), (("P",), -1.0)], -np.inf, 0.0)
     cost = np.zeros(len(model.bounds))
     cost[model.columns[("P",)]] = 1.0
-    with quiet():
-        solution = model.solve(cost, time_limit)
+    solution = model.solve(cost, time_limit)
     if solution.x is None:
         return None
     peak = float(solution.x[model.columns[("P",)]]) * unit

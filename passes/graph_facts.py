@@ -30,7 +30,8 @@ def in_order(graph: nx.DiGraph, nodes: Iterable[str] | None = None) -> list[str]
 def per_graph_value(function: Callable[[nx.DiGraph], T]) -> Callable[[nx.DiGraph], T]:
     """Memoise ``function(graph)`` per cost graph: planning asks for the same facts many
     times, and a cost graph's attributes do not change once it is built. A graph still being
-    built (nodes added since) is asked again. The value is shared: make it immutable."""
+    built (nodes added since) is asked again. The value is shared: make a fact immutable; a
+    cache that fills as it is asked (a dict, e.g. :func:`node_attribute`'s) says so."""
     memo: WeakKeyDictionary[nx.DiGraph, tuple[int, T]] = WeakKeyDictionary()
 
     @wraps(function)

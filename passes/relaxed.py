@@ -23,7 +23,6 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.checkmate import MAX_OPS, relaxed_holds
-from passes.floor import quiet
 from passes.graph_facts import op_nodes
 from passes.hooked import keeps_by_hooks
 from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
@@ -53,12 +52,12 @@ def fitted(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float
     return with_keeps(graph, plan, budget_bytes)
 
 
-def _hooks_possible(graph: nx.DiGraph, whole: tuple[Segment, ...]) -> bool:
-    """Whether any segment keeping values over the graph would run by hooks: not on graphs
-    costed without inputs, drawing random numbers everywhere, or planned for
-    :func:`graphckpt.enable` (then the relaxation is not solved at all)."""
-    everything = keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})
-    return any(segment.recompute and keeps_by_hooks(graph, segment) for segment in everything)
+def _any_hooked(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> bool:
+    """Whether any of ``segments`` runs by saved-tensor hooks. Asked first of the whole graph
+    keeping every value it may: false on graphs costed without inputs, drawing random
+    numbers everywhere, or planned for :func:`graphckpt.enable`, and then the relaxation is
+    not solved at all."""
+    return any(segment.recompute and keeps_by_hooks(graph, segment) for segment in segments)
 
 
 def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
@@ -68,16 +67,15 @@ def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
     if len(op_nodes(graph)) > RELAXED_MAX_OPS:
         return None
     whole = whole_graph(graph)
-    if not _hooks_possible(graph, whole):
+    if not _any_hooked(graph, keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})):
         return None
-    with quiet():
-        holds = relaxed_holds(graph, budget_bytes)
+    holds = relaxed_holds(graph, budget_bytes)
     if holds is None:
         return None
     best: Plan | None = None
     for kept in rounded_keeps(graph, holds):
         segments = keeping(whole, kept)
-        if not any(s.recompute and keeps_by_hooks(graph, s) for s in segments):
+        if not _any_hooked(graph, segments):
             continue
         plan = fitted(graph, segments, budget_bytes)
         if plan is not None and plan.peak_bytes <= budget_bytes and (best is None or plan.cost_key < best.cost_key):
