@@ -92,6 +92,16 @@ FULL = [
     Case("llama", "Hugging Face LLaMA (via torch.export): 8 layers, d=256, GQA 8/4 heads, rotary, RMSNorm, "
          "SwiGLU, seq 256, batch 8, vocab 8192", _hf(hf_llama, layers=8, d=256, seq=256, batch=8)),
 ]
+GPU_SIZES = [  # at d=256 a GPU step waits on Python, not on kernels
+    Case("gpt2", "Hugging Face GPT-2 small (via torch.export): 12 layers, d=768, seq 1024, batch 8, vocab 50257, "
+         "dropout 0", _hf(hf_gpt2, layers=12, d=768, seq=1024, batch=8)),
+    Case("llama", "Hugging Face LLaMA (via torch.export): 8 layers, d=1024, GQA 16/4 heads, seq 1024, batch 4, "
+         "vocab 32000", _hf(hf_llama, layers=8, d=1024, seq=1024, batch=4, heads=16, kv_heads=4, vocab=32000)),
+    Case("transformer", "zoo GPT: 12 layers, d=768, 12 heads, seq 512, batch 8, dropout 0.1",
+         _zoo("gpt", layers=12, d=768, heads=12, seq=512, batch=8, dropout=0.1)),
+    Case("resnet", "zoo ResNet: widths 64/128/256, 2 blocks per stage, batch 256, 32×32 images",
+         _zoo("resnet", widths=(64, 128, 256), blocks_per_stage=2, batch=256)),
+]
 TINY = [
     Case("mlp", "zoo MLP chain: 6 × (Linear 32 + GELU), batch 16", _zoo("mlp", depth=6, width=32, batch=16)),
     Case("transformer", "zoo GPT: 2 layers, d=32, seq 16, batch 2", _zoo("gpt", layers=2, d=32, seq=16, batch=2)),
@@ -201,7 +211,8 @@ def default_allocator_ratios(options: argparse.Namespace, models: list[str]) -> 
         models = [m for m in models if m in options.default_allocator_models.split(",")]
         command = [sys.executable, __file__, "--default-allocator", "--json", str(out), "--models", ",".join(models),
                    "--steps", str(options.default_allocator_steps), "--cost", options.cost, "--device", options.device,
-                   *(["--tiny"] if options.tiny else []), *(["--inductor"] if options.inductor else [])]
+                   *(["--tiny"] if options.tiny else []), *(["--gpu-sizes"] if options.gpu_sizes else []),
+                   *(["--inductor"] if options.inductor else [])]
         environment = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
         subprocess.run(command, check=True, env=environment, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
@@ -219,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="", help="comma-separated subset of the models (default: all)")
     parser.add_argument("--steps", type=int, default=5, help="interleaved timing rounds (median reported)")
     parser.add_argument("--tiny", action="store_true", help="tiny models, for a smoke test")
+    parser.add_argument("--gpu-sizes", action="store_true",
+                        help="models big enough that a GPU step waits on kernels, not on Python (with --device cuda)")
     parser.add_argument("--inductor", action="store_true", help="also measure torch.compile with inductor")
     parser.add_argument("--cost", choices=("flops", "time"), default="time", help="what graphckpt minimises")
     parser.add_argument("--out", type=Path, help="write the markdown here and a Pareto PNG per model beside it")
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         rerun_with_retaining_allocator()
     # A cold inductor cache, so its build column is a first compile as a user sees it.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="graphckpt-bench-inductor-"))
-    cases = TINY if options.tiny else FULL
+    cases = TINY if options.tiny else GPU_SIZES if options.gpu_sizes else FULL
     wanted = [m for m in options.models.split(",") if m]
     unknown = set(wanted) - {c.name for c in cases}
     if unknown:
