@@ -20,21 +20,29 @@ segment run by saved-tensor hooks (:mod:`passes.hooked`), which becomes a
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from graphckpt.bodies import (
+    Source,
+    attribute_table,
+    drop_module,
+    facts_of,
+    hooked_module,
+    remat_module,
+    resolve,
+    return_values,
+)
 from graphckpt.dropping import DropModule
-from graphckpt.hooked import HookedSegmentModule, keep, mark
+from graphckpt.hooked import HookedSegmentModule
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
 from passes.remat import remat_sources
-from passes.segments import RecomputeFacts
 from passes.segments import Segment as PlannedSegment
 from passes.units import format_bytes
 
@@ -120,136 +128,10 @@ def _order_like(mapping: dict, reference: Mapping) -> None:
     mapping.update(ordered)
 
 
-def _resolve(root: nn.Module, target: str) -> Any:
-    value = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _attribute_table(graph: fx.Graph, owner: nn.Module, skip: Mapping[str, Any] = {}) -> dict[str, Any]:
-    """Every module and attribute the graph names (but those in ``skip``), looked up on ``owner``."""
-    return {n.target: _resolve(owner, n.target) for n in graph.nodes
-            if n.op in ("call_module", "get_attr") and n.target not in skip}
-
-
-@dataclass(frozen=True)
-class Source:
-    """The captured module every segment is copied from, with its nodes by name (found once:
-    built again for each segment, the map made codegen grow as n^1.5, 2.3 of 3.8 s at 50k nodes)."""
-
-    module: fx.GraphModule
-    nodes: Mapping[str, fx.Node]
-
-    @classmethod
-    def of(cls, module: fx.GraphModule) -> Source:
-        return cls(module, {n.name: n for n in module.graph.nodes})
-
-
-def _facts(planned: PlannedSegment) -> RecomputeFacts:
-    """What the plan says of a recomputed segment's cost graph (every plan made by
-    :func:`passes.plan.plan_of_segments` says it)."""
-    if planned.facts is None:
-        raise ValueError(f"segment {planned.nodes[0]} .. {planned.nodes[-1]} has no RecomputeFacts: "
-                         "make plans with passes.plan.plan_of_segments (or a strategy)")
-    return planned.facts
-
-
-def _return(graph: fx.Graph, values: list[fx.Node]) -> None:
-    """End ``graph`` returning ``values``: one value as itself, more as a tuple."""
-    graph.output(values[0] if len(values) == 1 else tuple(values))
-
-
-def _remat_module(source: Source, planned: PlannedSegment) -> tuple[fx.GraphModule | None, dict[str, Any]]:
-    """The module computing ``planned``'s rematerialized inputs from their sources (one
-    placeholder per source, the inputs' values returned in order: :mod:`passes.remat`), and
-    the :class:`SegmentModule` arguments that wire it; ``None`` when it rematerializes nothing."""
-    if not planned.remat:
-        return None, {}
-    originals = source.nodes
-    sources = list(dict.fromkeys(s for r in planned.remat for s in r.sources))
-    graph = fx.Graph()
-    env = {name: graph.placeholder(name) for name in sources}
-
-    def read(node: fx.Node) -> fx.Node:  # a parameter or constant the chain reads: got where read
-        if node.name not in env:
-            env[node.name] = graph.node_copy(node, read)
-        return env[node.name]
-
-    for name in dict.fromkeys(n for r in planned.remat for n in r.nodes):
-        env[name] = graph.node_copy(originals[name], read)
-    _return(graph, [env[r.value] for r in planned.remat])
-    arguments = [*planned.inputs, *remat_sources(planned)]
-    return fx.GraphModule(_attribute_table(graph, source.module), graph, "RematBody"), {
-        "remat_inputs": tuple(planned.inputs.index(r.value) for r in planned.remat),
-        "remat_sources": tuple(arguments.index(name) for name in sources), "remat_names": tuple(sources)}
-
-
-def _drop_module(source: Source, planned: PlannedSegment) -> DropModule:
-    """The runtime module of a segment run by hooks: its one op, and what makes its
-    rematerialized inputs again."""
-    originals = source.nodes
-    body = fx.Graph()
-    env = {name: body.placeholder(name) for name in planned.inputs}
-    for name in planned.nodes:
-        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
-    _return(body, [env[name] for name in planned.outputs])
-    remat, wiring = _remat_module(source, planned)
-    return DropModule(fx.GraphModule(_attribute_table(body, source.module), body, "DropBody"), remat,
-                      nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, **wiring)
-
-
-def _hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModule:
-    """The runtime module of a selective segment run by saved-tensor hooks: its ops, each
-    marked or kept value reported as it is made, and for each remake group what makes its
-    values again from the inputs and kept values (the ops of the segment they need)."""
-    originals, groups = source.nodes, _facts(planned).remakes
-    marked = {name for group in groups for name in group}
-    body = fx.Graph()
-    env = {name: body.placeholder(name) for name in planned.inputs}
-    hooks = body.placeholder("hooks")
-    for name in planned.nodes:
-        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
-        if name in marked or name in planned.saved_inside:
-            report = keep if name in planned.saved_inside else mark
-            env[name] = body.call_function(report, (hooks, env[name], name), name=f"{report.__name__}_{name}")
-    _return(body, [env[name] for name in planned.outputs])
-    return HookedSegmentModule(fx.GraphModule(_attribute_table(body, source.module), body, "HookedBody"),
-                               [_remake_module(source, planned, group) for group in groups],
-                               nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
-                               groups=groups, kept=planned.saved_inside)
-
-
-def _remake_module(source: Source, planned: PlannedSegment,
-                   values: Sequence[str]) -> fx.GraphModule:
-    """What makes ``values`` of a hooked segment again from the inputs and kept values it
-    reads (its placeholders, nothing unread: the call holds for each group only what its
-    remake reads): the segment's other ops that they need, nothing else (not fx's dead-code
-    elimination, which keeps every dropout, and with it the ops feeding one)."""
-    originals, graph = source.nodes, fx.Graph()
-    sources = (*planned.inputs, *planned.saved_inside)
-    inside, needed, stack, read = set(planned.nodes) - set(sources), set(), list(values), set()
-    while stack:
-        name = stack.pop()
-        if name not in needed:
-            needed.add(name)
-            for node in originals[name].all_input_nodes:
-                if node.name in inside:
-                    stack.append(node.name)
-                else:
-                    read.add(node.name)
-    made = {name: graph.placeholder(name) for name in sources if name in read}
-    for name in planned.nodes:
-        if name in needed:
-            made[name] = graph.node_copy(originals[name], lambda n: made[n.name])
-    graph.output(tuple(made[name] for name in values))
-    return fx.GraphModule(_attribute_table(graph, source.module), graph, "RemakeBody")
-
-
 def _segment_module(source: Source, planned: PlannedSegment, target: str) -> SegmentModule:
     """The runtime module of one recomputed segment. Its body takes the segment's inputs and
     returns its outputs; nested recomputed children become segments called from the body."""
-    facts = _facts(planned)
+    facts = facts_of(planned)
     originals = source.nodes
     body = fx.Graph()
     env = {name: body.placeholder(name) for name in planned.inputs}
@@ -267,9 +149,9 @@ def _segment_module(source: Source, planned: PlannedSegment, target: str) -> Seg
 
     children = planned.children or (PlannedSegment(planned.nodes, False, planned.inputs, planned.outputs),)
     modules = _emit_segments(body, source, children, env, copy_node, prefix=f"{target}_")
-    _return(body, [env[name] for name in planned.outputs])
-    attributes = {**_attribute_table(body, source.module, skip=modules), **modules}
-    remat, wiring = _remat_module(source, planned)
+    return_values(body, [env[name] for name in planned.outputs])
+    attributes = {**attribute_table(body, source.module, skip=modules), **modules}
+    remat, wiring = remat_module(source, planned)
     segment = SegmentModule(fx.GraphModule(attributes, body, "SegmentBody"), nodes=planned.nodes,
                             inputs=planned.inputs, outputs=planned.outputs, saved_inside=planned.saved_inside,
                             kept_bytes=facts.kept_bytes, replays_rng=facts.draws_random, reruns=facts.reruns,
@@ -299,12 +181,12 @@ def _emit_segments(target_graph: fx.Graph, source: Source,
                              f"{unmade}, which no earlier code returns: the plan is invalid (passes.remat.held_at_each)")
         for name in planned.inputs:
             copy_node(name)
-        if _facts(planned).by_hooks:
+        if facts_of(planned).by_hooks:
             target = f"drop_{made[DropModule]}"
-            modules[target] = _drop_module(source, planned)
-        elif _facts(planned).keeps_by_hooks:
+            modules[target] = drop_module(source, planned)
+        elif facts_of(planned).keeps_by_hooks:
             target = f"hooked_{made[HookedSegmentModule]}"
-            modules[target] = _hooked_module(source, planned)
+            modules[target] = hooked_module(source, planned)
         else:
             target = f"{prefix}{made[SegmentModule]}"
             modules[target] = _segment_module(source, planned, target)
@@ -368,7 +250,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
         staging.add_module(target, segment)
     for node in top.nodes:
         if node.op in ("call_module", "get_attr") and not _has_attribute(staging, node.target):
-            _attach(staging, node, _resolve(source, node.target))
+            _attach(staging, node, resolve(source, node.target))
     top.lint()
     rewritten = RewrittenModule(staging, top, type(model).__name__ + "Checkpointed")
     rewritten.meta["graphckpt_header"] = _header(plan, method)
@@ -378,7 +260,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
 
 def _has_attribute(root: nn.Module, target: str) -> bool:
     try:
-        _resolve(root, target)
+        resolve(root, target)
     except AttributeError:
         return False
     return True

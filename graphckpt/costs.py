@@ -15,6 +15,7 @@ import networkx as nx
 import torch
 from torch import fx
 
+from graphckpt.dropout import dropout_call
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
 from graphckpt.op_dedup import profile_runs
 from graphckpt.op_keys import training_matters
@@ -165,6 +166,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
             saved_extra_bytes=cost.saved_extra_bytes,
             requires_grad=cost.requires_grad,
             random=cost.random,
+            redrawable=cost.random and profile.measured and dropout_call(graph_module, node) is not None,
             ordered=node.name in ordered,
             state=node.name in state,
             expensive=cost.expensive,

@@ -12,7 +12,8 @@ address while it is alive (:func:`graphckpt.torch_compat.storage_alive`): an add
 freed and given to another tensor is never taken for it. The marked values come in remake
 groups (:func:`passes.hooked.remake_groups`): the first handle backward unpacks of a group
 makes the group's values again from the segment's inputs and kept values, without
-gradients (``hooked_i_remake_g``); each is let go once its last handle is unpacked. What a
+gradients (``hooked_i_remake_g``; a dropout in it draws its noise again from the generator
+state it drew from in forward, :mod:`graphckpt.dropout`); each is let go once its last handle is unpacked. What a
 group's remake reads is held by the group's handles, not by the call: an input or kept
 value goes once the ops that saved it and the handles that may remake from it are done
 (:func:`passes.hooked.last_needed`), and a retained graph's handles keep it for the next
@@ -31,11 +32,15 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from graphckpt.dropout import generator_state, restored_generators
 from graphckpt.dropping import autocast_now
 from graphckpt.state import frozen_running_stats
 from graphckpt.torch_compat import NormBase, storage_alive, storage_key, storage_ref
 
 _NOTHING = contextlib.nullcontext()
+STATES = "generator_states"
+"""The last placeholder of a remake that draws dropout noise again: the generator states its
+dropouts drew from in forward, by name (:meth:`_HookedCall.stash_generator`)."""
 
 
 class _Saved:
@@ -105,6 +110,12 @@ class _HookedCall:
         self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
         self.pending: dict[str, int] = {}
         self.values: dict[str, Any] = {}
+        self.generator_states: dict[str, tuple[torch.device, torch.Tensor]] = {}  # by dropout, for its redraw
+
+    def stash_generator(self, name: str, device: torch.device) -> None:
+        """Dropout ``name`` is about to draw on ``device``: keep the generator's state, from
+        which its remake draws the same noise again (:func:`graphckpt.dropout.redraw`)."""
+        self.generator_states[name] = (device, generator_state(device))
 
     def pack(self, tensor: torch.Tensor) -> Any:
         key = storage_key(tensor)
@@ -174,7 +185,10 @@ class HookedSegmentModule(nn.Module):
         self.nodes, self.inputs, self.outputs = tuple(nodes), tuple(inputs), tuple(outputs)
         self.groups, self.kept = tuple(tuple(group) for group in groups), tuple(kept)
         self.group_of = {name: i for i, group in enumerate(self.groups) for name in group}
-        self.reads = tuple(tuple(n.name for n in remake.graph.nodes if n.op == "placeholder") for remake in remakes)
+        self.reads = tuple(tuple(n.name for n in remake.graph.nodes if n.op == "placeholder" and n.name != STATES)
+                           for remake in remakes)
+        self.draws = tuple(any(n.op == "placeholder" and n.name == STATES for n in remake.graph.nodes)
+                           for remake in remakes)  # its remake draws dropout noise again
         self.readers: dict[str, list[tuple[int, int]]] = {}  # input or kept value -> (group, position)
         for group, names in enumerate(self.reads):
             for position, name in enumerate(names):
@@ -204,8 +218,13 @@ class HookedSegmentModule(nn.Module):
         self.__dict__["recomputations"] += 1  # not nn.Module's __setattr__: a few microseconds
         group = self.group_of[wanted]
         norms = frozen_running_stats(self.remake_norms) if self.remake_norms else _NOTHING
-        with torch.no_grad(), call.autocast, norms:
-            made = self.remakes[group].forward(*reads)
+        if self.draws[group]:
+            devices = (device for device, _ in call.generator_states.values())
+            with torch.no_grad(), call.autocast, norms, restored_generators(devices):
+                made = self.remakes[group].forward(*reads, call.generator_states)
+        else:
+            with torch.no_grad(), call.autocast, norms:
+                made = self.remakes[group].forward(*reads)
         made = made if isinstance(made, tuple) else (made,)
         return {name: value for name, value in zip(self.groups[group], made, strict=True)
                 if name == wanted or call.pending.get(name, 0) > 0}

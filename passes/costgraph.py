@@ -80,6 +80,11 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``random``: ``bool``
     Whether computing the value draws from the random number generator (dropout). Such
     nodes keep their relative execution order in every plan, so random streams match eager.
+``redrawable``: ``bool``
+    A training-mode dropout (``random``) whose ``saved_extra_bytes`` are its noise, which
+    a segment run by saved-tensor hooks drops after forward and draws again from the
+    generator state the op drew from (:func:`passes.hooked.redrawn`). ``False`` for every
+    other node.
 ``ordered``: ``bool``
     The node keeps its execution order relative to every other ordered or random node: an
     in-place write that stays in the graph and the earlier readers of the storage it writes
@@ -176,6 +181,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "saved_extra_bytes": int,
     "requires_grad": bool,
     "random": bool,
+    "redrawable": bool,
     "ordered": bool,
     "state": bool,
     "grad_views": bool,
@@ -198,6 +204,7 @@ DEFAULTS: Mapping[str, Any] = {
     "saved_extra_bytes": 0,
     "requires_grad": True,
     "random": False,
+    "redrawable": False,
     "ordered": False,
     "state": False,
     "grad_views": False,

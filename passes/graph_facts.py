@@ -115,12 +115,26 @@ def pure(graph: nx.DiGraph, name: str) -> bool:
 def pure_ops(graph: nx.DiGraph) -> frozenset[str]:
     """Every op :func:`pure` holds for, found once per cost graph (planning asks of every
     node of every segment it weighs)."""
+    return frozenset(name for name in _repeatable_ops(graph) if not graph.nodes[name]["random"])
+
+
+@per_graph_value
+def redrawable_ops(graph: nx.DiGraph) -> frozenset[str]:
+    """The dropouts a segment run by saved-tensor hooks may draw again
+    (:func:`passes.hooked.redrawn`): ``redrawable`` ops that would be :func:`pure` but for
+    their draw, on a measured graph (an unmeasured one knows nothing of draws)."""
+    if not graph.graph.get("measured", False):
+        return frozenset()
+    return frozenset(name for name in _repeatable_ops(graph) if graph.nodes[name]["redrawable"])
+
+
+def _repeatable_ops(graph: nx.DiGraph) -> list[str]:
+    """Ops that may run again with no effect but their value (and draws): recomputable,
+    cuttable, no in-place write or state update kept in order, no ``state`` value read."""
     state = {name for name, value in graph.nodes(data="state") if value}
-    return frozenset(
-        name for name, attributes in graph.nodes(data=True)
-        if attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
-        and not (attributes["random"] or attributes["ordered"] or attributes["state"])
-        and state.isdisjoint(graph.predecessors(name)))
+    return [name for name, attributes in graph.nodes(data=True)
+            if attributes["kind"] == "op" and attributes["recomputable"] and attributes["cuttable"]
+            and not (attributes["ordered"] or attributes["state"]) and state.isdisjoint(graph.predecessors(name))]
 
 
 def node_attribute(graph: nx.DiGraph, key: str) -> Mapping[str, Any]:

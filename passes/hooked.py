@@ -15,6 +15,12 @@ of it is unpacked. The dropped values are made again in groups (:func:`remake_gr
 when backward first needs one of its values, so only part of the segment is live again at
 a time.
 
+Dropout: a segment may hold training-mode dropouts (``redrawable`` nodes). Each saves its
+noise for backward, no value of the graph; the runtime drops it like a marked value and
+the remake of its group draws it again from the generator state taken just before the op in
+forward (:func:`redrawn`; :mod:`graphckpt.dropout`), so backward sees forward's noise. Any
+other random op keeps the segment on torch's selective checkpointing.
+
 Memory (``passes.simulate``): inputs and kept values are held from forward until the
 backward of the last op that saved one or saved a value of a group remade from it
 (:func:`last_needed`); what its ops save that is no value of the graph is held from forward
@@ -31,12 +37,12 @@ again once, when ``addmm_3``'s backward unpacks ``mul_3``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple, Protocol
 
 import networkx as nx
 
-from passes.graph_facts import draws_random, pure_ops, storage_root
+from passes.graph_facts import draws_random, pure_ops, random_nodes, redrawable_ops, storage_root
 
 
 class SegmentLike(Protocol):
@@ -64,31 +70,56 @@ def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     """Whether a recomputed segment runs as eager code under saved-tensor hooks rather than
     through torch's selective checkpointing: it is selective (keeps values from forward),
     top-level work of its own (no children, no rematerialized inputs), every op :func:`pure`
-    (no random draw, no state, no in-place write, so making a value again gives forward's),
-    every kept value the whole of what selective checkpointing keeps for it (no
-    ``selective_extra_bytes``), and what its ops save beyond values is small
-    (:data:`SAVED_EXTRA_SHARE`); never on a graph whose runtime has no hooks (``hooks``)."""
+    (no state, no in-place write, so making a value again gives forward's) or a dropout it
+    draws again (:func:`redrawn`, not kept), every kept value the whole of what selective
+    checkpointing keeps for it (no ``selective_extra_bytes``), and what its ops save beyond
+    values and dropout noise is small (:data:`SAVED_EXTRA_SHARE`); never on a graph whose
+    runtime has no hooks (``hooks``)."""
     if not (segment.recompute and segment.saved_inside) or segment.children or segment.remat:
         return False
     if not graph.graph.get("hooks", True):  # a runtime without them (graphckpt.enable)
         return False
     nodes = graph.nodes
-    if draws_random(graph, segment.nodes) or any(nodes[v]["state"] for v in segment.inputs):
+    if any(nodes[v]["state"] for v in segment.inputs):
         return False
-    if not pure_ops(graph).issuperset(segment.nodes):
+    drawn = redrawn(graph, segment)
+    if draws_random(graph, segment.nodes) and not (drawn and random_nodes(graph).intersection(segment.nodes) <= set(drawn)):
+        return False
+    if not pure_ops(graph).issuperset(name for name in segment.nodes if name not in drawn):
         return False
     if any(nodes[name]["selective_extra_bytes"] for name in segment.saved_inside):
         return False
-    extra = sum(nodes[name]["saved_extra_bytes"] for name in segment.nodes)  # kept ones' too: a
-    return extra <= SAVED_EXTRA_SHARE * sum(nodes[name]["bytes"] for name in segment.nodes)  # recompute remade them
+    extra = sum(nodes[name]["saved_extra_bytes"] for name in segment.nodes if name not in drawn)  # kept ones' too:
+    return extra <= SAVED_EXTRA_SHARE * sum(nodes[name]["bytes"] for name in segment.nodes)  # a recompute remade them
+
+
+def redrawn(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
+    """The dropouts of a segment that a run by hooks draws again, in order: its
+    ``redrawable`` ops that it does not keep. Their noise (``saved_extra_bytes``) goes after
+    forward and is made again with their remake group, from the generator state the op
+    drew from in forward; they count as marked values (:func:`marked_values`)."""
+    candidates = redrawable_ops(graph)
+    if not candidates:
+        return ()
+    kept = set(segment.saved_inside)
+    return tuple(name for name in segment.nodes if name in candidates and name not in kept)
+
+
+def saved_by(graph: nx.DiGraph, name: str, drawn: Collection[str]) -> tuple[str, ...]:
+    """What op ``name`` of a hooked segment saves for backward, as values: its ``saved``,
+    and itself when it is a dropout drawn again (in ``drawn``, :func:`redrawn`: its noise
+    goes and comes with it)."""
+    saved = graph.nodes[name]["saved"]
+    return (*saved, name) if name in drawn and name not in saved else saved
 
 
 def marked_values(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
     """The values of a hooked segment whose saved copies are dropped after forward, in
     order: the storage owners, among the segment's own values and not kept, of what its
-    ops save (a view saved is its owner's storage)."""
+    ops save (a view saved is its owner's storage; a dropout drawn again saves itself)."""
     inside, kept = set(segment.nodes), set(segment.saved_inside)
-    roots = {storage_root(graph, value) for name in segment.nodes for value in graph.nodes[name]["saved"]}
+    drawn = set(redrawn(graph, segment))
+    roots = {storage_root(graph, value) for name in segment.nodes for value in saved_by(graph, name, drawn)}
     return tuple(name for name in segment.nodes if name in roots and name in inside and name not in kept)
 
 
@@ -149,8 +180,9 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
         for name in group.marked:
             reads[name] = read
     needed: dict[str, str] = {}
+    drawn = set(redrawn(graph, segment))
     for name in reversed(segment.nodes):  # backward's order: the last write per value wins
-        for value in graph.nodes[name]["saved"]:
+        for value in saved_by(graph, name, drawn):
             root = storage_root(graph, value)
             if root in sources:
                 needed[sources[root]] = name

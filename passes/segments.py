@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from passes.graph_facts import draws_random, in_order, is_activation, keeps_order, node_attribute, op_nodes
-from passes.hooked import keeps_by_hooks, remake_groups
+from passes.hooked import keeps_by_hooks, redrawn, remake_groups
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
 
@@ -47,7 +47,9 @@ class RecomputeFacts:
     (:func:`passes.remat.runs_by_hooks`). ``keeps_by_hooks``: a selective segment run as eager
     code under saved-tensor hooks that drop the saved copies of the values in ``remakes``
     (:mod:`passes.hooked`), not through torch's selective checkpointing; ``remakes`` holds
-    them by group, each made again on its own (:func:`passes.hooked.remake_groups`).
+    them by group, each made again on its own (:func:`passes.hooked.remake_groups`), and
+    ``redrawn`` the dropouts among them drawn again from forward's generator state
+    (:func:`passes.hooked.redrawn`).
     """
 
     kept_bytes: float
@@ -58,6 +60,7 @@ class RecomputeFacts:
     by_hooks: bool = False
     keeps_by_hooks: bool = False
     remakes: tuple[tuple[str, ...], ...] = ()
+    redrawn: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         by_hooks=runs_by_hooks(graph, segment),
         keeps_by_hooks=hooked,
         remakes=tuple(group.marked for group in remake_groups(graph, segment)) if hooked else (),
+        redrawn=redrawn(graph, segment) if hooked else (),
     )
     return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
 

@@ -37,7 +37,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.graph_facts import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.hooked import RemakeGroup, keeps_by_hooks, last_needed, remake_groups
+from passes.hooked import RemakeGroup, keeps_by_hooks, last_needed, redrawn, remake_groups
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
@@ -102,9 +102,12 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
         if segment.recompute:
             _call_recomputed(memory, graph, segment, ("rng",))
             needed = hooked.get(segment)
-            if needed is not None:  # run by hooks: what its ops save beyond values stays
-                for node in memory.index.id_list(segment.nodes):
+            if needed is not None:  # run by hooks: what its ops save beyond values stays, but dropout noise
+                drawn = redrawn(graph, segment)
+                for node in memory.index.id_list(n for n in segment.nodes if n not in drawn):
                     memory.allocate(slot(node, EXTRA), memory.index.saved_extra[node])
+                memory.allocate(("rng-draws", id(segment)),  # a generator state per dropout, one counted above
+                                max(len(drawn) - 1, 0) * graph.graph.get("rng_state_bytes", 0))
                 for value in (*kept_inputs(segment), *segment.saved_inside):  # the rest goes now
                     if value not in needed:
                         memory.release(memory.index.ids[value])
@@ -129,6 +132,7 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
             for value in memory.index.id_list(kept_inputs(segment)):
                 memory.release(value)
         memory.free(("rng", id(segment)))
+        memory.free(("rng-draws", id(segment)))
 
 
 def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
@@ -194,7 +198,8 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
                      needed: dict[str, str]) -> None:
     """Backward of a segment run by saved-tensor hooks (:mod:`passes.hooked`): its ops in
     reverse, on forward's own graph; the first op that unpacks a value of a remake group
-    makes the whole group again, and each value made goes after its last saver's backward.
+    makes the whole group again, and each value made goes after its last saver's backward
+    (a dropout drawn again saves itself: its noise and value go after its own backward).
     The inputs and kept values, held by the call since forward, go after the backward of
     the last op needing them (``needed``: :func:`passes.hooked.last_needed`)."""
     index = memory.index
@@ -202,35 +207,43 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
     group_of = {index.ids[name]: group for group in groups for name in group.marked}
     memory.fresh.append({index.ids[name] for group in groups for name in group.nodes})
     nodes = index.id_list(segment.nodes)
+    drawn = set(index.id_list(redrawn(graph, segment)))
+    unpacks = {node: (*index.saved[node], node) if node in drawn else index.saved[node] for node in nodes}
     savers: dict[int, int] = {}
     for node in nodes:
-        for value in index.saved[node]:
+        for value in unpacks[node]:
             savers[index.roots[value]] = savers.get(index.roots[value], 0) + 1
     made: set[RemakeGroup] = set()
     let_go: dict[int, list[int]] = {}  # op -> the inputs and kept values going after its backward
     for value, name in needed.items():
         let_go.setdefault(index.ids[name], []).append(index.ids[value])
     for node in reversed(nodes):
-        for value in index.saved[node]:
+        for value in unpacks[node]:
             group = group_of.get(index.roots[value])
             if group is None:
                 memory.hold(value)  # an input or kept value, alive since forward
             elif group not in made:
                 made.add(group)
-                _remake(memory, group, savers)
+                _remake(memory, group, savers, drawn)
         run_backward(memory, [node], grads)
+        if node in drawn:
+            memory.release(node)  # held by its own noise's handle
         for value in let_go.get(node, ()):
             memory.release(value)
     memory.fresh.pop()
 
 
-def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int]) -> None:
+def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int], drawn: set[int]) -> None:
     """One remake group made again without saving: each of its marked values held once
-    for every op that saved it (``savers``), the rest gone when the group is done."""
+    for every op that saved it (``savers``), the rest gone when the group is done; the
+    noise of each dropout drawn again (``drawn``) held until its backward."""
     index = memory.index
     for name in group.marked:
         memory.hold(index.ids[name], savers[index.ids[name]])
     nodes = index.id_list(group.nodes)
+    for node in nodes:  # a dropout's noise, drawn again: what it saves beyond values (none for other
+        if node in drawn:  # ops made here, which save nothing in a remake)
+            memory.allocate(slot(node, EXTRA), index.saved_extra[node])
     run_forward(memory, nodes, save=False, within=set(nodes))
 
 

@@ -1,0 +1,179 @@
+"""The fx graphs a rewritten module's segments run, copied from the captured graph: a
+segment's ops, what makes its rematerialized inputs again (:mod:`passes.remat`), and for a
+segment run by hooks, its body with each value reported as it is made and the recipes that
+make its dropped values again (:mod:`passes.hooked`). :mod:`graphckpt.codegen` wires them
+into the rewritten module.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import fx, nn
+
+from graphckpt.dropout import draw, dropout_call, redraw
+from graphckpt.dropping import DropModule
+from graphckpt.hooked import STATES, HookedSegmentModule, keep, mark
+from passes.remat import remat_sources
+from passes.segments import RecomputeFacts
+from passes.segments import Segment as PlannedSegment
+
+
+def resolve(root: nn.Module, target: str) -> Any:
+    """The attribute a dotted ``target`` names under ``root`` (a submodule, parameter,
+    buffer or constant)."""
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def attribute_table(graph: fx.Graph, owner: nn.Module, skip: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """Every module and attribute the graph names (but those in ``skip``), looked up on ``owner``."""
+    return {n.target: resolve(owner, n.target) for n in graph.nodes
+            if n.op in ("call_module", "get_attr") and n.target not in skip}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The captured module every segment is copied from, with its nodes by name (found once:
+    built again for each segment, the map made codegen grow as n^1.5, 2.3 of 3.8 s at 50k nodes)."""
+
+    module: fx.GraphModule
+    nodes: Mapping[str, fx.Node]
+
+    @classmethod
+    def of(cls, module: fx.GraphModule) -> Source:
+        return cls(module, {n.name: n for n in module.graph.nodes})
+
+
+def facts_of(planned: PlannedSegment) -> RecomputeFacts:
+    """What the plan says of a recomputed segment's cost graph (every plan made by
+    :func:`passes.plan.plan_of_segments` says it)."""
+    if planned.facts is None:
+        raise ValueError(f"segment {planned.nodes[0]} .. {planned.nodes[-1]} has no RecomputeFacts: "
+                         "make plans with passes.plan.plan_of_segments (or a strategy)")
+    return planned.facts
+
+
+def return_values(graph: fx.Graph, values: list[fx.Node]) -> None:
+    """End ``graph`` returning ``values``: one value as itself, more as a tuple."""
+    graph.output(values[0] if len(values) == 1 else tuple(values))
+
+
+def remat_module(source: Source, planned: PlannedSegment) -> tuple[fx.GraphModule | None, dict[str, Any]]:
+    """The module computing ``planned``'s rematerialized inputs from their sources (one
+    placeholder per source, the inputs' values returned in order: :mod:`passes.remat`), and
+    the :class:`SegmentModule` arguments that wire it; ``None`` when it rematerializes nothing."""
+    if not planned.remat:
+        return None, {}
+    originals = source.nodes
+    sources = list(dict.fromkeys(s for r in planned.remat for s in r.sources))
+    graph = fx.Graph()
+    env = {name: graph.placeholder(name) for name in sources}
+
+    def read(node: fx.Node) -> fx.Node:  # a parameter or constant the chain reads: got where read
+        if node.name not in env:
+            env[node.name] = graph.node_copy(node, read)
+        return env[node.name]
+
+    for name in dict.fromkeys(n for r in planned.remat for n in r.nodes):
+        env[name] = graph.node_copy(originals[name], read)
+    return_values(graph, [env[r.value] for r in planned.remat])
+    arguments = [*planned.inputs, *remat_sources(planned)]
+    return fx.GraphModule(attribute_table(graph, source.module), graph, "RematBody"), {
+        "remat_inputs": tuple(planned.inputs.index(r.value) for r in planned.remat),
+        "remat_sources": tuple(arguments.index(name) for name in sources), "remat_names": tuple(sources)}
+
+
+def drop_module(source: Source, planned: PlannedSegment) -> DropModule:
+    """The runtime module of a segment run by hooks: its one op, and what makes its
+    rematerialized inputs again."""
+    originals = source.nodes
+    body = fx.Graph()
+    env = {name: body.placeholder(name) for name in planned.inputs}
+    for name in planned.nodes:
+        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+    return_values(body, [env[name] for name in planned.outputs])
+    remat, wiring = remat_module(source, planned)
+    return DropModule(fx.GraphModule(attribute_table(body, source.module), body, "DropBody"), remat,
+                      nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, **wiring)
+
+
+def hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModule:
+    """The runtime module of a selective segment run by saved-tensor hooks: its ops, each
+    marked or kept value reported as it is made, and for each remake group what makes its
+    values again from the inputs and kept values (the ops of the segment they need)."""
+    originals, groups, drawn = source.nodes, facts_of(planned).remakes, set(facts_of(planned).redrawn)
+    marked = {name for group in groups for name in group}
+    body = fx.Graph()
+    env = {name: body.placeholder(name) for name in planned.inputs}
+    hooks = body.placeholder("hooks")
+    for name in planned.nodes:
+        if name in drawn:  # its output and noise, marked together
+            pair = _dropout(body, source, originals[name], draw, hooks, env)
+            reported = body.call_function(mark, (hooks, pair, name), name=f"mark_{name}")
+            env[name] = body.call_function(operator.getitem, (reported, 0), name=f"{name}_output")
+            continue
+        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+        if name in marked or name in planned.saved_inside:
+            report = keep if name in planned.saved_inside else mark
+            env[name] = body.call_function(report, (hooks, env[name], name), name=f"{report.__name__}_{name}")
+    return_values(body, [env[name] for name in planned.outputs])
+    return HookedSegmentModule(fx.GraphModule(attribute_table(body, source.module), body, "HookedBody"),
+                               [_remake_module(source, planned, group) for group in groups],
+                               nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
+                               groups=groups, kept=planned.saved_inside)
+
+
+def _remake_module(source: Source, planned: PlannedSegment,
+                   values: Sequence[str]) -> fx.GraphModule:
+    """What makes ``values`` of a hooked segment again from the inputs and kept values it
+    reads (its placeholders, nothing unread: the call holds for each group only what its
+    remake reads): the segment's other ops that they need, nothing else (not fx's dead-code
+    elimination, which keeps every dropout, and with it the ops feeding one)."""
+    originals, graph = source.nodes, fx.Graph()
+    sources = (*planned.inputs, *planned.saved_inside)
+    inside, needed, stack, read = set(planned.nodes) - set(sources), set(), list(values), set()
+    while stack:
+        name = stack.pop()
+        if name not in needed:
+            needed.add(name)
+            for node in originals[name].all_input_nodes:
+                if node.name in inside:
+                    stack.append(node.name)
+                else:
+                    read.add(node.name)
+    made = {name: graph.placeholder(name) for name in sources if name in read}
+    drawn = needed.intersection(facts_of(planned).redrawn)
+    states = graph.placeholder(STATES) if drawn else None
+    returned = {}  # a dropout's value is its (output, noise) pair
+    for name in planned.nodes:
+        if name in drawn:
+            returned[name] = _dropout(graph, source, originals[name], redraw, states, made)
+            made[name] = graph.call_function(operator.getitem, (returned[name], 0), name=f"{name}_output")
+        elif name in needed:
+            made[name] = graph.node_copy(originals[name], lambda n: made[n.name])
+    graph.output(tuple(returned.get(name, made.get(name)) for name in values))
+    return fx.GraphModule(attribute_table(graph, source.module), graph, "RemakeBody")
+
+
+def _dropout(graph: fx.Graph, source: Source, original: fx.Node, function: Any, first: fx.Node,
+             env: Mapping[str, fx.Node]) -> fx.Node:
+    """``function(first, name, x, p, training)``: a dropout of a hooked segment as
+    :func:`graphckpt.dropout.draw` (forward) or ``redraw`` (a remake) runs it, returning its
+    output and noise; an ``nn.Dropout``'s ``p`` and ``training`` read from the module."""
+    call = dropout_call(source.module, original)
+    if call is None:
+        raise ValueError(f"node {original.name!r} ({original.format_node()}) is planned as a dropout drawn again "
+                         "but is none graphckpt can draw again: plan with the cost graph of this module")
+    p, training = call.p, call.training
+    if call.module is not None:
+        module = graph.get_attr(call.module)
+        p, training = (graph.call_function(getattr, (module, field)) for field in ("p", "training"))
+    return graph.call_function(function, (first, original.name, env[call.input.name], p, training),
+                               name=f"{function.__name__}_{original.name}")
+
