@@ -1,7 +1,8 @@
 """Dropouts inside selective segments run by saved-tensor hooks (graphckpt.dropout,
 passes.hooked.redrawn): the noise is dropped after forward and drawn again from forward's
 generator state, so training matches eager, the random stream moves as in eager, and the
-peak is where the simulator puts it."""
+peak is where the simulator puts it. ``GRAPHCKPT_TEST_DEVICE=cuda`` runs them on a GPU,
+where the noise is the fused kernel's mask."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.hooked import keeps_by_hooks, marked_values, redrawn
 from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
+from tests.device import DEVICE, on_test_device
 from tests.equivalence import assert_trains_like_twice, fresh_pair
 
 GPT = {"layers": 2, "d": 64, "heads": 4, "seq": 32, "batch": 4, "dropout": 0.1}
@@ -28,15 +30,15 @@ GPT = {"layers": 2, "d": 64, "heads": 4, "seq": 32, "batch": 4, "dropout": 0.1}
 def test_dropout_and_saved_is_dropout_bit_for_bit(dtype: torch.dtype) -> None:
     """Same output, same gradient, the generator left where F.dropout leaves it, and the
     tensor returned beside the output is the one autograd saves."""
-    x = torch.randn(8, 3, 32, dtype=dtype).transpose(0, 2).requires_grad_()
+    x = torch.randn(8, 3, 32, dtype=dtype, device=DEVICE).transpose(0, 2).requires_grad_()
     torch.manual_seed(5)
     expected = F.dropout(x, 0.3, training=True)
-    after_expected = torch.rand(4)
+    after_expected = torch.rand(4, device=DEVICE)
     saved: list[torch.Tensor] = []
     torch.manual_seed(5)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         actual, noise = dropout_and_saved(x, 0.3)
-    assert torch.equal(torch.rand(4), after_expected)
+    assert torch.equal(torch.rand(4, device=DEVICE), after_expected)
     assert torch.equal(actual, expected)
     (want,) = torch.autograd.grad(expected.sum(), x)
     (got,) = torch.autograd.grad(actual.sum(), x)
@@ -67,7 +69,7 @@ def test_which_nodes_are_dropouts_drawn_again() -> None:
 
 
 def _selective_gpt(**sizes: object) -> tuple[nn.Module, nn.Module, tuple, object, Plan]:
-    model, inputs = zoo.make("gpt", **{**GPT, **sizes})
+    model, inputs = on_test_device(*zoo.make("gpt", **{**GPT, **sizes}))
     reference, model = fresh_pair(model)
     analysis = analyze(model, inputs, strategy="mincut")
     graph = analysis.cost_graph
@@ -89,10 +91,10 @@ def test_hooked_segments_draw_dropout_again_and_train_like_eager() -> None:
     assert_trains_like_twice(reference, model, rewritten, inputs)
     torch.manual_seed(3)
     zoo.scalar_loss(reference(*inputs)).backward()
-    expected = torch.rand(3)
+    expected = torch.rand(3, device=DEVICE)
     torch.manual_seed(3)
     zoo.scalar_loss(rewritten(*inputs)).backward()
-    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(torch.rand(3, device=DEVICE), expected)
     reference.eval(), rewritten.eval()
     torch.testing.assert_close(rewritten(*inputs), reference(*inputs), rtol=1e-5, atol=0)
 
