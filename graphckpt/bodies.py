@@ -126,7 +126,8 @@ def hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModul
     return HookedSegmentModule(fx.GraphModule(attribute_table(body, source.module), body, "HookedBody"),
                                [_remake_module(source, planned, group) for group in groups],
                                nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
-                               groups=groups, kept=planned.saved_inside)
+                               groups=groups, kept=planned.saved_inside,
+                               each_use=facts_of(planned).remake_each_use)
 
 
 def _remake_module(source: Source, planned: PlannedSegment,

@@ -83,7 +83,8 @@ class RewrittenModule(fx.GraphModule):
             if isinstance(segment, HookedSegmentModule):
                 for i, (group, remake) in enumerate(zip(segment.groups, segment.remakes, strict=True)):
                     code = remake.code.replace("def forward(self, ", f"def {name}_remake_{i}(self, ", 1)
-                    bodies.append(f"# {name}_remake_{i}: runs without gradients when backward first needs "
+                    when = "each time backward unpacks" if segment.each_use else "when backward first needs"
+                    bodies.append(f"# {name}_remake_{i}: runs without gradients {when} "
                                   f"{' or '.join(group)}, to make them again{code}")
                 continue
             if segment.remat is not None:

@@ -159,6 +159,9 @@ class _HookedCall:
         self.reads = []
 
     def take(self, name: str, element: int | None, reads: list[Any]) -> torch.Tensor:
+        if self.module.each_use:  # made for this unpack alone, held only by what unpacked it
+            value = self.module.remake(self, name, reads)[name]
+            return value if element is None else value[element]
         if name not in self.values:
             self.values.update(self.module.remake(self, name, reads))
         value = self.values[name]
@@ -173,12 +176,14 @@ class HookedSegmentModule(nn.Module):
     module's docstring). ``body`` takes the segment's inputs and the call's hooks (``None``
     when no backward will run) and returns its outputs; each of ``remakes`` takes the inputs
     and kept values it reads (its placeholders, in order) and returns its group's values
-    (``groups``, the marked values by group). The graph modules are plain attributes, not submodules, so
+    (``groups``, the marked values by group). With ``each_use`` every group is one value,
+    made again at each unpack and held only by what unpacked it
+    (:attr:`passes.segments.Segment.remake_each_use`). The graph modules are plain attributes, not submodules, so
     parameters and ``state_dict`` keys stay the model's."""
 
     def __init__(self, body: fx.GraphModule, remakes: Sequence[fx.GraphModule], *, nodes: Sequence[str],
                  inputs: Sequence[str], outputs: Sequence[str], groups: Sequence[Sequence[str]],
-                 kept: Sequence[str]) -> None:
+                 kept: Sequence[str], each_use: bool = False) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "remakes", tuple(remakes))  # what codegen prints as the segment's recipes
@@ -194,6 +199,7 @@ class HookedSegmentModule(nn.Module):
             for position, name in enumerate(names):
                 self.readers.setdefault(name, []).append((group, position))
         self.recomputations = 0
+        self.each_use = each_use  # each group one value, made again at every unpack
         self.remake_norms = [m for remake in remakes for m in remake.modules()
                              if isinstance(m, NormBase) and m.track_running_stats]
 
@@ -232,8 +238,9 @@ class HookedSegmentModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"runs {len(self.nodes)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) as eager code; keeps "
                 f"{', '.join(self.kept)} and its inputs from forward; drops what its ops saved of "
-                f"{', '.join(self.marked)} and makes each group of them again when backward first needs one "
-                f"({len(self.groups)} groups)")
+                f"{', '.join(self.marked)} and makes " + (
+                    "each again every time backward unpacks it" if self.each_use else
+                    f"each group of them again when backward first needs one ({len(self.groups)} groups)"))
 
 
 def mark(hooks: _HookedCall | None, value: Any, name: str) -> Any:

@@ -161,14 +161,20 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         dropping = on_top
     if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
         chosen, origin = dropping, "a plan dropping values cheap to make again (passes.drops)"
+    rounded: Plan | None = None
     if chosen is None:  # below the floor of the program and the flat plans: search toward it
         smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
         searched = search(graph, smallest, budget_bytes)
-        if searched is None or searched.peak_bytes > budget_bytes:
-            floor = true_floor(graph)
-            raise _unreachable(graph, budget_bytes, [*tried, program.smallest(), *([searched] if searched else [])],
-                               None if floor is None else floor.peak_bytes)
-        chosen, origin = searched, "a searched plan below the dynamic program's floor"
+        if searched is not None and searched.peak_bytes <= budget_bytes:
+            chosen, origin = searched, "a searched plan below the dynamic program's floor"
+        else:  # values made more than once reach lower (passes.relaxed)
+            rounded = relaxed_plan(graph, budget_bytes)
+            if rounded is None:
+                floor = true_floor(graph)
+                raise _unreachable(graph, budget_bytes,
+                                   [*tried, program.smallest(), *([searched] if searched else [])],
+                                   None if floor is None else floor.peak_bytes)
+            chosen, origin = rounded, _relaxed_origin(rounded)
     built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
     kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
@@ -179,14 +185,15 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")
-    rounded = relaxed_plan(graph, budget_bytes)
+    rounded = rounded or relaxed_plan(graph, budget_bytes)
+    unrounded = chosen
     if rounded is not None and rounded.cost_key < chosen.cost_key:
-        chosen, origin = rounded, (f"one segment run by hooks keeping {_kept_count(rounded)} values rounded from the "
-                                   "exact schedule's LP relaxation (passes.relaxed)")
-    others = [plan for plan in (dropping,) if plan is not None and plan is not chosen]
+        chosen, origin = rounded, _relaxed_origin(rounded)
+    others = [plan for plan in (dropping, unrounded) if plan is not None and plan is not chosen]
     searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
-        chosen, origin = searched, f"{origin}, improved by a local search over segments and kept values"
+        chosen, origin = searched, (f"{origin}, then bettered by a local search over segments and kept values "
+                                    "from it and the plans before it")
     blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)
     if blocks is not None:
         chosen, origin = blocks, (f"per-block checkpointing: {origin} was rated less than {BLOCKS_MARGIN:.0%} "
@@ -194,6 +201,13 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
+
+
+def _relaxed_origin(plan: Plan) -> str:
+    """How a plan of :func:`passes.relaxed.relaxed_plan` came about, for the plan's note."""
+    each = ", each dropped value made again at every use" if any(s.remake_each_use for s in plan.segments) else ""
+    return (f"one segment run by hooks keeping {_kept_count(plan)} values rounded from the exact schedule's LP "
+            f"relaxation (passes.relaxed){each}")
 
 
 BLOCKS_MARGIN = 0.02
@@ -258,7 +272,8 @@ def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budge
     return (f" The true floor (the least peak of any recompute schedule, passes.floor) is lower: a schedule "
             f"reaches {format_bytes(floor, 'MiB')} ({floor / max(eager_peak_bytes, 1):.2f}x eager), which {fits} "
             "this budget, by recomputing values from several kept ones just before each use, "
-            "which graphckpt's plans do not express yet.")
+            "which graphckpt's plans express only in part (each value made again at every use, with a "
+            "whole segment's keep set).")
 
 
 def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:

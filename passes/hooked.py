@@ -55,6 +55,7 @@ class SegmentLike(Protocol):
     outputs: tuple[str, ...]
     remat: tuple  # of passes.remat.Remat
     saved_inside: tuple[str, ...]
+    remake_each_use: bool
 
     @property
     def children(self) -> Sequence[SegmentLike]: ...
@@ -157,6 +158,34 @@ def remake_groups(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeGroup,
     return tuple(RemakeGroup(tuple(nodes), tuple(n for n in nodes if n in marked)) for nodes in groups.values())
 
 
+def value_recipe(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple[str, ...]:
+    """What makes marked ``value`` again on its own, in order: it and the ops of the
+    segment it reads from, back to the segment's inputs and kept values. A segment that
+    remakes each value at every use (``remake_each_use``) runs this for each unpack."""
+    inside = set(segment.nodes) - set(segment.saved_inside)
+    needed = _needed_for(graph, {value}, inside)
+    return tuple(name for name in segment.nodes if name in needed)
+
+
+def uses(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, str]]:
+    """``(op, marked value)`` for every tensor of a marked value an op of a hooked segment
+    saves (a dropout drawn again saves its noise), in backward's order: each is one unpack,
+    and one remake when the segment remakes each value at every use."""
+    marked, drawn = set(marked_values(graph, segment)), set(redrawn(graph, segment))
+    return [(name, root) for name in reversed(segment.nodes) for value in saved_by(graph, name, drawn)
+            for root in (storage_root(graph, value),) if root in marked]
+
+
+def remake_runs(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, ...]]:
+    """The ops each remake of a hooked segment's backward computes: each group once
+    (:func:`remake_groups`), or, remaking each value at every use, each value's recipe at
+    each of its uses (:func:`value_recipe`, :func:`uses`)."""
+    if not segment.remake_each_use:
+        return [group.nodes for group in remake_groups(graph, segment)]
+    recipes: dict[str, tuple[str, ...]] = {}
+    return [recipes.setdefault(value, value_recipe(graph, segment, value)) for _, value in uses(graph, segment)]
+
+
 def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
     """For each input and kept value of a hooked segment that backward needs, the op of the
     segment whose backward needs it last (the earliest in forward order): an op that saved
@@ -172,12 +201,12 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
     input, not its output), where it used to stay until the segment's backward ended.
     """
     sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
-    reads: dict[str, set[str]] = {}  # marked value -> the sources its group's remake reads
-    for group in remake_groups(graph, segment):
-        inside = set(group.nodes)
-        read = {sources[root] for name in group.nodes for pred in graph.predecessors(name)
+    reads: dict[str, set[str]] = {}  # marked value -> the sources its remake reads
+    for nodes, marked in _remake_units(graph, segment):
+        inside = set(nodes)
+        read = {sources[root] for name in nodes for pred in graph.predecessors(name)
                 if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
-        for name in group.marked:
+        for name in marked:
             reads[name] = read
     needed: dict[str, str] = {}
     drawn = set(redrawn(graph, segment))
@@ -189,6 +218,14 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
             for source in reads.get(root, ()):
                 needed[source] = name
     return needed
+
+
+def _remake_units(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """``(ops, marked values)`` of each remake a hooked segment's runtime can run: its groups,
+    or each value's recipe when it remakes each value at every use."""
+    if segment.remake_each_use:
+        return [(value_recipe(graph, segment, name), (name,)) for name in marked_values(graph, segment)]
+    return [(group.nodes, group.marked) for group in remake_groups(graph, segment)]
 
 
 def _needed_for(graph: nx.DiGraph, values: set[str], inside: set[str]) -> set[str]:

@@ -12,8 +12,10 @@ question; the MILP answers it in seconds on 40 ops, its LP relaxation in a fract
 at a few thresholds, brings each rounded plan to the budget by giving up or adding kept
 values (:func:`passes.keeps.without_keeps`, :func:`passes.keeps.with_keeps`) and returns the
 cheapest that fits. On the 40-op random DAGs of ``scripts/planner_gap.py`` at 0.7 of eager
-it is where the exact optimum is on most graphs; where backward must remake only part of a
-group to fit (tighter budgets) whole-group remakes overshoot and it finds nothing.
+it is where the exact optimum is on most graphs. Where backward must remake only part of a
+group to fit (tighter budgets) whole-group remakes overshoot; a rounded set that does not fit
+is tried again with each dropped value made at every use from its own recipe
+(``remake_each_use``), as the exact schedule makes values more than once.
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
         if not _any_hooked(graph, segments):
             continue
         plan = fitted(graph, segments, budget_bytes)
+        if plan is None or plan.peak_bytes > budget_bytes:  # make values again at each use instead
+            plan = fitted(graph, tuple(replace(s, remake_each_use=True) for s in segments), budget_bytes)
         if plan is not None and plan.peak_bytes <= budget_bytes and (best is None or plan.cost_key < best.cost_key):
             best = plan
     if best is None:
         return None
+    each = " (each dropped value made again at every use)" if any(s.remake_each_use for s in best.segments) else ""
     note = (f"relaxed: one segment run by saved-tensor hooks keeping {sum(len(s.saved_inside) for s in best.segments)} "
-            "values, rounded from the LP relaxation of the exact schedule")
+            f"values{each}, rounded from the LP relaxation of the exact schedule")
     return replace(best, strategy="relaxed", notes=(note, *best.notes))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from passes.graph_facts import draws_random, in_order, is_activation, keeps_order, node_attribute, op_nodes
-from passes.hooked import keeps_by_hooks, redrawn, remake_groups
+from passes.hooked import keeps_by_hooks, marked_values, redrawn, remake_groups, remake_runs
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
 
@@ -49,7 +49,8 @@ class RecomputeFacts:
     (:mod:`passes.hooked`), not through torch's selective checkpointing; ``remakes`` holds
     them by group, each made again on its own (:func:`passes.hooked.remake_groups`), and
     ``redrawn`` the dropouts among them drawn again from forward's generator state
-    (:func:`passes.hooked.redrawn`).
+    (:func:`passes.hooked.redrawn`). With ``remake_each_use`` each marked value is a group
+    of its own, made again at every unpack (:attr:`Segment.remake_each_use`).
     """
 
     kept_bytes: float
@@ -61,6 +62,7 @@ class RecomputeFacts:
     keeps_by_hooks: bool = False
     remakes: tuple[tuple[str, ...], ...] = ()
     redrawn: tuple[str, ...] = ()
+    remake_each_use: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class Segment:
     ``remat`` (top-level recomputed segments only) are inputs dropped after forward and
     recomputed without gradients from kept values when the segment is recomputed
     (:mod:`passes.remat`).
+    ``remake_each_use`` (segments run by saved-tensor hooks only, :mod:`passes.hooked`):
+    backward makes a dropped value again for each op that unpacks it, from the inputs and
+    kept values, and lets it go after that op's backward, instead of making its group once
+    and holding it to its last use: less memory for more recompute, as the exact schedule
+    does at tight budgets (:func:`passes.hooked.value_recipe`).
     """
 
     nodes: tuple[str, ...]
@@ -87,6 +94,7 @@ class Segment:
     children: tuple[Segment, ...] = ()
     facts: RecomputeFacts | None = field(default=None, compare=False, repr=False)
     remat: tuple[Remat, ...] = ()
+    remake_each_use: bool = False
 
     @property
     def depth(self) -> int:
@@ -159,10 +167,19 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
         by_hooks=runs_by_hooks(graph, segment),
         keeps_by_hooks=hooked,
-        remakes=tuple(group.marked for group in remake_groups(graph, segment)) if hooked else (),
+        remakes=_remake_sets(graph, segment) if hooked else (),
         redrawn=redrawn(graph, segment) if hooked else (),
+        remake_each_use=hooked and segment.remake_each_use,
     )
     return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
+
+
+def _remake_sets(graph: nx.DiGraph, segment: Segment) -> tuple[tuple[str, ...], ...]:
+    """The marked values of a hooked segment as its runtime makes them again: by remake
+    group, or one by one when it remakes each at every use."""
+    if segment.remake_each_use:
+        return tuple((name,) for name in marked_values(graph, segment))
+    return tuple(group.marked for group in remake_groups(graph, segment))
 
 
 def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True,
@@ -177,7 +194,7 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
         if not segment.recompute:
             continue
         if top and keeps_by_hooks(graph, segment):
-            again.extend(name for group in remake_groups(graph, segment) for name in group.nodes)
+            again.extend(name for run in remake_runs(graph, segment) for name in run)
             continue
         ran, stop = recompute_steps(graph, segment)
         if ran or stop is not None:  # a recompute that runs at all first rematerializes the inputs
@@ -220,7 +237,7 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = Tr
             total += per_drop * len(s.remat)
         elif top and keeps_by_hooks(graph, s):
             groups = remake_groups(graph, s)
-            total += per_drop * (1 + len(groups) + sum(len(group.marked) for group in groups))
+            total += per_drop * (1 + len(remake_runs(graph, s)) + sum(len(group.marked) for group in groups))
         elif s.recompute:
             total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children, top=False)
     return int(total)

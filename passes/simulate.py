@@ -37,7 +37,16 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.graph_facts import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.hooked import RemakeGroup, keeps_by_hooks, last_needed, redrawn, remake_groups
+from passes.hooked import (
+    RemakeGroup,
+    keeps_by_hooks,
+    last_needed,
+    marked_values,
+    redrawn,
+    remake_groups,
+    uses,
+    value_recipe,
+)
 from passes.kept_bytes import gradient_bytes
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.segments import Segment, Step, make_segments, random_calls, recompute_steps, recompute_totals, step_nodes
@@ -202,6 +211,9 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
     (a dropout drawn again saves itself: its noise and value go after its own backward).
     The inputs and kept values, held by the call since forward, go after the backward of
     the last op needing them (``needed``: :func:`passes.hooked.last_needed`)."""
+    if segment.remake_each_use:
+        _backward_remaking_each_use(memory, graph, segment, grads, needed)
+        return
     index = memory.index
     groups = remake_groups(graph, segment)
     group_of = {index.ids[name]: group for group in groups for name in group.marked}
@@ -228,6 +240,42 @@ def _backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gr
         run_backward(memory, [node], grads)
         if node in drawn:
             memory.release(node)  # held by its own noise's handle
+        for value in let_go.get(node, ()):
+            memory.release(value)
+    memory.fresh.pop()
+
+
+def _backward_remaking_each_use(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
+                                needed: dict[str, str]) -> None:
+    """:func:`_backward_hooked` of a segment that makes each marked value again at every
+    use (:attr:`passes.segments.Segment.remake_each_use`): before an op's backward, each
+    marked value it saved is made from its recipe (:func:`passes.hooked.value_recipe`) and
+    held by that op alone, so it goes after the op's backward (a dropout's noise with it)."""
+    index = memory.index
+    marked = set(marked_values(graph, segment))
+    memory.fresh.append({index.ids[name] for name in segment.nodes if name not in segment.saved_inside})
+    drawn = set(redrawn(graph, segment))
+    let_go: dict[int, list[int]] = {}
+    for value, name in needed.items():
+        let_go.setdefault(index.ids[name], []).append(index.ids[value])
+    wanted: dict[str, list[str]] = {}
+    for op, value in uses(graph, segment):
+        wanted.setdefault(op, []).append(value)
+    recipes: dict[str, list[int]] = {}
+    for name in reversed(segment.nodes):
+        node = index.ids[name]
+        for value in index.saved[node]:
+            if index.names[index.roots[value]] not in marked:
+                memory.hold(value)  # an input or kept value, alive since forward
+        for value in wanted.get(name, ()):
+            made = recipes.setdefault(value, index.id_list(value_recipe(graph, segment, value)))
+            memory.hold(index.ids[value])
+            if value == name and name in drawn:  # its own noise
+                memory.allocate(slot(node, EXTRA), index.saved_extra[node])
+            run_forward(memory, made, save=False, within=set(made))
+        run_backward(memory, [node], grads)
+        if name in drawn:
+            memory.release(node)
         for value in let_go.get(node, ()):
             memory.release(value)
     memory.fresh.pop()

@@ -18,7 +18,7 @@ from graphckpt.codegen import generate
 from graphckpt.dropout import dropout_and_saved, dropout_call
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.hooked import keeps_by_hooks, marked_values, redrawn
+from passes.hooked import keeps_by_hooks, marked_values, redrawn, remake_groups, uses
 from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
 from tests.device import DEVICE, on_test_device
 from tests.equivalence import assert_trains_like_twice, fresh_pair
@@ -135,3 +135,24 @@ def test_only_dropouts_are_drawn_again() -> None:
     other.nodes[dropout]["redrawable"] = False
     assert not keeps_by_hooks(other, segment)
     assert not keeps_by_hooks(graph, replace(segment, saved_inside=(*segment.saved_inside, dropout)))
+
+
+def test_remaking_each_use_runs_a_recipe_per_unpack_and_trains_like_eager() -> None:
+    """The same segments made again at every use (``remake_each_use``): a value several ops
+    saved (a layer norm's output, read by the query, key and value matmuls) is made once per
+    unpack, each dropout draws forward's noise again every time, and two steps give eager's
+    outputs, gradients and masks; the peak is where the simulator puts it."""
+    reference, model, inputs, analysis, plan = _selective_gpt(d=128, seq=64, batch=8)
+    graph = analysis.cost_graph
+    segments = tuple(replace(s, remake_each_use=True) if s.recompute and keeps_by_hooks(graph, s) else s
+                     for s in plan.segments)
+    each = plan_of_segments(graph, "each use", segments)
+    expected = sum(len(uses(graph, s)) for s in segments if s.remake_each_use)
+    assert expected > sum(len(remake_groups(graph, s)) for s in segments if s.remake_each_use)
+    rewritten = generate(analysis.captured.graph_module, model, each)
+    zoo.scalar_loss(rewritten(*inputs)).backward()
+    assert sum(module.recomputations for _, module in rewritten.hooked) == expected
+    model.zero_grad(set_to_none=True)
+    assert_trains_like_twice(reference, model, rewritten, inputs)
+    measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert abs(each.peak_bytes / measured - 1) < 0.03, (each.peak_bytes, measured)
