@@ -75,3 +75,13 @@ def assert_trains_like_twice(reference: nn.Module, model: nn.Module, rewritten: 
     once per step and that the rewritten module's calls start afresh."""
     for _ in range(2):
         assert_trains_like(reference, model, rewritten, args)
+
+
+def assert_backpropagates_twice(rewritten: nn.Module, model: nn.Module, args: tuple) -> None:
+    """Two backwards of one retained graph of ``rewritten`` give ``model``'s parameters the
+    same gradients (whatever a recompute made for the first is made again for the second)."""
+    loss = zoo.scalar_loss(rewritten(*args))
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)

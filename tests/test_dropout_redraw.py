@@ -21,7 +21,7 @@ from graphckpt.tools.measure import measure_step
 from passes.hooked import keeps_by_hooks, marked_values, redrawn, remake_groups, uses
 from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
 from tests.device import DEVICE, on_test_device
-from tests.equivalence import assert_trains_like_twice, fresh_pair
+from tests.equivalence import assert_backpropagates_twice, assert_trains_like_twice, fresh_pair
 
 GPT = {"layers": 2, "d": 64, "heads": 4, "seq": 32, "batch": 4, "dropout": 0.1}
 
@@ -108,11 +108,7 @@ def test_a_retained_graph_with_dropout_backpropagates_twice() -> None:
                      for s in plan.segments)
     rewritten = generate(analysis.captured.graph_module, model, plan_of_segments(graph, "hooked only", segments))
     assert rewritten.hooked
-    loss = zoo.scalar_loss(rewritten(*inputs))
-    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-    second = torch.autograd.grad(loss, list(model.parameters()))
-    for a, b in zip(first, second, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    assert_backpropagates_twice(rewritten, model, inputs)
 
 
 def test_hooked_dropout_segments_peak_where_simulated() -> None:

@@ -16,7 +16,7 @@ from passes.graph_facts import op_nodes
 from passes.hooked import keeps_by_hooks, marked_values, remake_groups
 from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
 from passes.segments import make_segments
-from tests.equivalence import assert_trains_like_twice, zoo_pair
+from tests.equivalence import assert_backpropagates_twice, assert_trains_like_twice, zoo_pair
 
 SIZES = {"mlp": {"batch": 256}, "densenet": {"batch": 16}, "resnet": {"batch": 16}, "unet": {"batch": 8}}
 
@@ -126,11 +126,7 @@ def test_a_retained_graph_backpropagates_twice() -> None:
     analysis, plan = _selective_plan(model, inputs)
     rewritten = generate(analysis.captured.graph_module, model, plan)
     assert rewritten.hooked
-    loss = zoo.scalar_loss(rewritten(*inputs))
-    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-    second = torch.autograd.grad(loss, list(model.parameters()))
-    for a, b in zip(first, second, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    assert_backpropagates_twice(rewritten, model, inputs)
 
 
 def test_what_hooked_ops_save_beyond_values_is_held_from_forward() -> None:
