@@ -1,4 +1,5 @@
-"""Random DAG models, every strategy: one training step of the rewrite equals eager.
+"""Random DAG models, every strategy (and one segment run by saved-tensor hooks over the whole
+graph, its values remade per group or at every use): one training step of the rewrite equals eager.
 
 ``model_specs`` draws a recipe (plain Python data) over values of shape (batch, width):
 Linear, activations, add/mul, cat + Linear(2w, w), LayerNorm, BatchNorm1d, Dropout,
@@ -223,8 +224,31 @@ def _rewrite_rematerializing(model: nn.Module, x: torch.Tensor, strategy: str, s
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
 
 
+def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, each_use: bool) -> nn.Module:
+    """One selective segment over the whole graph keeping its matmul outputs, as
+    :mod:`passes.relaxed` builds them: run by saved-tensor hooks when its ops allow
+    (dropouts drawn again), its dropped values made per group or at every use
+    (``remake_each_use``); the ``sqrt`` plan when such a segment is no valid plan."""
+    from dataclasses import replace
+
+    from graphckpt.api import Analysis, analyze, generate_rewrite
+    from passes.keeps import keepable, keeping, whole_graph
+    from passes.plan import plan_of_segments
+    from passes.segments import PlanError
+
+    analysis = analyze(model, (x.clone(),), strategy="sqrt")
+    graph = analysis.cost_graph
+    kept = {name for name in graph if graph.nodes[name]["expensive"] and keepable(graph, name)}
+    segments = tuple(replace(s, remake_each_use=each_use) for s in keeping(whole_graph(graph), kept))
+    try:
+        plan = plan_of_segments(graph, "one hooked segment", segments)
+    except PlanError:
+        plan = analysis.plan
+    return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
+
+
 def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_values: bool = False,
-                     remat: bool = False) -> None:
+                     remat: bool = False, hooked: str = "") -> None:
     model = RecipeModel(spec)
     model.train()
     reference = copy.deepcopy(model)
@@ -233,6 +257,8 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
         rewritten = _rewrite_keeping_values(model, x, strategy, segments)
     elif remat:
         rewritten = _rewrite_rematerializing(model, x, strategy, segments)
+    elif hooked:
+        rewritten = _rewrite_one_hooked_segment(model, x, each_use=hooked == "each use")
     else:
         rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
@@ -242,7 +268,7 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
     x_new = x.clone().requires_grad_(spec.input_requires_grad)
     kind_ref, expected = _train_step(reference, x_ref, spec.seed + 1)
     kind_new, actual = _train_step(rewritten, x_new, spec.seed + 1)
-    where = f"strategy={strategy} segments={segments}\n{plan}"
+    where = f"strategy={strategy} segments={segments} {hooked}\n{plan}"
     assert kind_new is kind_ref, where
     assert len(actual) == len(expected), where
     for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
@@ -323,6 +349,8 @@ def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
         _check_same_step(spec, strategy, count)
     _check_same_step(spec, "mincut", segments[2], keep_values=True)
     _check_same_step(spec, "sqrt", segments[0], remat=True)
+    for hooked in ("per group", "each use"):
+        _check_same_step(spec, "sqrt", None, hooked=hooked)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
