@@ -64,6 +64,25 @@ def return_values(graph: fx.Graph, values: list[fx.Node]) -> None:
     graph.output(values[0] if len(values) == 1 else tuple(values))
 
 
+def lifted_reads(source: Source, planned: PlannedSegment) -> tuple[str, ...]:
+    """The graph inputs a segment's rematerialization chains read that the plan counts as
+    always there: parameters ``torch.compile`` passes as inputs (``param`` values of the cost
+    graph, placeholders here, not attributes), which the segment's call must pass on."""
+    chains = {name for r in planned.remat for name in r.nodes}
+    sources = {name for r in planned.remat for name in r.sources}
+    return tuple(dict.fromkeys(
+        node.name for name in chains for node in source.nodes[name].all_input_nodes
+        if node.op == "placeholder" and node.name not in chains and node.name not in sources))
+
+
+def remat_arguments(source: Source, planned: PlannedSegment) -> tuple[str, ...]:
+    """What a segment's call passes beyond its inputs: the sources of its rematerialized
+    inputs (:func:`passes.remat.remat_sources`), then the graph inputs its chains read
+    (:func:`lifted_reads`)."""
+    extra = remat_sources(planned)
+    return (*extra, *(name for name in lifted_reads(source, planned) if name not in extra and name not in planned.inputs))
+
+
 def remat_module(source: Source, planned: PlannedSegment) -> tuple[fx.GraphModule | None, dict[str, Any]]:
     """The module computing ``planned``'s rematerialized inputs from their sources (one
     placeholder per source, the inputs' values returned in order: :mod:`passes.remat`), and
@@ -71,7 +90,7 @@ def remat_module(source: Source, planned: PlannedSegment) -> tuple[fx.GraphModul
     if not planned.remat:
         return None, {}
     originals = source.nodes
-    sources = list(dict.fromkeys(s for r in planned.remat for s in r.sources))
+    sources = [*dict.fromkeys(s for r in planned.remat for s in r.sources), *lifted_reads(source, planned)]
     graph = fx.Graph()
     env = {name: graph.placeholder(name) for name in sources}
 
@@ -83,7 +102,7 @@ def remat_module(source: Source, planned: PlannedSegment) -> tuple[fx.GraphModul
     for name in dict.fromkeys(n for r in planned.remat for n in r.nodes):
         env[name] = graph.node_copy(originals[name], read)
     return_values(graph, [env[r.value] for r in planned.remat])
-    arguments = [*planned.inputs, *remat_sources(planned)]
+    arguments = [*planned.inputs, *remat_arguments(source, planned)]
     return fx.GraphModule(attribute_table(graph, source.module), graph, "RematBody"), {
         "remat_inputs": tuple(planned.inputs.index(r.value) for r in planned.remat),
         "remat_sources": tuple(arguments.index(name) for name in sources), "remat_names": tuple(sources)}

@@ -32,6 +32,7 @@ from graphckpt.bodies import (
     drop_module,
     facts_of,
     hooked_module,
+    remat_arguments,
     remat_module,
     resolve,
     return_values,
@@ -192,13 +193,14 @@ def _emit_segments(target_graph: fx.Graph, source: Source,
             target = f"{prefix}{made[SegmentModule]}"
             modules[target] = _segment_module(source, planned, target)
         made[type(modules[target])] += 1
-        _emit_call(target_graph, target, planned, env)
+        _emit_call(target_graph, target, planned, env, source)
     return modules
 
 
-def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[str, fx.Node]) -> None:
+def _emit_call(top: fx.Graph, target: str, planned: PlannedSegment, env: dict[str, fx.Node],
+               source: Source) -> None:
     """Call a segment from the top-level forward, naming its results as the originals."""
-    arguments = tuple(env[name] for name in (*planned.inputs, *remat_sources(planned)))
+    arguments = tuple(env[name] for name in (*planned.inputs, *remat_arguments(source, planned)))
     if len(planned.outputs) == 1:
         env[planned.outputs[0]] = top.create_node("call_module", target, arguments, name=planned.outputs[0])
         return
