@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.operator_schemas import normalize_function
 
+from graphckpt.torch_compat import dropout_and_saved
+
 _FUNCTIONS = (F.dropout, torch.dropout, torch.ops.aten.dropout.default)
 
 
@@ -61,18 +63,6 @@ def dropout_call(owner: nn.Module, node: fx.Node) -> DropoutCall | None:
     if not isinstance(p, float) or not 0 < p < 1:
         return None
     return DropoutCall(source, p, True)
-
-
-def dropout_and_saved(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``F.dropout(x, p, training=True)`` computes, drawing the same numbers, and the
-    tensor its backward saves: ATen's ``dropout`` runs the fused ``native_dropout`` on a GPU
-    (its mask saved) and elsewhere ``x * noise`` with ``noise`` the Bernoulli draws scaled by
-    ``1/(1-p)`` (saved; on another backend's device too, whose fused kernel would draw other
-    numbers). Checked on 2.13 against ``F.dropout``, bit for bit (tests/test_dropout_redraw.py)."""
-    if x.device.type in ("cuda", "xpu", "lazy"):
-        return torch.native_dropout(x, p, True)
-    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
-    return x * noise, noise
 
 
 def generator_state(device: torch.device) -> torch.Tensor:

@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = [
     "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode", "activation_memory_budget",
     "allocations_under", "argument_names", "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers",
+    "dropout_and_saved",
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks", "is_accumulate_grad",
     "memory_timeline_allocations", "module_registries", "module_tree_copy", "non_persistent_buffers",
     "op_schema", "profiled_event_tree", "profiler_enabled", "storage_key", "symbolic_hint", "tree_flatten",
@@ -96,6 +97,19 @@ def draws_random_numbers(func: OpOverload, args: tuple = (), kwargs: Mapping[str
     bound.update(zip((argument.name for argument in schema), args, strict=False))
     bound.update(kwargs or {})
     return bound.get("train") is not False and bound.get("dropout_p") != 0
+
+
+def dropout_and_saved(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``F.dropout(x, p, training=True)`` computes, drawing the same numbers, and the
+    tensor its backward saves: ATen's ``dropout`` runs the fused ``native_dropout`` on a GPU
+    (its mask saved) and elsewhere ``x * noise`` with ``noise`` the Bernoulli draws scaled by
+    ``1/(1-p)`` (saved; on another backend's device too, whose fused kernel would draw other
+    numbers). ATen's ``_dropout_impl`` and ``is_fused_kernel_acceptable``; checked on 2.13
+    against ``F.dropout``, bit for bit (tests/test_dropout_redraw.py)."""
+    if x.device.type in ("cuda", "xpu", "lazy"):
+        return torch.native_dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    return x * noise, noise
 
 
 def storage_key(tensor: torch.Tensor) -> int:

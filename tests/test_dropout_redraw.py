@@ -15,9 +15,10 @@ from torch import fx, nn
 
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
-from graphckpt.dropout import dropout_and_saved, dropout_call
+from graphckpt.dropout import dropout_call
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
+from graphckpt.torch_compat import dropout_and_saved
 from passes.hooked import keeps_by_hooks, marked_values, redrawn, remake_groups, uses
 from passes.plan import Candidate, Plan, plan_of_segments, selective, simulated
 from tests.device import DEVICE, on_test_device
