@@ -3,6 +3,7 @@
     python scripts/bench.py --out docs/benchmarks.md --default-allocator-steps 3   # the published run
     python scripts/bench.py --models mlp,gpt2 --steps 5       # a subset, printed
     python scripts/bench.py --tiny --out /tmp/b.md            # seconds: the smoke test's run
+    python scripts/bench.py --device cuda --gpu-sizes --models gpt2 --steps 7   # a GPU, at sizes it waits on
 
 For each model, in one process: eager; ``checkpoint_sequential`` with √n segments (chains);
 per-block checkpointing as Hugging Face's ``gradient_checkpointing_enable()`` does it;
