@@ -21,9 +21,10 @@ from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Plan, Progress, build_plan, simulated
+from passes.recompute import cost_key
 from passes.relaxed import relaxed_plan
 from passes.search import SEARCH_MAX_OPS, search
-from passes.segments import PlanError, Segment, cost_key
+from passes.segments import PlanError, Segment
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
 

@@ -8,7 +8,7 @@ are enough to plan it, all prefix sums or range maxima so the program reads them
 * ``rerun_flops`` / ``rerun_written``: what recomputing the range costs (FLOPs, and bytes
   written, the cost of pointwise work that the FLOP counter calls free), counting only the
   ops a recompute runs: it stops after the last op that saves anything for backward, or
-  before it when it saves only its inputs (:func:`passes.segments.recompute_steps`);
+  before it when it saves only its inputs (:func:`passes.recompute.recompute_steps`);
 * ``stored``: bytes the range keeps alive when run saving for backward;
 * ``expensive_bytes``: the part of ``stored`` that matmul/convolution outputs make up (kept
   by a selective segment instead of recomputed), and ``rerun_expensive_flops`` /

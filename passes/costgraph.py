@@ -72,7 +72,7 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     ``"inputs"`` that exist before it runs (values it reads, parameters); or also
     ``"outputs"`` it computes (its own value, a mask, statistics). A recompute stops once it
     has what backward saved, so ops after the last one that saves anything never run again,
-    nor that one when it saves only its inputs (:func:`passes.segments.recompute_steps`).
+    nor that one when it saves only its inputs (:func:`passes.recompute.recompute_steps`).
     :func:`add_value` derives it from ``saved`` and ``saved_extra_bytes`` when not given.
 ``saved_extra_bytes``: ``int``
     Bytes the node saves for backward that belong to no value of the graph (dropout masks,

@@ -24,8 +24,9 @@ import networkx as nx
 from passes.graph_facts import node_attribute, op_nodes
 from passes.keeps import keepable
 from passes.plan import Plan, plan_of_segments
+from passes.recompute import cost_key
 from passes.remat import rematerializable, with_remat
-from passes.segments import PlanError, Segment, cost_key, make_segments
+from passes.segments import PlanError, Segment, make_segments
 from passes.simulate import eager_segments, peak_within, simulate
 
 

@@ -17,7 +17,8 @@ import networkx as nx
 from passes.graph_facts import op_nodes
 from passes.heuristics import articulation_candidate, blocks_candidate, mincut_candidate, sqrt_candidate
 from passes.plan import Candidate, Plan, selective, simulated
-from passes.segments import cost_key, make_segments
+from passes.recompute import cost_key
+from passes.segments import make_segments
 from passes.simulate import forward_floor
 
 

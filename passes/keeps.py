@@ -28,8 +28,9 @@ import networkx as nx
 from passes.graph_facts import op_nodes
 from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Candidate, Plan, plan_of_segments, selective
+from passes.recompute import cost_key, rerun_nodes
 from passes.remat import validate_remat
-from passes.segments import PlanError, Segment, cost_key, make_segments, rerun_nodes
+from passes.segments import PlanError, Segment, make_segments
 from passes.simulate import forward_floor, peak_within
 
 MAX_SIMULATIONS = 40

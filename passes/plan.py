@@ -20,15 +20,8 @@ import networkx as nx
 
 from passes.graph_facts import op_nodes
 from passes.kept_bytes import boundary_bytes
-from passes.segments import (
-    Segment,
-    checkpoints_of,
-    make_segments,
-    overhead_cost,
-    recomputed_count,
-    validate_plan,
-    with_facts,
-)
+from passes.recompute import overhead_cost, recomputed_count, with_facts
+from passes.segments import Segment, checkpoints_of, make_segments, validate_plan
 from passes.simulate import simulate
 from passes.units import format_bytes
 
@@ -64,7 +57,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     recompute_bytes: int = 0
     cost_unit: str = "FLOPs"  # what recompute_flops and forward_flops count ("ns": measured time)
-    overhead: int = 0  # checkpointing's own cost, in cost_unit (passes.segments.overhead_cost)
+    overhead: int = 0  # checkpointing's own cost, in cost_unit (passes.recompute.overhead_cost)
     checkpoint_details: tuple[Checkpoint, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -114,7 +107,7 @@ def _describe(segment: Segment, name: str, indent: str) -> list[str]:
 @dataclass(frozen=True)
 class Candidate:
     """A strategy's segments before simulation: cheap to make and to price
-    (:func:`passes.segments.cost_key`), so a search can simulate only the ones that could win."""
+    (:func:`passes.recompute.cost_key`), so a search can simulate only the ones that could win."""
 
     strategy: str
     segments: tuple[Segment, ...]

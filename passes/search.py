@@ -29,8 +29,9 @@ from passes.graph_facts import op_nodes
 from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments
+from passes.recompute import cost_key
 from passes.remat import rematerializable, with_remat
-from passes.segments import PlanError, Segment, cost_key, make_segments, nested
+from passes.segments import PlanError, Segment, make_segments, nested
 from passes.simulate import simulate
 
 SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there

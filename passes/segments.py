@@ -10,21 +10,20 @@ recursive variant): when backward recomputes it, its children run like a plan of
 own, so a recomputed child again keeps only its edges and is recomputed once more when
 backward reaches it. Less memory, more recompute.
 
-This module is what the simulator needs of segments (making, checking and nesting them,
-what a recompute runs); :mod:`passes.plan` turns segments into a simulated plan.
+This module makes, checks and nests segments; :mod:`passes.recompute` says what backward
+recomputes of them and what that costs; :mod:`passes.plan` turns segments into a simulated plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import networkx as nx
 
-from passes.graph_facts import draws_random, in_order, is_activation, keeps_order, node_attribute, op_nodes
-from passes.hooked import keeps_by_hooks, marked_values, redrawn, remake_groups, remake_runs
+from passes.graph_facts import in_order, is_activation, keeps_order, op_nodes
 from passes.kept_bytes import boundary_bytes
-from passes.remat import Remat, kept_inputs, remat_nodes, runs_by_hooks, validate_remat
+from passes.remat import Remat, kept_inputs, validate_remat
 
 
 class PlanError(ValueError):
@@ -34,11 +33,11 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class RecomputeFacts:
     """What running a recomputed segment needs from the cost graph, so that codegen builds
-    it from the plan alone (:func:`with_facts`).
+    it from the plan alone (:func:`passes.recompute.with_facts`).
 
     ``kept_bytes``: bytes its inputs keep alive from forward (each storage once).
     ``draws_random``: whether it may draw random numbers, so its recompute replays the
-    generator's state. ``reruns``: the nodes one recompute runs (:func:`rerun_nodes`).
+    generator's state. ``reruns``: the nodes one recompute runs (:func:`passes.recompute.rerun_nodes`).
     ``state_inputs``: positions in ``inputs`` of ``state`` values (buffers it updates in
     place), which a recompute gets scratch copies of. ``kept_whole``: the ``saved_inside``
     values kept whole (every op of the node), not only their matmul/convolution kernels as
@@ -106,151 +105,6 @@ class Segment:
 
 
 Step = str | Segment  # one step of a recompute: an op, or a recomputed child run as a whole
-
-
-def recompute_steps(graph: nx.DiGraph, segment: Segment) -> tuple[list[Step], Step | None]:
-    """What backward's recompute of ``segment`` runs, in order, and the step it stops at.
-
-    torch's checkpoint stops recomputing as soon as it has every tensor backward saved in
-    forward: ops after the last one that saves anything never run again, nor that one when
-    all it saves are its inputs (its saves are taken, it is not run: the returned stop). A
-    recomputed child saves its inputs before its body runs, so a child that is the last to
-    save is not run either. For example, a recomputed ``Linear -> GELU -> Linear`` segment
-    reruns only its first Linear and the GELU: the last Linear saves only its input.
-    """
-    steps: list[tuple[Step, str]] = []
-    saves_from = node_attribute(graph, "saves_from")
-    for child in segment.children or (segment,):
-        if child is not segment and child.recompute:
-            steps.append((child, "inputs"))
-        else:
-            steps.extend((n, saves_from[n]) for n in child.nodes)
-    last = max((i for i, (_, saves) in enumerate(steps) if saves != "nothing"), default=-1)
-    if last < 0:
-        return [], None
-    if steps[last][1] == "outputs":
-        return [step for step, _ in steps[: last + 1]], None
-    return [step for step, _ in steps[:last]], steps[last][0]
-
-
-def random_calls(graph: nx.DiGraph, segment: Segment) -> list[Segment]:
-    """``segment`` and the recomputed segments nested in it, at any depth, that draw random
-    numbers, in call order: running ``segment``'s body calls each of them, and every such
-    checkpoint call takes a copy of the generator's state (``rng_state_bytes``)."""
-    own = [segment] if segment.recompute and draws_random(graph, segment.nodes) else []
-    return own + [call for child in segment.children for call in random_calls(graph, child)]
-
-
-def step_nodes(steps: Iterable[Step]) -> list[str]:
-    """The op nodes computed by ``steps`` (a recomputed child's forward computes all of it)."""
-    return [n for step in steps for n in (step.nodes if isinstance(step, Segment) else (step,))]
-
-
-def rerun_nodes(graph: nx.DiGraph, segment: Segment, cached: bool = True) -> list[str]:
-    """The nodes one recompute of ``segment`` computes (its recomputed children's bodies
-    included, their own later recomputes not); ``saved_inside`` excluded when ``cached``."""
-    return _without_kept(step_nodes(recompute_steps(graph, segment)[0]), segment, cached)
-
-
-def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment:
-    """``segment`` (and its children) with the :class:`RecomputeFacts` of ``graph`` that
-    codegen reads; a kept segment has none. Only a ``top``-level segment runs by hooks
-    (:mod:`passes.hooked`): a nested one runs inside its parent's checkpoint."""
-    if not segment.recompute:
-        return segment
-    hooked = top and keeps_by_hooks(graph, segment)
-    facts = RecomputeFacts(
-        kept_bytes=boundary_bytes(graph, segment.inputs),
-        draws_random=draws_random(graph, segment.nodes),
-        reruns=tuple(rerun_nodes(graph, segment)),
-        state_inputs=tuple(i for i, name in enumerate(segment.inputs) if graph.nodes[name]["state"]),
-        kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
-        by_hooks=runs_by_hooks(graph, segment),
-        keeps_by_hooks=hooked,
-        remakes=_remake_sets(graph, segment) if hooked else (),
-        redrawn=redrawn(graph, segment) if hooked else (),
-        remake_each_use=hooked and segment.remake_each_use,
-    )
-    return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
-
-
-def _remake_sets(graph: nx.DiGraph, segment: Segment) -> tuple[tuple[str, ...], ...]:
-    """The marked values of a hooked segment as its runtime makes them again: by remake
-    group, or one by one when it remakes each at every use."""
-    if segment.remake_each_use:
-        return tuple((name,) for name in marked_values(graph, segment))
-    return tuple(group.marked for group in remake_groups(graph, segment))
-
-
-def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True,
-                     top: bool = True) -> list[str]:
-    """Every node backward computes again, once per time it is recomputed (a node in a
-    recomputed child of a recomputed segment appears twice), as :func:`recompute_steps` runs
-    them; ``saved_inside`` excluded when ``cached`` (a nested child's are only cached when
-    its enclosing segment's recompute ran it). A ``top``-level segment run by hooks makes
-    again only what its remake groups need (:func:`passes.hooked.remake_groups`)."""
-    again: list[str] = []
-    for segment in segments:
-        if not segment.recompute:
-            continue
-        if top and keeps_by_hooks(graph, segment):
-            again.extend(name for run in remake_runs(graph, segment) for name in run)
-            continue
-        ran, stop = recompute_steps(graph, segment)
-        if ran or stop is not None:  # a recompute that runs at all first rematerializes the inputs
-            again.extend(remat_nodes(segment))
-        again.extend(_without_kept(step_nodes(ran), segment, cached))
-        for child in segment.children:
-            again.extend(recomputed_nodes(graph, [child], cached=child in ran, top=False))
-    return again
-
-
-def recompute_totals(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[int, int]:
-    """FLOPs and bytes written by everything backward recomputes (:func:`recomputed_nodes`)."""
-    again = recomputed_nodes(graph, segments)
-    flops, nbytes = node_attribute(graph, "flops"), node_attribute(graph, "bytes")
-    return sum(map(flops.__getitem__, again)), sum(map(nbytes.__getitem__, again))
-
-
-def cost_key(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[int, int, int]:
-    """:attr:`Plan.cost_key` of segments not yet simulated: what they recompute is known
-    without simulating them."""
-    recomputed, written = recompute_totals(graph, segments)
-    return recomputed + overhead_cost(graph, segments), written, recomputed_count(segments)
-
-
-def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = True) -> int:
-    """What checkpointing itself costs a step, beyond the ops it reruns: each checkpoint
-    call, each op of a selective segment, and each value a segment run by hooks drops
-    (the graph's ``checkpoint_call_cost``, ``selective_op_cost`` and ``dropped_value_cost``,
-    0 unless measured); a selective segment run by hooks (:mod:`passes.hooked`) costs a
-    dropped value's price for the call, for each remake group and for each value it marks.
-    Without it a plan of many small or selective segments looks cheaper than it runs (GPT-2
-    at per-block's memory stepped 1.27x per-block's with pointwise ops counted free)."""
-    call, per_op = graph.graph.get("checkpoint_call_cost", 0), graph.graph.get("selective_op_cost", 0)
-    per_drop = graph.graph.get("dropped_value_cost", 0)
-    if not call and not per_op and not per_drop:
-        return 0
-    total = 0
-    for s in segments:
-        if runs_by_hooks(graph, s):
-            total += per_drop * len(s.remat)
-        elif top and keeps_by_hooks(graph, s):
-            groups = remake_groups(graph, s)
-            total += per_drop * (1 + len(remake_runs(graph, s)) + sum(len(group.marked) for group in groups))
-        elif s.recompute:
-            total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children, top=False)
-    return int(total)
-
-
-def _without_kept(nodes: list[str], segment: Segment, cached: bool) -> list[str]:
-    kept = set(segment.saved_inside) if cached else set()
-    return [n for n in nodes if n not in kept]
-
-
-def recomputed_count(segments: Iterable[Segment]) -> int:
-    """Recomputed segments, nested ones included: the checkpoint calls a step makes."""
-    return sum(s.recompute + recomputed_count(s.children) for s in segments)
 
 
 def segment_edges(graph: nx.DiGraph, nodes: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

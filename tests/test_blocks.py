@@ -16,7 +16,7 @@ from passes.blocks import block_names, block_runs
 from passes.budget import BLOCKS_MARGIN, blocks_within_margin
 from passes.keeps import add_keeps, ranked_keeps
 from passes.plan import plan_of_segments
-from passes.segments import cost_key
+from passes.recompute import cost_key
 from tests.corpus import ENTRIES
 from tests.corpus import harness as h
 from tests.equivalence import assert_trains_like

@@ -147,8 +147,8 @@ def test_a_priced_checkpoint_call_buys_fewer_segments() -> None:
     cost key counts them (ops run by hooks make no call: their price is apart)."""
     from graphckpt.api import cost_model
     from passes.hooked import keeps_by_hooks
+    from passes.recompute import overhead_cost, recomputed_count
     from passes.remat import runs_by_hooks
-    from passes.segments import overhead_cost, recomputed_count
 
     def calls(plan: object) -> int:
         return recomputed_count(plan.segments) - sum(runs_by_hooks(graph, s) or keeps_by_hooks(graph, s)

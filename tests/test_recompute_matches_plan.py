@@ -31,7 +31,8 @@ from passes.budget import BudgetError
 from passes.costgraph import add_value
 from passes.graph_facts import op_nodes
 from passes.plan import Plan, plan_of_segments
-from passes.segments import Segment, make_segments, nested, recompute_steps, recomputed_nodes
+from passes.recompute import recompute_steps, recomputed_nodes
+from passes.segments import Segment, make_segments, nested
 from tests.device import DEVICE
 from tests.equivalence import assert_trains_like
 

@@ -18,8 +18,9 @@ from passes.floor import true_floor
 from passes.graph_facts import op_nodes
 from passes.hooked import keeps_by_hooks, remake_runs, uses, value_recipe
 from passes.keeps import keeping, whole_graph
+from passes.recompute import recomputed_nodes
 from passes.relaxed import relaxed_plan
-from passes.segments import recomputed_nodes, validate_plan
+from passes.segments import validate_plan
 from passes.simulate import eager_peak, simulate
 from passes.strategies import plan_graph
 from scripts.planner_gap import random_cost_graph

@@ -20,7 +20,8 @@ from rich.text import Text
 from passes.graph_facts import op_nodes
 from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
-from passes.segments import Segment, recomputed_nodes
+from passes.recompute import recomputed_nodes
+from passes.segments import Segment
 from passes.strategies import STRATEGIES
 from passes.units import format_bytes
 
