@@ -181,9 +181,9 @@ def remake_runs(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, ...]
     (:func:`remake_groups`), or, remaking each value at every use, each value's recipe at
     each of its uses (:func:`value_recipe`, :func:`uses`)."""
     if not segment.remake_each_use:
-        return [group.nodes for group in remake_groups(graph, segment)]
-    recipes: dict[str, tuple[str, ...]] = {}
-    return [recipes.setdefault(value, value_recipe(graph, segment, value)) for _, value in uses(graph, segment)]
+        return [nodes for nodes, _ in remake_units(graph, segment)]
+    recipes = {marked[0]: nodes for nodes, marked in remake_units(graph, segment)}
+    return [recipes[value] for _, value in uses(graph, segment)]
 
 
 def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
@@ -202,7 +202,7 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
     """
     sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
     reads: dict[str, set[str]] = {}  # marked value -> the sources its remake reads
-    for nodes, marked in _remake_units(graph, segment):
+    for nodes, marked in remake_units(graph, segment):
         inside = set(nodes)
         read = {sources[root] for name in nodes for pred in graph.predecessors(name)
                 if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
@@ -220,9 +220,11 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
     return needed
 
 
-def _remake_units(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+def remake_units(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
     """``(ops, marked values)`` of each remake a hooked segment's runtime can run: its groups,
-    or each value's recipe when it remakes each value at every use."""
+    or each value's recipe when it remakes each value at every use. The one place that
+    decides between the two: the runtime's remake modules, the simulator's replay and the
+    cost all follow it."""
     if segment.remake_each_use:
         return [(value_recipe(graph, segment, name), (name,)) for name in marked_values(graph, segment)]
     return [(group.nodes, group.marked) for group in remake_groups(graph, segment)]

@@ -16,7 +16,7 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.graph_facts import draws_random, node_attribute
-from passes.hooked import keeps_by_hooks, marked_values, redrawn, remake_groups, remake_runs
+from passes.hooked import keeps_by_hooks, redrawn, remake_groups, remake_runs, remake_units
 from passes.kept_bytes import boundary_bytes
 from passes.remat import remat_nodes, runs_by_hooks
 from passes.segments import RecomputeFacts, Segment, Step
@@ -81,19 +81,11 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
         by_hooks=runs_by_hooks(graph, segment),
         keeps_by_hooks=hooked,
-        remakes=_remake_sets(graph, segment) if hooked else (),
+        remakes=tuple(marked for _, marked in remake_units(graph, segment)) if hooked else (),
         redrawn=redrawn(graph, segment) if hooked else (),
         remake_each_use=hooked and segment.remake_each_use,
     )
     return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
-
-
-def _remake_sets(graph: nx.DiGraph, segment: Segment) -> tuple[tuple[str, ...], ...]:
-    """The marked values of a hooked segment as its runtime makes them again: by remake
-    group, or one by one when it remakes each at every use."""
-    if segment.remake_each_use:
-        return tuple((name,) for name in marked_values(graph, segment))
-    return tuple(group.marked for group in remake_groups(graph, segment))
 
 
 def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: bool = True,

@@ -37,9 +37,7 @@ def backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gra
         for value in unpacks[node]:
             savers[index.roots[value]] = savers.get(index.roots[value], 0) + 1
     made: set[RemakeGroup] = set()
-    let_go: dict[int, list[int]] = {}  # op -> the inputs and kept values going after its backward
-    for value, name in needed.items():
-        let_go.setdefault(index.ids[name], []).append(index.ids[value])
+    let_go = _let_go(memory, needed)
     for node in reversed(nodes):
         for value in unpacks[node]:
             group = group_of.get(index.roots[value])
@@ -66,9 +64,7 @@ def _backward_remaking_each_use(memory: LiveMemory, graph: nx.DiGraph, segment: 
     marked = set(marked_values(graph, segment))
     memory.fresh.append({index.ids[name] for name in segment.nodes if name not in segment.saved_inside})
     drawn = set(redrawn(graph, segment))
-    let_go: dict[int, list[int]] = {}
-    for value, name in needed.items():
-        let_go.setdefault(index.ids[name], []).append(index.ids[value])
+    let_go = _let_go(memory, needed)
     wanted: dict[str, list[str]] = {}
     for op, value in uses(graph, segment):
         wanted.setdefault(op, []).append(value)
@@ -105,3 +101,11 @@ def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int], draw
             memory.allocate(slot(node, EXTRA), index.saved_extra[node])
     run_forward(memory, nodes, save=False, within=set(nodes))
 
+
+def _let_go(memory: LiveMemory, needed: dict[str, str]) -> dict[int, list[int]]:
+    """Op id -> the inputs and kept values going after its backward (``needed``:
+    :func:`passes.hooked.last_needed`, value -> the op needing it last)."""
+    let_go: dict[int, list[int]] = {}
+    for value, name in needed.items():
+        let_go.setdefault(memory.index.ids[name], []).append(memory.index.ids[value])
+    return let_go
