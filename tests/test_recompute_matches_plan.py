@@ -122,7 +122,7 @@ def test_a_selective_call_is_freed_with_its_graph_without_the_garbage_collector(
     from graphckpt.runtime import _Call
 
     if runtime == "selective-mode":
-        for module in ("passes.segments", "passes.simulate"):  # modules, not passes' re-exported functions
+        for module in ("passes.recompute", "passes.simulate"):  # modules, not passes' re-exported functions
             monkeypatch.setattr(sys.modules[module], "keeps_by_hooks", lambda graph, segment: False)
     kind = _Call if runtime == "selective-mode" else _HookedCall
 
