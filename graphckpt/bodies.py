@@ -146,17 +146,19 @@ def hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModul
                                [_remake_module(source, planned, group) for group in groups],
                                nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
                                groups=groups, kept=planned.saved_inside,
-                               each_use=facts_of(planned).remake_each_use)
+                               each_use=facts_of(planned).remake_each_use, held=facts_of(planned).remake_held)
 
 
 def _remake_module(source: Source, planned: PlannedSegment,
                    values: Sequence[str]) -> fx.GraphModule:
-    """What makes ``values`` of a hooked segment again from the inputs and kept values it
-    reads (its placeholders, nothing unread: the call holds for each group only what its
-    remake reads): the segment's other ops that they need, nothing else (not fx's dead-code
-    elimination, which keeps every dropout, and with it the ops feeding one)."""
+    """What makes ``values`` of a hooked segment again from the inputs, kept values and
+    other held values (``remake_held``) it reads (its placeholders, nothing unread: the call
+    holds for each group only what its remake reads): the segment's other ops that they
+    need, nothing else (not fx's dead-code elimination, which keeps every dropout, and with
+    it the ops feeding one)."""
     originals, graph = source.nodes, fx.Graph()
-    sources = (*planned.inputs, *planned.saved_inside)
+    held = tuple(name for name in facts_of(planned).remake_held if name not in values)
+    sources = (*planned.inputs, *planned.saved_inside, *held)
     inside, needed, stack, read = set(planned.nodes) - set(sources), set(), list(values), set()
     while stack:
         name = stack.pop()

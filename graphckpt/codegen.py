@@ -84,9 +84,11 @@ class RewrittenModule(fx.GraphModule):
             if isinstance(segment, HookedSegmentModule):
                 for i, (group, remake) in enumerate(zip(segment.groups, segment.remakes, strict=True)):
                     code = remake.code.replace("def forward(self, ", f"def {name}_remake_{i}(self, ", 1)
-                    when = "each time backward unpacks" if segment.each_use else "when backward first needs"
+                    when = ("when backward first needs" if group[0] in segment.held or not segment.each_use
+                            else "each time backward unpacks")
+                    held = ", held until nothing left may need it" if group[0] in segment.held else ""
                     bodies.append(f"# {name}_remake_{i}: runs without gradients {when} "
-                                  f"{' or '.join(group)}, to make them again{code}")
+                                  f"{' or '.join(group)}, to make them again{held}{code}")
                 continue
             if segment.remat is not None:
                 when = "its recompute runs first" if isinstance(segment, SegmentModule) else "backward runs"

@@ -57,7 +57,7 @@ class _Saved:
         tensor = self.tensor
         self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
         self.node, self.element, self.tensor = node, element, None
-        self.reads = self.call.reads[self.call.module.group_of[node]]
+        self.reads = self.call.reads_of(node)
         self.call.pending[node] = self.call.pending.get(node, 0) + 1
 
     def unpack(self) -> torch.Tensor:
@@ -110,6 +110,7 @@ class _HookedCall:
         self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
         self.pending: dict[str, int] = {}
         self.values: dict[str, Any] = {}
+        self.held_pending: dict[str, int] = {}  # held value -> unpacks left that may need it
         self.generator_states: dict[str, tuple[torch.device, torch.Tensor]] = {}  # by dropout, for its redraw
 
     def stash_generator(self, name: str, device: torch.device) -> None:
@@ -141,6 +142,17 @@ class _HookedCall:
             self._match(saved, storage_key(saved.tensor))
         self.recent.clear()
 
+    def reads_of(self, name: str) -> Any:
+        """What a handle of marked ``name`` keeps for its remake: the group's reads, or with
+        held values (``remake_held``) those of every remake making ``name`` may run, by value
+        (and one count more of each held value it may need, :meth:`take`)."""
+        module = self.module
+        if not module.held:
+            return self.reads[module.group_of[name]]
+        for value in module.held_closure[name]:
+            self.held_pending[value] = self.held_pending.get(value, 0) + 1
+        return {value: self.reads[module.group_of[value]] for value in module.closure[name]}
+
     def _fill(self, name: str, value: Any) -> None:
         """Give ``value`` to the remakes that read ``name``."""
         for group, position in self.module.readers.get(name, ()):
@@ -151,6 +163,20 @@ class _HookedCall:
         self.known.update((storage_key(t), storage_ref(t)) for _, t in _tensors(value))
         self.recent.clear()
 
+    def _made(self, name: str, reads: dict[str, list[Any]]) -> Any:
+        """``name`` made again (:func:`passes.hooked.each_use_schedule`): a held value alive is
+        taken as it is; otherwise its remake runs, the held values it reads made first, and a
+        held value made is held in ``values``."""
+        if name in self.values:
+            return self.values[name]
+        arguments = list(reads[name])
+        for position, source in self.module.held_reads[name]:
+            arguments[position] = self._made(source, reads)
+        value = self.module.remake(self, name, arguments)[name]
+        if name in self.module.held:
+            self.values[name] = value
+        return value
+
     def finish(self) -> None:
         """Forward is done: nothing more is packed, so no storage is remembered, and what the
         remakes read is held by their handles alone."""
@@ -158,7 +184,14 @@ class _HookedCall:
         self.recent.clear()
         self.reads = []
 
-    def take(self, name: str, element: int | None, reads: list[Any]) -> torch.Tensor:
+    def take(self, name: str, element: int | None, reads: Any) -> torch.Tensor:
+        if self.module.held:  # made for this unpack from the held values, made first when not alive
+            value = self._made(name, reads)
+            for held in self.module.held_closure[name]:
+                self.held_pending[held] -= 1
+                if self.held_pending[held] <= 0:  # no unpack left may need it (a second backward holds none)
+                    self.values.pop(held, None)
+            return value if element is None else value[element]
         if self.module.each_use:  # made for this unpack alone, held only by what unpacked it
             value = self.module.remake(self, name, reads)[name]
             return value if element is None else value[element]
@@ -178,12 +211,14 @@ class HookedSegmentModule(nn.Module):
     and kept values it reads (its placeholders, in order) and returns its group's values
     (``groups``, the marked values by group). With ``each_use`` every group is one value,
     made again at each unpack and held only by what unpacked it
-    (:attr:`passes.segments.Segment.remake_each_use`). The graph modules are plain attributes, not submodules, so
-    parameters and ``state_dict`` keys stay the model's."""
+    (:attr:`passes.segments.Segment.remake_each_use`); the values of ``held`` are groups
+    too, made before a remake reading them when not alive and then held until no unpack
+    left may need them (:attr:`passes.segments.Segment.remake_held`). The graph modules are
+    plain attributes, not submodules, so parameters and ``state_dict`` keys stay the model's."""
 
     def __init__(self, body: fx.GraphModule, remakes: Sequence[fx.GraphModule], *, nodes: Sequence[str],
                  inputs: Sequence[str], outputs: Sequence[str], groups: Sequence[Sequence[str]],
-                 kept: Sequence[str], each_use: bool = False) -> None:
+                 kept: Sequence[str], each_use: bool = False, held: Sequence[str] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "remakes", tuple(remakes))  # what codegen prints as the segment's recipes
@@ -200,6 +235,11 @@ class HookedSegmentModule(nn.Module):
                 self.readers.setdefault(name, []).append((group, position))
         self.recomputations = 0
         self.each_use = each_use  # each group one value, made again at every unpack
+        self.held = frozenset(held)  # each_use: values held once made, until no unpack left may need them
+        self.held_reads = {group[0]: tuple((position, name) for position, name in enumerate(names) if name in self.held)
+                           for group, names in zip(self.groups, self.reads, strict=True)}
+        self.closure = {name: _closure(name, self.held_reads) for name in self.group_of} if held else {}
+        self.held_closure = {name: tuple(v for v in found if v in self.held) for name, found in self.closure.items()}
         self.remake_norms = [m for remake in remakes for m in remake.modules()
                              if isinstance(m, NormBase) and m.track_running_stats]
 
@@ -239,8 +279,20 @@ class HookedSegmentModule(nn.Module):
         return (f"runs {len(self.nodes)} nodes ({self.nodes[0]} .. {self.nodes[-1]}) as eager code; keeps "
                 f"{', '.join(self.kept)} and its inputs from forward; drops what its ops saved of "
                 f"{', '.join(self.marked)} and makes " + (
-                    "each again every time backward unpacks it" if self.each_use else
+                    "each again every time backward unpacks it" + (
+                        f", from {len(self.held)} values held once made" if self.held else "") if self.each_use else
                     f"each group of them again when backward first needs one ({len(self.groups)} groups)"))
+
+
+def _closure(name: str, held_reads: dict[str, tuple[tuple[int, str], ...]]) -> tuple[str, ...]:
+    """``name`` and the held values making it again may make first, again and again."""
+    found, stack = [name], [name]
+    while stack:
+        for _, source in held_reads[stack.pop()]:
+            if source not in found:
+                found.append(source)
+                stack.append(source)
+    return tuple(found)
 
 
 def mark(hooks: _HookedCall | None, value: Any, name: str) -> Any:

@@ -22,7 +22,7 @@ from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, sel
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
-from passes.relaxed import relaxed_plan
+from passes.relaxed import NOTHING_ROUNDED, relaxed_plans
 from passes.search import SEARCH_MAX_OPS, search
 from passes.segments import PlanError, Segment
 from passes.simulate import eager_peak, forward_floor
@@ -162,20 +162,20 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         dropping = on_top
     if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
         chosen, origin = dropping, "a plan dropping values cheap to make again (passes.drops)"
-    rounded: Plan | None = None
+    rounded = NOTHING_ROUNDED
     if chosen is None:  # below the floor of the program and the flat plans: search toward it
         smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
         searched = search(graph, smallest, budget_bytes)
         if searched is not None and searched.peak_bytes <= budget_bytes:
             chosen, origin = searched, "a searched plan below the dynamic program's floor"
         else:  # values made more than once reach lower (passes.relaxed)
-            rounded = relaxed_plan(graph, budget_bytes)
-            if rounded is None:
+            rounded = relaxed_plans(graph, budget_bytes)
+            if rounded.searchable is None:
                 floor = true_floor(graph)
                 raise _unreachable(graph, budget_bytes,
                                    [*tried, program.smallest(), *([searched] if searched else [])],
                                    None if floor is None else floor.peak_bytes)
-            chosen, origin = rounded, _relaxed_origin(rounded)
+            chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
     kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
     if kept is not None and kept.cost_key < chosen.cost_key:
@@ -186,15 +186,17 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")
-    rounded = rounded or relaxed_plan(graph, budget_bytes)
+    rounded = rounded if rounded.plan else relaxed_plans(graph, budget_bytes)
     unrounded = chosen
-    if rounded is not None and rounded.cost_key < chosen.cost_key:
-        chosen, origin = rounded, _relaxed_origin(rounded)
+    if rounded.searchable is not None and rounded.searchable.cost_key < chosen.cost_key:
+        chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     others = [plan for plan in (dropping, unrounded) if plan is not None and plan is not chosen]
     searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
     if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
         chosen, origin = searched, (f"{origin}, then bettered by a local search over segments and kept values "
                                     "from it and the plans before it")
+    if rounded.plan is not None and rounded.plan.cost_key < chosen.cost_key:  # values held once made again
+        chosen, origin = rounded.plan, _relaxed_origin(rounded.plan)
     blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)
     if blocks is not None:
         chosen, origin = blocks, (f"per-block checkpointing: {origin} was rated less than {BLOCKS_MARGIN:.0%} "
@@ -206,7 +208,9 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
 
 def _relaxed_origin(plan: Plan) -> str:
     """How a plan of :func:`passes.relaxed.relaxed_plan` came about, for the plan's note."""
+    held = sum(len(s.remake_held) for s in plan.segments)
     each = ", each dropped value made again at every use" if any(s.remake_each_use for s in plan.segments) else ""
+    each += f", {held} of them held once made" if held else ""
     return (f"one segment run by hooks keeping {_kept_count(plan)} values rounded from the exact schedule's LP "
             f"relaxation (passes.relaxed){each}")
 

@@ -56,6 +56,7 @@ class SegmentLike(Protocol):
     remat: tuple  # of passes.remat.Remat
     saved_inside: tuple[str, ...]
     remake_each_use: bool
+    remake_held: tuple[str, ...]
 
     @property
     def children(self) -> Sequence[SegmentLike]: ...
@@ -160,11 +161,98 @@ def remake_groups(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeGroup,
 
 def value_recipe(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple[str, ...]:
     """What makes marked ``value`` again on its own, in order: it and the ops of the
-    segment it reads from, back to the segment's inputs and kept values. A segment that
+    segment it reads from, back to the segment's inputs, kept values and the values held
+    once made (``remake_held``, but ``value`` itself: :func:`held_sources`). A segment that
     remakes each value at every use (``remake_each_use``) runs this for each unpack."""
-    inside = set(segment.nodes) - set(segment.saved_inside)
+    inside = set(segment.nodes) - set(segment.saved_inside) - (set(segment.remake_held) - {value})
     needed = _needed_for(graph, {value}, inside)
     return tuple(name for name in segment.nodes if name in needed)
+
+
+def held_sources(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple[str, ...]:
+    """The values of ``remake_held`` that :func:`value_recipe` of ``value`` reads, in order:
+    each is made first when it is not alive."""
+    held = set(segment.remake_held) - {value}
+    read = {source for name in value_recipe(graph, segment, value) for source in graph.predecessors(name)}
+    return tuple(name for name in segment.nodes if name in held and name in read)
+
+
+def holdable(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
+    """The values a segment remaking each value at every use may hold once made
+    (``remake_held``): its own values, not kept, owning their storage (a view is held by its
+    owner), no dropout drawn again (its noise comes with its own unpack)."""
+    skip = {*segment.saved_inside, *redrawn(graph, segment)}
+    return tuple(name for name in segment.nodes if name not in skip and storage_root(graph, name) == name)
+
+
+class RemakeStep(NamedTuple):
+    """One unpack of a segment remaking each value at every use: ``op``'s backward unpacks
+    ``value``; ``made`` are the values made for it, each by its :func:`value_recipe`, held
+    sources first (empty when ``value`` is held and alive); ``let_go`` the held values no
+    later unpack may need, dropped once it is done."""
+
+    op: str
+    value: str
+    made: tuple[str, ...]
+    let_go: tuple[str, ...]
+
+
+def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> list[RemakeStep]:
+    """What backward makes again at each unpack of a segment remaking each value at every
+    use, in backward's order (:func:`uses`): a value's recipe runs from the segment's
+    inputs, kept values and held values (``remake_held``), a held value is made first when
+    not alive and then held until no unpack left may need it (its own, or one of a value
+    made from it, directly or through other held values). With nothing held, every unpack
+    runs its value's whole recipe. The runtime (:class:`graphckpt.hooked.HookedSegmentModule`)
+    counts the same unpacks, so it holds what this says whatever order backward takes.
+
+    Example: a chain ``a -> b -> c -> d`` of dropped values with ``b`` held: the first
+    unpack of ``d`` makes ``b`` (from ``a``'s sources) and then ``c, d`` from ``b``; a later
+    unpack of ``c`` makes only ``c``, and ``b`` goes after the last unpack of ``b``, ``c`` or ``d``.
+    """
+    held = set(segment.remake_held)
+    steps = uses(graph, segment)
+    sources = {name: held_sources(graph, segment, name) for name in {*held, *(value for _, value in steps)}}
+    closures = {value: [name for name in remake_closure(graph, segment, value) if name in held]
+                for _, value in steps}
+    pending: dict[str, int] = {}
+    for _, value in steps:
+        for name in closures[value]:
+            pending[name] = pending.get(name, 0) + 1
+    alive: set[str] = set()
+    schedule: list[RemakeStep] = []
+
+    def make(name: str, made: list[str]) -> None:
+        if name not in alive:
+            for source in sources[name]:
+                make(source, made)
+            made.append(name)
+            if name in held:
+                alive.add(name)
+
+    for op, value in steps:
+        made: list[str] = []
+        make(value, made)
+        let_go = []
+        for name in closures[value]:
+            pending[name] -= 1
+            if not pending[name]:
+                alive.discard(name)
+                let_go.append(name)
+        schedule.append(RemakeStep(op, value, tuple(made), tuple(let_go)))
+    return schedule
+
+
+def remake_closure(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple[str, ...]:
+    """``value`` and the held values making it again may make first (:func:`held_sources`,
+    again and again): what its handles keep the sources of."""
+    found, stack = [value], [value]
+    while stack:
+        for source in held_sources(graph, segment, stack.pop()):
+            if source not in found:
+                found.append(source)
+                stack.append(source)
+    return tuple(found)
 
 
 def uses(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, str]]:
@@ -178,12 +266,12 @@ def uses(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, str]]:
 
 def remake_runs(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, ...]]:
     """The ops each remake of a hooked segment's backward computes: each group once
-    (:func:`remake_groups`), or, remaking each value at every use, each value's recipe at
-    each of its uses (:func:`value_recipe`, :func:`uses`)."""
+    (:func:`remake_groups`), or, remaking each value at every use, the recipes each unpack
+    runs (:func:`each_use_schedule`)."""
     if not segment.remake_each_use:
         return [nodes for nodes, _ in remake_units(graph, segment)]
     recipes = {marked[0]: nodes for nodes, marked in remake_units(graph, segment)}
-    return [recipes[value] for _, value in uses(graph, segment)]
+    return [recipes[value] for step in each_use_schedule(graph, segment) for value in step.made]
 
 
 def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
@@ -208,6 +296,8 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
                 if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
         for name in marked:
             reads[name] = read
+    if segment.remake_held:  # a handle keeps what the held values made before its own may read
+        reads = {name: set().union(*(reads[v] for v in remake_closure(graph, segment, name))) for name in reads}
     needed: dict[str, str] = {}
     drawn = set(redrawn(graph, segment))
     for name in reversed(segment.nodes):  # backward's order: the last write per value wins
@@ -222,11 +312,13 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
 
 def remake_units(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
     """``(ops, marked values)`` of each remake a hooked segment's runtime can run: its groups,
-    or each value's recipe when it remakes each value at every use. The one place that
+    or each value's recipe when it remakes each value at every use (each marked value's and
+    each held value's, ``remake_held``). The one place that
     decides between the two: the runtime's remake modules, the simulator's replay and the
     cost all follow it."""
     if segment.remake_each_use:
-        return [(value_recipe(graph, segment, name), (name,)) for name in marked_values(graph, segment)]
+        made = set(marked_values(graph, segment)).union(segment.remake_held)
+        return [(value_recipe(graph, segment, name), (name,)) for name in segment.nodes if name in made]
     return [(group.nodes, group.marked) for group in remake_groups(graph, segment)]
 
 

@@ -84,6 +84,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         remakes=tuple(marked for _, marked in remake_units(graph, segment)) if hooked else (),
         redrawn=redrawn(graph, segment) if hooked else (),
         remake_each_use=hooked and segment.remake_each_use,
+        remake_held=segment.remake_held if hooked else (),
     )
     return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
 

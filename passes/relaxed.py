@@ -15,21 +15,26 @@ cheapest that fits. On the 40-op random DAGs of ``scripts/planner_gap.py`` at 0.
 it is where the exact optimum is on most graphs. Where backward must remake only part of a
 group to fit (tighter budgets) whole-group remakes overshoot; a rounded set that does not fit
 is tried again with each dropped value made at every use from its own recipe
-(``remake_each_use``), as the exact schedule makes values more than once.
+(``remake_each_use``), as the exact schedule makes values more than once, and then with
+values held once made where the budget allows (:func:`with_held`), as the exact schedule
+keeps some of what it made alive across uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import networkx as nx
 
 from passes.checkmate import MAX_OPS, relaxed_holds
 from passes.graph_facts import op_nodes
-from passes.hooked import keeps_by_hooks
+from passes.hooked import holdable, keeps_by_hooks
 from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
 from passes.plan import Plan, plan_of_segments
+from passes.recompute import cost_key
 from passes.segments import Segment
+from passes.simulate import peak_within
 
 RELAXED_MAX_OPS = MAX_OPS
 THRESHOLDS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)  # a value held at least this much is kept
@@ -62,19 +67,40 @@ def _any_hooked(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> bool:
     return any(segment.recompute and keeps_by_hooks(graph, segment) for segment in segments)
 
 
+class Rounded(NamedTuple):
+    """What :func:`relaxed_plans` found: ``plan``, the cheapest that fits, holding values once
+    made again where that helps (:func:`with_held`); ``searchable``, the cheapest that fits
+    holding none, which :func:`passes.search.search` can start from (its layouts say nothing
+    of held values, so a start holding some would leave it nowhere to climb)."""
+
+    plan: Plan | None
+    searchable: Plan | None
+
+
+NOTHING_ROUNDED = Rounded(None, None)
+
+
 def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
     """The cheapest plan fitting ``budget_bytes`` among the relaxation's rounded keep sets,
-    each kept by one hooked segment over the graph; ``None`` on graphs over
-    :data:`RELAXED_MAX_OPS` ops, where no segment would run by hooks, or when none fits."""
+    each kept by one hooked segment over the graph (:func:`relaxed_plans`)."""
+    return relaxed_plans(graph, budget_bytes).plan
+
+
+def relaxed_plans(graph: nx.DiGraph, budget_bytes: float) -> Rounded:
+    """The cheapest plans fitting ``budget_bytes`` among the relaxation's rounded keep sets,
+    each kept by one hooked segment over the graph, with and without held values
+    (:class:`Rounded`); nothing on graphs over :data:`RELAXED_MAX_OPS` ops, where no segment
+    would run by hooks, or when none fits."""
     if len(op_nodes(graph)) > RELAXED_MAX_OPS:
-        return None
+        return NOTHING_ROUNDED
     whole = whole_graph(graph)
     if not _any_hooked(graph, keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})):
-        return None
+        return NOTHING_ROUNDED
     holds = relaxed_holds(graph, budget_bytes)
     if holds is None:
-        return None
+        return NOTHING_ROUNDED
     best: Plan | None = None
+    searchable: Plan | None = None
     for kept in rounded_keeps(graph, holds):
         segments = keeping(whole, kept)
         if not _any_hooked(graph, segments):
@@ -82,11 +108,53 @@ def relaxed_plan(graph: nx.DiGraph, budget_bytes: float) -> Plan | None:
         plan = fitted(graph, segments, budget_bytes)
         if plan is None or plan.peak_bytes > budget_bytes:  # make values again at each use instead
             plan = fitted(graph, tuple(replace(s, remake_each_use=True) for s in segments), budget_bytes)
-        if plan is not None and plan.peak_bytes <= budget_bytes and (best is None or plan.cost_key < best.cost_key):
+        if plan is None or plan.peak_bytes > budget_bytes:
+            continue
+        if searchable is None or plan.cost_key < searchable.cost_key:
+            searchable = plan
+        plan = with_held(graph, plan, budget_bytes)
+        if best is None or plan.cost_key < best.cost_key:
             best = plan
-    if best is None:
+    return Rounded(_noted(best), _noted(searchable))
+
+
+def _noted(plan: Plan | None) -> Plan | None:
+    """A plan of :func:`relaxed_plans` named ``relaxed``, with a note of what it keeps."""
+    if plan is None:
         return None
-    each = " (each dropped value made again at every use)" if any(s.remake_each_use for s in best.segments) else ""
-    note = (f"relaxed: one segment run by saved-tensor hooks keeping {sum(len(s.saved_inside) for s in best.segments)} "
+    each = ""
+    if any(s.remake_each_use for s in plan.segments):
+        held = sum(len(s.remake_held) for s in plan.segments)
+        each = " (each dropped value made again at every use" + (f", {held} held once made" if held else "") + ")"
+    note = (f"relaxed: one segment run by saved-tensor hooks keeping {sum(len(s.saved_inside) for s in plan.segments)} "
             f"values{each}, rounded from the LP relaxation of the exact schedule")
-    return replace(best, strategy="relaxed", notes=(note, *best.notes))
+    return replace(plan, strategy="relaxed", notes=(note, *plan.notes))
+
+
+def with_held(graph: nx.DiGraph, plan: Plan, budget_bytes: float) -> Plan:
+    """``plan`` with values its segments remaking each value at every use hold once made
+    (``remake_held``: each recipe then starts from them) wherever that recomputes less and
+    stays under ``budget_bytes``: tried one value at a time, the one saving most first.
+    Between remaking every use and remaking each group once, which is where the exact
+    schedule sits at tight budgets: it makes a value more than once but keeps some of what
+    it made alive across uses."""
+    segments, best = plan.segments, plan.cost_key
+    for index, segment in enumerate(plan.segments):
+        if not (segment.remake_each_use and keeps_by_hooks(graph, segment)):
+            continue
+        order = sorted(holdable(graph, segment),
+                       key=lambda name, at=index: cost_key(graph, _holding(segments, at, (name,))))
+        for name in order:
+            held = tuple(n for n in segment.nodes if n in {*segments[index].remake_held, name})
+            trial = _holding(segments, index, held)
+            key = cost_key(graph, trial)
+            if key < best and peak_within(graph, trial, budget_bytes) is not None:
+                segments, best = trial, key
+    if segments == plan.segments:
+        return plan
+    return replace(plan_of_segments(graph, plan.strategy, segments), notes=plan.notes)
+
+
+def _holding(segments: tuple[Segment, ...], index: int, held: tuple[str, ...]) -> tuple[Segment, ...]:
+    """``segments`` with the one at ``index`` holding ``held`` once made again."""
+    return (*segments[:index], replace(segments[index], remake_held=held), *segments[index + 1:])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from passes.graph_facts import in_order, is_activation, keeps_order, op_nodes
+from passes.hooked import holdable
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, validate_remat
 
@@ -49,7 +50,8 @@ class RecomputeFacts:
     them by group, each made again on its own (:func:`passes.hooked.remake_groups`), and
     ``redrawn`` the dropouts among them drawn again from forward's generator state
     (:func:`passes.hooked.redrawn`). With ``remake_each_use`` each marked value is a group
-    of its own, made again at every unpack (:attr:`Segment.remake_each_use`).
+    of its own, made again at every unpack (:attr:`Segment.remake_each_use`), and so is
+    each value of ``remake_held``, held once made (:attr:`Segment.remake_held`).
     """
 
     kept_bytes: float
@@ -62,6 +64,7 @@ class RecomputeFacts:
     remakes: tuple[tuple[str, ...], ...] = ()
     redrawn: tuple[str, ...] = ()
     remake_each_use: bool = False
+    remake_held: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class Segment:
     kept values, and lets it go after that op's backward, instead of making its group once
     and holding it to its last use: less memory for more recompute, as the exact schedule
     does at tight budgets (:func:`passes.hooked.value_recipe`).
+    ``remake_held`` (with ``remake_each_use``): values of the segment that, once made again,
+    are held until no remake or op left may need them, and recipes start from them rather
+    than from further back (:func:`passes.hooked.each_use_schedule`): between remaking every
+    use and remaking each group once.
     """
 
     nodes: tuple[str, ...]
@@ -94,6 +101,7 @@ class Segment:
     facts: RecomputeFacts | None = field(default=None, compare=False, repr=False)
     remat: tuple[Remat, ...] = ()
     remake_each_use: bool = False
+    remake_held: tuple[str, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -215,6 +223,9 @@ def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:
         raise PlanError(f"{where} keeps {stuck}, which are written in place later")
     if not set(segment.saved_inside) <= set(segment.nodes):
         raise PlanError(f"{where}: saved_inside must be nodes of the segment")
+    if segment.remake_held and not (segment.remake_each_use and set(segment.remake_held) <= set(holdable(graph, segment))):
+        raise PlanError(f"{where}: remake_held must be values it may hold once made again "
+                        "(passes.hooked.holdable), with remake_each_use")
     if segment.children:
         if segment.saved_inside:
             raise PlanError(f"{where}: a segment with children keeps nothing from forward (saved_inside)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from passes.hooked import RemakeGroup, marked_values, redrawn, remake_groups, uses, value_recipe
+from passes.hooked import RemakeGroup, RemakeStep, each_use_schedule, marked_values, redrawn, remake_groups, value_recipe
 from passes.segments import Segment
 from passes.sim_memory import EXTRA, LiveMemory, slot
 from passes.sim_ops import run_backward, run_forward
@@ -58,28 +58,35 @@ def _backward_remaking_each_use(memory: LiveMemory, graph: nx.DiGraph, segment: 
                                 needed: dict[str, str]) -> None:
     """:func:`backward_hooked` of a segment that makes each marked value again at every
     use (:attr:`passes.segments.Segment.remake_each_use`): before an op's backward, each
-    marked value it saved is made from its recipe (:func:`passes.hooked.value_recipe`) and
-    held by that op alone, so it goes after the op's backward (a dropout's noise with it)."""
+    marked value it saved is made as :func:`passes.hooked.each_use_schedule` says, from its
+    recipe (:func:`passes.hooked.value_recipe`) and the held values (``remake_held``, made
+    first when not alive, then held until their last unpack); it is held by that op, so it
+    goes after the op's backward (a dropout's noise with it)."""
     index = memory.index
     marked = set(marked_values(graph, segment))
     memory.fresh.append({index.ids[name] for name in segment.nodes if name not in segment.saved_inside})
-    drawn = set(redrawn(graph, segment))
+    drawn, held = set(redrawn(graph, segment)), set(segment.remake_held)
     let_go = _let_go(memory, needed)
-    wanted: dict[str, list[str]] = {}
-    for op, value in uses(graph, segment):
-        wanted.setdefault(op, []).append(value)
+    steps: dict[str, list[RemakeStep]] = {}
+    for step in each_use_schedule(graph, segment):
+        steps.setdefault(step.op, []).append(step)
     recipes: dict[str, list[int]] = {}
     for name in reversed(segment.nodes):
         node = index.ids[name]
         for value in index.saved[node]:
             if index.names[index.roots[value]] not in marked:
                 memory.hold(value)  # an input or kept value, alive since forward
-        for value in wanted.get(name, ()):
-            made = recipes.setdefault(value, index.id_list(value_recipe(graph, segment, value)))
-            memory.hold(index.ids[value])
-            if value == name and name in drawn:  # its own noise
-                memory.allocate(slot(node, EXTRA), index.saved_extra[node])
-            run_forward(memory, made, save=False, within=set(made))
+        for step in steps.get(name, ()):
+            memory.hold(index.ids[step.value])  # by the op unpacking it
+            for value in step.made:
+                made = recipes.setdefault(value, index.id_list(value_recipe(graph, segment, value)))
+                if value in held:
+                    memory.hold(index.ids[value])  # by the runtime, until its last unpack
+                if value == name and name in drawn:  # its own noise
+                    memory.allocate(slot(node, EXTRA), index.saved_extra[node])
+                run_forward(memory, made, save=False, within=set(made))
+            for value in step.let_go:
+                memory.release(index.ids[value])
         run_backward(memory, [node], grads)
         if name in drawn:
             memory.release(node)

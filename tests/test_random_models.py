@@ -224,14 +224,16 @@ def _rewrite_rematerializing(model: nn.Module, x: torch.Tensor, strategy: str, s
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
 
 
-def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, each_use: bool) -> nn.Module:
+def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, hooked: str) -> nn.Module:
     """One selective segment over the whole graph keeping its matmul outputs, as
     :mod:`passes.relaxed` builds them: run by saved-tensor hooks when its ops allow
-    (dropouts drawn again), its dropped values made per group or at every use
-    (``remake_each_use``); the ``sqrt`` plan when such a segment is no valid plan."""
+    (dropouts drawn again), its dropped values made ``"per group"`` or at every use
+    (``"each use"``, ``remake_each_use``), holding every other value it may once made
+    (``"each use, held"``, ``remake_held``); the ``sqrt`` plan when such a segment is no valid plan."""
     from dataclasses import replace
 
     from graphckpt.api import Analysis, analyze, generate_rewrite
+    from passes.hooked import holdable
     from passes.keeps import keepable, keeping, whole_graph
     from passes.plan import plan_of_segments
     from passes.segments import PlanError
@@ -239,7 +241,9 @@ def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, each_use: boo
     analysis = analyze(model, (x.clone(),), strategy="sqrt")
     graph = analysis.cost_graph
     kept = {name for name in graph if graph.nodes[name]["expensive"] and keepable(graph, name)}
-    segments = tuple(replace(s, remake_each_use=each_use) for s in keeping(whole_graph(graph), kept))
+    segments = tuple(replace(s, remake_each_use=hooked != "per group") for s in keeping(whole_graph(graph), kept))
+    if hooked == "each use, held":
+        segments = tuple(replace(s, remake_held=holdable(graph, s)[::2]) if s.recompute else s for s in segments)
     try:
         plan = plan_of_segments(graph, "one hooked segment", segments)
     except PlanError:
@@ -258,7 +262,7 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
     elif remat:
         rewritten = _rewrite_rematerializing(model, x, strategy, segments)
     elif hooked:
-        rewritten = _rewrite_one_hooked_segment(model, x, each_use=hooked == "each use")
+        rewritten = _rewrite_one_hooked_segment(model, x, hooked)
     else:
         rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
@@ -349,7 +353,7 @@ def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
         _check_same_step(spec, strategy, count)
     _check_same_step(spec, "mincut", segments[2], keep_values=True)
     _check_same_step(spec, "sqrt", segments[0], remat=True)
-    for hooked in ("per group", "each use"):
+    for hooked in ("per group", "each use", "each use, held"):
         _check_same_step(spec, "sqrt", None, hooked=hooked)
 
 

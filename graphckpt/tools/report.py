@@ -65,6 +65,7 @@ def segment_dict(graph: nx.DiGraph, segment: Segment, index: str) -> dict[str, A
         "boundary_bytes": storage_bytes(graph, segment.outputs),
         "saved_inside": list(segment.saved_inside),
         "remake_each_use": segment.remake_each_use,
+        "remake_held": list(segment.remake_held),
         "recompute_flops": recomputed_flops(graph, segment),
         "children": [segment_dict(graph, child, f"{index}.{i}") for i, child in enumerate(segment.children)],
     }
@@ -162,7 +163,9 @@ def _segment_table(document: Mapping[str, Any]) -> Table:
         if row["saved_inside"]:
             what.append(f" ({len(row['saved_inside'])} kept inside)", style="dim")
         if row.get("remake_each_use"):
-            what.append(" (each value made again at every use)", style="dim")
+            held = len(row.get("remake_held", ()))
+            what.append(" (each value made again at every use" + (f", {held} held once made" if held else "") + ")",
+                        style="dim")
         table.add_row(indent + row["index"], str(row["nodes"]), f"{indent}{row['first']} .. {row['last']}",
                       what, format_bytes(row["boundary_bytes"]) if row["recompute"] else "-",
                       human_flops(row["recompute_flops"], unit) if row["recompute"] else "-")
