@@ -8,7 +8,7 @@ into the rewritten module.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,34 +143,24 @@ def hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModul
             env[name] = body.call_function(report, (hooks, env[name], name), name=f"{report.__name__}_{name}")
     return_values(body, [env[name] for name in planned.outputs])
     return HookedSegmentModule(fx.GraphModule(attribute_table(body, source.module), body, "HookedBody"),
-                               [_remake_module(source, planned, group) for group in groups],
+                               [_remake_module(source, planned, index) for index in range(len(groups))],
                                nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
                                groups=groups, kept=planned.saved_inside,
                                each_use=facts_of(planned).remake_each_use, held=facts_of(planned).remake_held)
 
 
-def _remake_module(source: Source, planned: PlannedSegment,
-                   values: Sequence[str]) -> fx.GraphModule:
-    """What makes ``values`` of a hooked segment again from the inputs, kept values and
-    other held values (``remake_held``) it reads (its placeholders, nothing unread: the call
-    holds for each group only what its remake reads): the segment's other ops that they
-    need, nothing else (not fx's dead-code elimination, which keeps every dropout, and with
-    it the ops feeding one)."""
-    originals, graph = source.nodes, fx.Graph()
-    held = tuple(name for name in facts_of(planned).remake_held if name not in values)
-    sources = (*planned.inputs, *planned.saved_inside, *held)
-    inside, needed, stack, read = set(planned.nodes) - set(sources), set(), list(values), set()
-    while stack:
-        name = stack.pop()
-        if name not in needed:
-            needed.add(name)
-            for node in originals[name].all_input_nodes:
-                if node.name in inside:
-                    stack.append(node.name)
-                else:
-                    read.add(node.name)
+def _remake_module(source: Source, planned: PlannedSegment, index: int) -> fx.GraphModule:
+    """What makes the values of a hooked segment's remake ``index`` again
+    (:func:`passes.hooked.remake_units`: its ops, ``remake_ops``, and the values it returns,
+    ``remakes``) from the inputs, kept values and other held values it reads (its
+    placeholders, nothing unread: the call holds for each group only what its remake reads)."""
+    facts = facts_of(planned)
+    originals, graph, values = source.nodes, fx.Graph(), facts.remakes[index]
+    needed = set(facts.remake_ops[index])
+    read = {node.name for name in needed for node in originals[name].all_input_nodes if node.name not in needed}
+    sources = (*planned.inputs, *planned.saved_inside, *facts.remake_held)
     made = {name: graph.placeholder(name) for name in sources if name in read}
-    drawn = needed.intersection(facts_of(planned).redrawn)
+    drawn = needed.intersection(facts.redrawn)
     states = graph.placeholder(STATES) if drawn else None
     returned = {}  # a dropout's value is its (output, noise) pair
     for name in planned.nodes:

@@ -37,12 +37,13 @@ again once, when ``addmm_3``'s backward unpacks ``mul_3``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 import networkx as nx
 
-from passes.graph_facts import draws_random, pure_ops, random_nodes, redrawable_ops, storage_root
+from passes.graph_facts import draws_random, per_segment, pure_ops, random_nodes, redrawable_ops, storage_root
 
 
 class SegmentLike(Protocol):
@@ -68,6 +69,7 @@ ops save beyond values, ``saved_extra_bytes``), as a share of its values' bytes:
 held from forward to backward, where torch's selective mode holds it only after the recompute."""
 
 
+@per_segment
 def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     """Whether a recomputed segment runs as eager code under saved-tensor hooks rather than
     through torch's selective checkpointing: it is selective (keeps values from forward),
@@ -95,6 +97,7 @@ def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     return extra <= SAVED_EXTRA_SHARE * sum(nodes[name]["bytes"] for name in segment.nodes)  # a recompute remade them
 
 
+@per_segment
 def redrawn(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
     """The dropouts of a segment that a run by hooks draws again, in order: its
     ``redrawable`` ops that it does not keep. Their noise (``saved_extra_bytes``) goes after
@@ -115,6 +118,7 @@ def saved_by(graph: nx.DiGraph, name: str, drawn: Collection[str]) -> tuple[str,
     return (*saved, name) if name in drawn and name not in saved else saved
 
 
+@per_segment
 def marked_values(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
     """The values of a hooked segment whose saved copies are dropped after forward, in
     order: the storage owners, among the segment's own values and not kept, of what its
@@ -133,6 +137,7 @@ class RemakeGroup(NamedTuple):
     marked: tuple[str, ...]
 
 
+@per_segment
 def remake_groups(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeGroup, ...]:
     """The marked values of a hooked segment in groups each made again on its own from the
     segment's inputs and kept values: the connected parts of the segment's ops that are not
@@ -197,7 +202,8 @@ class RemakeStep(NamedTuple):
     let_go: tuple[str, ...]
 
 
-def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> list[RemakeStep]:
+@per_segment
+def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeStep, ...]:
     """What backward makes again at each unpack of a segment remaking each value at every
     use, in backward's order (:func:`uses`): a value's recipe runs from the segment's
     inputs, kept values and held values (``remake_held``), a held value is made first when
@@ -240,7 +246,7 @@ def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> list[RemakeSte
                 alive.discard(name)
                 let_go.append(name)
         schedule.append(RemakeStep(op, value, tuple(made), tuple(let_go)))
-    return schedule
+    return tuple(schedule)
 
 
 def remake_closure(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple[str, ...]:
@@ -255,13 +261,14 @@ def remake_closure(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple
     return tuple(found)
 
 
-def uses(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, str]]:
+@per_segment
+def uses(graph: nx.DiGraph, segment: SegmentLike) -> tuple[tuple[str, str], ...]:
     """``(op, marked value)`` for every tensor of a marked value an op of a hooked segment
     saves (a dropout drawn again saves its noise), in backward's order: each is one unpack,
     and one remake when the segment remakes each value at every use."""
     marked, drawn = set(marked_values(graph, segment)), set(redrawn(graph, segment))
-    return [(name, root) for name in reversed(segment.nodes) for value in saved_by(graph, name, drawn)
-            for root in (storage_root(graph, value),) if root in marked]
+    return tuple((name, root) for name in reversed(segment.nodes) for value in saved_by(graph, name, drawn)
+                 for root in (storage_root(graph, value),) if root in marked)
 
 
 def remake_runs(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, ...]]:
@@ -274,7 +281,8 @@ def remake_runs(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, ...]
     return [recipes[value] for step in each_use_schedule(graph, segment) for value in step.made]
 
 
-def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
+@per_segment
+def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     """For each input and kept value of a hooked segment that backward needs, the op of the
     segment whose backward needs it last (the earliest in forward order): an op that saved
     it (autograd holds it until that op's backward), or one that saved a marked value of a
@@ -307,10 +315,11 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
                 needed[sources[root]] = name
             for source in reads.get(root, ()):
                 needed[source] = name
-    return needed
+    return MappingProxyType(needed)  # shared by every caller (per_segment)
 
 
-def remake_units(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+@per_segment
+def remake_units(graph: nx.DiGraph, segment: SegmentLike) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     """``(ops, marked values)`` of each remake a hooked segment's runtime can run: its groups,
     or each value's recipe when it remakes each value at every use (each marked value's and
     each held value's, ``remake_held``). The one place that
@@ -318,8 +327,8 @@ def remake_units(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[tuple[st
     cost all follow it."""
     if segment.remake_each_use:
         made = set(marked_values(graph, segment)).union(segment.remake_held)
-        return [(value_recipe(graph, segment, name), (name,)) for name in segment.nodes if name in made]
-    return [(group.nodes, group.marked) for group in remake_groups(graph, segment)]
+        return tuple((value_recipe(graph, segment, name), (name,)) for name in segment.nodes if name in made)
+    return tuple((group.nodes, group.marked) for group in remake_groups(graph, segment))
 
 
 def _needed_for(graph: nx.DiGraph, values: set[str], inside: set[str]) -> set[str]:

@@ -73,6 +73,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
     if not segment.recompute:
         return segment
     hooked = top and keeps_by_hooks(graph, segment)
+    units = remake_units(graph, segment) if hooked else []
     facts = RecomputeFacts(
         kept_bytes=boundary_bytes(graph, segment.inputs),
         draws_random=draws_random(graph, segment.nodes),
@@ -81,7 +82,8 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         kept_whole=tuple(n for n in segment.saved_inside if not graph.nodes[n]["expensive"]),
         by_hooks=runs_by_hooks(graph, segment),
         keeps_by_hooks=hooked,
-        remakes=tuple(marked for _, marked in remake_units(graph, segment)) if hooked else (),
+        remakes=tuple(marked for _, marked in units),
+        remake_ops=tuple(nodes for nodes, _ in units),
         redrawn=redrawn(graph, segment) if hooked else (),
         remake_each_use=hooked and segment.remake_each_use,
         remake_held=segment.remake_held if hooked else (),

@@ -47,7 +47,8 @@ class RecomputeFacts:
     (:func:`passes.remat.runs_by_hooks`). ``keeps_by_hooks``: a selective segment run as eager
     code under saved-tensor hooks that drop the saved copies of the values in ``remakes``
     (:mod:`passes.hooked`), not through torch's selective checkpointing; ``remakes`` holds
-    them by group, each made again on its own (:func:`passes.hooked.remake_groups`), and
+    them by group, each made again on its own (:func:`passes.hooked.remake_groups`) by the
+    ops of ``remake_ops`` (in order, one tuple a group: :func:`passes.hooked.remake_units`), and
     ``redrawn`` the dropouts among them drawn again from forward's generator state
     (:func:`passes.hooked.redrawn`). With ``remake_each_use`` each marked value is a group
     of its own, made again at every unpack (:attr:`Segment.remake_each_use`), and so is
@@ -62,6 +63,7 @@ class RecomputeFacts:
     by_hooks: bool = False
     keeps_by_hooks: bool = False
     remakes: tuple[tuple[str, ...], ...] = ()
+    remake_ops: tuple[tuple[str, ...], ...] = ()
     redrawn: tuple[str, ...] = ()
     remake_each_use: bool = False
     remake_held: tuple[str, ...] = ()

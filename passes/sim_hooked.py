@@ -6,6 +6,8 @@ every use (``remake_each_use``). :mod:`passes.simulate` replays the rest of the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import networkx as nx
 
 from passes.hooked import RemakeGroup, RemakeStep, each_use_schedule, marked_values, redrawn, remake_groups, value_recipe
@@ -15,7 +17,7 @@ from passes.sim_ops import run_backward, run_forward
 
 
 def backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
-                     needed: dict[str, str]) -> None:
+                     needed: Mapping[str, str]) -> None:
     """Backward of a segment run by saved-tensor hooks (:mod:`passes.hooked`): its ops in
     reverse, on forward's own graph; the first op that unpacks a value of a remake group
     makes the whole group again, and each value made goes after its last saver's backward
@@ -55,7 +57,7 @@ def backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gra
 
 
 def _backward_remaking_each_use(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
-                                needed: dict[str, str]) -> None:
+                                needed: Mapping[str, str]) -> None:
     """:func:`backward_hooked` of a segment that makes each marked value again at every
     use (:attr:`passes.segments.Segment.remake_each_use`): before an op's backward, each
     marked value it saved is made as :func:`passes.hooked.each_use_schedule` says, from its
@@ -109,7 +111,7 @@ def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int], draw
     run_forward(memory, nodes, save=False, within=set(nodes))
 
 
-def _let_go(memory: LiveMemory, needed: dict[str, str]) -> dict[int, list[int]]:
+def _let_go(memory: LiveMemory, needed: Mapping[str, str]) -> dict[int, list[int]]:
     """Op id -> the inputs and kept values going after its backward (``needed``:
     :func:`passes.hooked.last_needed`, value -> the op needing it last)."""
     let_go: dict[int, list[int]] = {}

@@ -29,7 +29,7 @@ This is an estimate; ``graphckpt.tools.measure`` is the truth it is checked agai
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from weakref import WeakKeyDictionary
@@ -100,7 +100,7 @@ def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, ta
 
 
 def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment],
-                      hooked: dict[Segment, dict[str, str]]) -> None:
+                      hooked: dict[Segment, Mapping[str, str]]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
     inputs and generator states (and their matmul outputs, when selective; and what their
     ops save beyond values, when run by hooks: ``hooked``, with :func:`passes.hooked.last_needed`)."""
@@ -122,7 +122,7 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
 
 
 def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment], grads: set[int],
-                       ran: Sequence[Step] | None = None, hooked: dict[Segment, dict[str, str]] | None = None) -> None:
+                       ran: Sequence[Step] | None = None, hooked: dict[Segment, Mapping[str, str]] | None = None) -> None:
     """Backward of segments in reverse; each recomputed one is first run again, with its
     kept matmul outputs when they were cached (always at the top level; nested, only when
     the enclosing recompute ran it: ``ran``), or, run by hooks (``hooked``, top level only),
