@@ -23,9 +23,11 @@ with a Pareto PNG per model beside it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -248,8 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     if argv is None and not options.default_allocator:  # run as a script, not called from a test
         rerun_with_retaining_allocator()
-    # A cold inductor cache, so its build column is a first compile as a user sees it.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="graphckpt-bench-inductor-"))
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a cold cache: the build column is a first compile
+        cache = tempfile.mkdtemp(prefix="graphckpt-bench-inductor-")  # as a user sees it; gone at exit
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
     cases = TINY if options.tiny else GPU_SIZES if options.gpu_sizes else FULL
     wanted = [m for m in options.models.split(",") if m]
     unknown = set(wanted) - {c.name for c in cases}
