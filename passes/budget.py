@@ -22,7 +22,7 @@ from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, sel
 from passes.optimal import DynamicProgram, plan_for_budget
 from passes.plan import Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
-from passes.relaxed import NOTHING_ROUNDED, relaxed_plans
+from passes.relaxed import Rounded, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, search
 from passes.segments import PlanError, Segment
 from passes.simulate import eager_peak, forward_floor
@@ -162,7 +162,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         dropping = on_top
     if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
         chosen, origin = dropping, "a plan dropping values cheap to make again (passes.drops)"
-    rounded = NOTHING_ROUNDED
+    rounded: Rounded | None = None  # the relaxation is solved at most once
     if chosen is None:  # below the floor of the program and the flat plans: search toward it
         smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
         searched = search(graph, smallest, budget_bytes)
@@ -186,7 +186,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")
-    rounded = rounded if rounded.plan else relaxed_plans(graph, budget_bytes)
+    rounded = rounded or relaxed_plans(graph, budget_bytes)
     unrounded = chosen
     if rounded.searchable is not None and rounded.searchable.cost_key < chosen.cost_key:
         chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
@@ -208,11 +208,9 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
 
 def _relaxed_origin(plan: Plan) -> str:
     """How a plan of :func:`passes.relaxed.relaxed_plan` came about, for the plan's note."""
-    held = sum(len(s.remake_held) for s in plan.segments)
-    each = ", each dropped value made again at every use" if any(s.remake_each_use for s in plan.segments) else ""
-    each += f", {held} of them held once made" if held else ""
+    each = remakes_of(plan)
     return (f"one segment run by hooks keeping {_kept_count(plan)} values rounded from the exact schedule's LP "
-            f"relaxation (passes.relaxed){each}")
+            f"relaxation (passes.relaxed){f', {each}' if each else ''}")
 
 
 BLOCKS_MARGIN = 0.02

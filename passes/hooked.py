@@ -190,6 +190,14 @@ def holdable(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
     return tuple(name for name in segment.nodes if name not in skip and storage_root(graph, name) == name)
 
 
+def remake_phrase(each_use: bool, held: int) -> str:
+    """How a hooked segment remakes its dropped values, for notes and reports: ``""`` per
+    group, else "each dropped value made again at every use", with how many are held."""
+    if not each_use:
+        return ""
+    return "each dropped value made again at every use" + (f", {held} of them held once made" if held else "")
+
+
 class RemakeStep(NamedTuple):
     """One unpack of a segment remaking each value at every use: ``op``'s backward unpacks
     ``value``; ``made`` are the values made for it, each by its :func:`value_recipe`, held

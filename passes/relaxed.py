@@ -29,7 +29,7 @@ import networkx as nx
 
 from passes.checkmate import MAX_OPS, relaxed_holds
 from passes.graph_facts import op_nodes
-from passes.hooked import holdable, keeps_by_hooks
+from passes.hooked import holdable, keeps_by_hooks, remake_phrase
 from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
@@ -122,13 +122,15 @@ def _noted(plan: Plan | None) -> Plan | None:
     """A plan of :func:`relaxed_plans` named ``relaxed``, with a note of what it keeps."""
     if plan is None:
         return None
-    each = ""
-    if any(s.remake_each_use for s in plan.segments):
-        held = sum(len(s.remake_held) for s in plan.segments)
-        each = " (each dropped value made again at every use" + (f", {held} held once made" if held else "") + ")"
+    each = remakes_of(plan)
     note = (f"relaxed: one segment run by saved-tensor hooks keeping {sum(len(s.saved_inside) for s in plan.segments)} "
-            f"values{each}, rounded from the LP relaxation of the exact schedule")
+            f"values{f' ({each})' if each else ''}, rounded from the LP relaxation of the exact schedule")
     return replace(plan, strategy="relaxed", notes=(note, *plan.notes))
+
+
+def remakes_of(plan: Plan) -> str:
+    """:func:`passes.hooked.remake_phrase` of a relaxed plan's segments."""
+    return remake_phrase(any(s.remake_each_use for s in plan.segments), sum(len(s.remake_held) for s in plan.segments))
 
 
 def with_held(graph: nx.DiGraph, plan: Plan, budget_bytes: float) -> Plan:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import networkx as nx
 
-from passes.hooked import RemakeGroup, RemakeStep, each_use_schedule, marked_values, redrawn, remake_groups, value_recipe
+from passes.hooked import RemakeGroup, RemakeStep, each_use_schedule, marked_values, redrawn, remake_groups, remake_units
 from passes.segments import Segment
 from passes.sim_memory import EXTRA, LiveMemory, slot
 from passes.sim_ops import run_backward, run_forward
@@ -72,7 +72,7 @@ def _backward_remaking_each_use(memory: LiveMemory, graph: nx.DiGraph, segment: 
     steps: dict[str, list[RemakeStep]] = {}
     for step in each_use_schedule(graph, segment):
         steps.setdefault(step.op, []).append(step)
-    recipes: dict[str, list[int]] = {}
+    recipes = {marked[0]: index.id_list(nodes) for nodes, marked in remake_units(graph, segment)}
     for name in reversed(segment.nodes):
         node = index.ids[name]
         for value in index.saved[node]:
@@ -81,7 +81,7 @@ def _backward_remaking_each_use(memory: LiveMemory, graph: nx.DiGraph, segment: 
         for step in steps.get(name, ()):
             memory.hold(index.ids[step.value])  # by the op unpacking it
             for value in step.made:
-                made = recipes.setdefault(value, index.id_list(value_recipe(graph, segment, value)))
+                made = recipes[value]
                 if value in held:
                     memory.hold(index.ids[value])  # by the runtime, until its last unpack
                 if value == name and name in drawn:  # its own noise

@@ -37,11 +37,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.graph_facts import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.hooked import (
-    keeps_by_hooks,
-    last_needed,
-    redrawn,
-)
+from passes.hooked import keeps_by_hooks, last_needed, redrawn
 from passes.kept_bytes import gradient_bytes
 from passes.recompute import random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.remat import kept_inputs, remat_nodes, run_remat

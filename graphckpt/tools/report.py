@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from passes.graph_facts import op_nodes
+from passes.hooked import remake_phrase
 from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.recompute import recomputed_nodes
@@ -162,10 +163,9 @@ def _segment_table(document: Mapping[str, Any]) -> Table:
         what = Text("recomputed", style="yellow") if row["recompute"] else Text("kept", style="green")
         if row["saved_inside"]:
             what.append(f" ({len(row['saved_inside'])} kept inside)", style="dim")
-        if row.get("remake_each_use"):
-            held = len(row.get("remake_held", ()))
-            what.append(" (each value made again at every use" + (f", {held} held once made" if held else "") + ")",
-                        style="dim")
+        remakes = remake_phrase(row.get("remake_each_use", False), len(row.get("remake_held", ())))
+        if remakes:
+            what.append(f" ({remakes})", style="dim")
         table.add_row(indent + row["index"], str(row["nodes"]), f"{indent}{row['first']} .. {row['last']}",
                       what, format_bytes(row["boundary_bytes"]) if row["recompute"] else "-",
                       human_flops(row["recompute_flops"], unit) if row["recompute"] else "-")
