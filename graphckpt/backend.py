@@ -27,7 +27,7 @@ from graphckpt.api import check_options, plan_cost_graph
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import build_cost_graph, prepare
 from graphckpt.scratch import Layout
-from graphckpt.torch_compat import FakeTensor, symbolic_hint
+from graphckpt.torch_compat import FakeTensor, allocated_bytes, symbolic_hint
 from passes.budget import Budget, BudgetError
 from passes.plan import Plan
 from passes.strategies import choose_plan
@@ -69,7 +69,7 @@ def lifted_parameters(graph_module: fx.GraphModule, example_inputs: Sequence[Any
     (:func:`graphckpt.costs.build_cost_graph`'s ``lifted_params``).
     """
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    return {node.name: value.untyped_storage().nbytes() if value.requires_grad else 0
+    return {node.name: allocated_bytes(value) if value.requires_grad else 0
             for node, value in zip(placeholders, example_inputs, strict=False) if isinstance(value, nn.Parameter)}
 
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphckpt.scratch import layouts_of
-from graphckpt.torch_compat import TorchDispatchMode, storage_key, tree_leaves
+from graphckpt.torch_compat import TorchDispatchMode, allocated_bytes, storage_key, tree_leaves
 
 RELEASED = object()  # the token of an event: saved bytes released (negative)
 
@@ -66,7 +66,7 @@ class Recorder(TorchDispatchMode):
             if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in inputs:
                 continue
             token = object()
-            events.append((token, tensor.untyped_storage().nbytes()))
+            events.append((token, allocated_bytes(tensor)))
             weakref.finalize(tensor, events.append, (token, 0))
 
     def saves(self, tensor: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ class Recorder(TorchDispatchMode):
         mask, softmax's output inside attention): autograd frees it once the last backward
         function that unpacks it has run."""
         count, _ = self.extras.get(storage_key(tensor), (0, 0))
-        self.extras[storage_key(tensor)] = count + 1, tensor.untyped_storage().nbytes()
+        self.extras[storage_key(tensor)] = count + 1, allocated_bytes(tensor)
 
     def saves_value(self, owner: str, tensor: torch.Tensor, value: str) -> None:
         """``owner``'s forward saved ``tensor``, a storage of the graph's ``value``."""

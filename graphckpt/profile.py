@@ -26,6 +26,8 @@ from graphckpt.scratch import KERNEL_EXTRA, call_key, measure_kernel_scratch
 from graphckpt.torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
+    allocated_bytes,
+    allocation_size,
     draws_random_numbers,
     fake_module_copy,
     flop_counter,
@@ -127,7 +129,7 @@ class _OpKinds(TorchDispatchMode):
         if new:
             self.tensors[key] = [len(self.made), 0]
             self.events.append(len(self.made))
-            self.made.append(tensor.untyped_storage().nbytes())
+            self.made.append(allocated_bytes(tensor))
         elif key not in self.tensors:
             return
         self.tensors[key][1] += 1
@@ -311,13 +313,13 @@ class _CostInterpreter(fx.Interpreter):
                 aliased.append(self.owner[key])
             else:
                 self.owner[key] = node.name
-                fresh += tensor.untyped_storage().nbytes()
+                fresh += allocated_bytes(tensor)
         alias_of = aliased[0] if aliased and not fresh and aliased[0] != PARAM else None
         names, extra = [], {}  # storages saved that no value owns, each once (several backward functions may save one)
         for tensor in saved:
             name = self.owner.get(storage_key(tensor))
             if name is None:
-                extra[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+                extra[storage_key(tensor)] = allocated_bytes(tensor)
                 self.recorder.saves(tensor)
             elif name != PARAM:
                 self.recorder.saves_value(node.name, tensor, name)
@@ -325,7 +327,7 @@ class _CostInterpreter(fx.Interpreter):
                     names.append(name)
         shape, dtype = _describe(tensors)
         own = {storage_key(t) for t in tensors}
-        inner = {storage_key(t): t.untyped_storage().nbytes() for t in kinds.expensive_outputs}
+        inner = {storage_key(t): allocated_bytes(t) for t in kinds.expensive_outputs}
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
             alias_of=alias_of,
@@ -345,7 +347,7 @@ class _CostInterpreter(fx.Interpreter):
 
 
 def _trainable_bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors
+    return sum(allocation_size(t.numel() * t.element_size(), t.device) for t in tensors
                if isinstance(t, torch.nn.Parameter) and t.requires_grad)
 
 

@@ -48,8 +48,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
     "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode", "activation_memory_budget",
-    "allocations_under", "argument_names", "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers",
-    "dropout_and_saved",
+    "allocated_bytes", "allocation_size", "allocations_under", "argument_names", "clear_selective_cache",
+    "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks", "is_accumulate_grad",
     "memory_timeline_allocations", "module_registries", "module_tree_copy", "non_persistent_buffers",
     "op_schema", "profiled_event_tree", "profiler_enabled", "storage_key", "symbolic_hint", "tree_flatten",
@@ -118,6 +118,25 @@ def storage_key(tensor: torch.Tensor) -> int:
     ``untyped_storage()._cdata``: the address of the C++ storage object. Checked on 2.5, 2.6, 2.13.
     """
     return tensor.untyped_storage()._cdata
+
+
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out whole blocks of this many bytes
+
+
+def allocated_bytes(tensor: torch.Tensor) -> int:
+    """Bytes an allocator hands out for ``tensor``'s storage: its size, on a GPU rounded up
+    to the caching allocator's 512-byte blocks, as ``torch.cuda.max_memory_allocated``
+    counts them (a bias gradient of 64 floats takes 512 bytes there, not 256).
+
+    >>> allocated_bytes(torch.zeros(3))
+    12
+    """
+    return allocation_size(tensor.untyped_storage().nbytes(), tensor.device)
+
+
+def allocation_size(nbytes: int, device: torch.device) -> int:
+    """What an allocation of ``nbytes`` on ``device`` takes (:func:`allocated_bytes`)."""
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if device.type == "cuda" else nbytes
 
 
 def storage_ref(tensor: torch.Tensor) -> Any:

@@ -63,3 +63,20 @@ def test_graphckpt_at_an_anchors_peak_plans_at_that_peak_and_measures_within_it(
     assert isinstance(ours, Variant) and ours.plan is not None
     assert round(ours.budget * ours.plan.eager_peak_bytes) == anchor_peak
     assert measured_peak(ours.module, inputs, zoo.scalar_loss) <= anchor_peak
+
+
+@pytest.mark.parametrize(("dropout", "trains_like_eager"), [(0.0, True), (0.1, False)])
+def test_compile_anchor_says_when_its_gradients_are_not_the_models(dropout: float, trains_like_eager: bool) -> None:
+    """torch.compile's budget partitioner may recompute a dropout in backward with fresh
+    randomness (pytorch/pytorch#190758): the step then trains something other than the
+    model, and the benchmark must say so rather than race graphckpt against it."""
+    from graphckpt.tools.anchors import compile_anchor, gradient_gap
+
+    model, inputs = zoo.make("gpt", layers=2, d=64, heads=4, seq=32, batch=4, dropout=dropout)
+    anchor = compile_anchor(model, inputs, 0.5, zoo.scalar_loss)
+    assert isinstance(anchor, Variant)
+    assert (anchor.caveat == "") == trains_like_eager, anchor.caveat
+    assert gradient_gap(model, model, inputs, zoo.scalar_loss) == 0.0
+    assert all(p.grad is None for p in model.parameters())  # the check leaves no gradients behind
+    if not trains_like_eager:
+        assert "190758" in anchor.caveat

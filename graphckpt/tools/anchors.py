@@ -49,6 +49,7 @@ class Variant:
     budget: float | None = None
     plan_seconds: float | None = None
     predicted_extra_seconds: float | None = None  # graphckpt with measured op times: what its plan adds to a step
+    caveat: str = ""  # why its step is not the model's step (gradients unlike eager's), if it is not
 
 
 @dataclass
@@ -207,5 +208,40 @@ def compile_anchor(model: nn.Module, inputs: tuple, budget: float, loss_fn: Call
     except Exception as error:  # any compile failure: note it and measure the rest
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return Skipped(name, f"torch.compile failed: {type(error).__name__}: {first[:160]}")
+    gap = gradient_gap(model, compiled, inputs, loss_fn)
+    caveat = (f"its gradients are not the model's: up to {gap:.1e} off eager's (relative), the same seed; "
+              "the budget partitioner recomputes random ops such as dropout with fresh randomness in "
+              "backward (pytorch/pytorch#190758)") if gap > GRADIENT_TOLERANCE else ""
     return Variant(name, compiled, "torch.compile", f"{backend}, budget {budget:g}", budget=budget,
-                   plan_seconds=seconds)
+                   plan_seconds=seconds, caveat=caveat)
+
+
+GRADIENT_TOLERANCE = 1e-4  # relative: far above the order in which kernels add, far below a wrong dropout mask
+
+
+def _gradients(model: nn.Module, forward: Callable[..., Any], inputs: tuple,
+               loss_fn: Callable[[Any], torch.Tensor], seed: int) -> list[torch.Tensor | None]:
+    """The gradients one step of ``forward`` leaves on ``model``'s parameters, from ``seed``
+    (the global RNG restored after, the gradients cleared)."""
+    devices = [t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    with torch.random.fork_rng(devices=devices[:1]):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        loss_fn(forward(*inputs)).backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def gradient_gap(model: nn.Module, forward: Callable[..., Any], inputs: tuple,
+                 loss_fn: Callable[[Any], torch.Tensor], seed: int = 0) -> float:
+    """How far ``forward``'s gradients on ``model``'s parameters are from the model's own
+    after one step from the same seed: the largest ``‖g - g_eager‖ / ‖g_eager‖`` over
+    parameters (0 when they agree; 1 when ``forward`` leaves no gradient where eager does).
+    A variant that draws other dropout masks in backward than in forward trains something
+    other than the model, and its step time is no benchmark for one that does not."""
+    expected = _gradients(model, model, inputs, loss_fn, seed)
+    found = _gradients(model, forward, inputs, loss_fn, seed)
+    gaps = [0.0 if e is None and f is None else 1.0 if e is None or f is None
+            else float((f - e).norm() / e.norm().clamp_min(1e-30)) for e, f in zip(expected, found, strict=True)]
+    return max(gaps, default=0.0)

@@ -58,6 +58,7 @@ class Result:
     extra_seconds: float = 0.0  # median over rounds of this step minus eager's
     predicted_extra_seconds: float | None = None  # the plan's recompute and overhead, in measured op time
     default_time_ratio: float | None = None  # time_ratio measured again with glibc's default allocator
+    caveat: str = ""  # why its step is not the model's step, if it is not (Variant.caveat)
     times: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -196,7 +197,7 @@ def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[
             recompute_fraction=plan.recompute_flops / max(plan.forward_flops, 1) if plan else None,
             budget=variant.budget, plan_seconds=variant.plan_seconds, faults_per_step=fault_count,
             extra_seconds=statistics.median(t - b for t, b in zip(seconds, times[0], strict=True)),
-            predicted_extra_seconds=variant.predicted_extra_seconds, times=seconds))
+            predicted_extra_seconds=variant.predicted_extra_seconds, caveat=variant.caveat, times=seconds))
     return results
 
 

@@ -51,7 +51,8 @@ def result_row(result: Result) -> str:
     default = "" if result.default_time_ratio is None else f"{result.default_time_ratio:.2f}"
     extra = ("" if result.predicted_extra_seconds is None else
              f"{result.predicted_extra_seconds * 1e3:.0f} / {result.extra_seconds * 1e3:.0f} ms")
-    cells = (result.name, result.setting, format_bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
+    setting = f"{result.setting} (trains unlike eager: see below)" if result.caveat else result.setting
+    cells = (result.name, setting, format_bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
              simulated, f"{result.step_seconds * 1e3:.0f} ms", f"{result.time_ratio:.2f}", default,
              f"{result.faults_per_step:.0f}", extra, build)
     return "| " + " | ".join(cells) + " |"
@@ -61,9 +62,10 @@ def results_table(results: Sequence[Result], skipped: Sequence[Skipped] = ()) ->
     """The markdown table of a model's variants, followed by a line per skipped variant."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
     lines += [result_row(result) for result in results]
-    if skipped:
-        lines.append("")
-        lines += [f"- *{s.name}* not measured: {s.reason}" for s in skipped]
+    notes = [f"- *{r.name}* trains unlike eager: {r.caveat}" for r in results if r.caveat]
+    notes += [f"- *{s.name}* not measured: {s.reason}" for s in skipped]
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines)
 
 
@@ -74,10 +76,12 @@ class Verdict:
     target: str
     met: bool
     evidence: str
+    comparable: bool = True  # False: the anchor does not train the model, so neither met nor missed
 
     def markdown(self) -> str:
-        """One bullet: **met** / **missed**, the target, what was measured."""
-        return f"- **{'met' if self.met else 'missed'}**: {self.target}. {self.evidence}"
+        """One bullet: **met** / **missed** / **not comparable**, the target, what was measured."""
+        status = "not comparable" if not self.comparable else "met" if self.met else "missed"
+        return f"- **{status}**: {self.target}. {self.evidence}"
 
 
 def best_within(results: Sequence[Result], peak_ratio: float) -> Result | None:
@@ -105,6 +109,10 @@ def versus_anchor(results: Sequence[Result], anchor: str, target: str) -> Verdic
     theirs = next((r for r in results if r.name == anchor), None)
     if theirs is None:
         return Verdict(target, False, f"Not measured: {anchor} did not run.")
+    if theirs.caveat:
+        found = step_versus(results, f"graphckpt at {anchor_label(theirs)}'s peak", anchor, target)
+        return Verdict(target, False, f"*{anchor}* trains unlike eager ({theirs.caveat}). Measured all the "
+                       f"same: {found.evidence}", comparable=False)
     return step_versus(results, f"graphckpt at {anchor_label(theirs)}'s peak", anchor, target)
 
 
