@@ -210,8 +210,8 @@ def compile_anchor(model: nn.Module, inputs: tuple, budget: float, loss_fn: Call
         return Skipped(name, f"torch.compile failed: {type(error).__name__}: {first[:160]}")
     gap = gradient_gap(model, compiled, inputs, loss_fn)
     caveat = (f"its gradients are not the model's: up to {gap:.1e} off eager's (relative), the same seed; "
-              "the budget partitioner recomputes random ops such as dropout with fresh randomness in "
-              "backward (pytorch/pytorch#190758)") if gap > GRADIENT_TOLERANCE else ""
+              "a known cause: the budget partitioner recomputes random ops such as dropout with fresh "
+              "randomness in backward (pytorch/pytorch#190758)") if gap > GRADIENT_TOLERANCE else ""
     return Variant(name, compiled, "torch.compile", f"{backend}, budget {budget:g}", budget=budget,
                    plan_seconds=seconds, caveat=caveat)
 
