@@ -12,19 +12,23 @@ from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECT
 
 
 def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
-                 within: set[int] | None = None, keep: Iterable[int] = (), selective: bool = True) -> None:
+                 within: set[int] | None = None, keep: Iterable[int] = (), selective: bool = True,
+                 consumed: Iterable[int] = ()) -> None:
     """Compute ``nodes`` (ids); with ``save`` each op also holds what its backward needs.
 
     ``within`` limits the readers that keep a value alive to that set (a recompute only
     feeds its own segment); ``keep`` values get one more hold (kept from forward), and with
     ``selective`` they are a selective segment's kept values, holding what selective
     checkpointing caches beside them (``selective=False``: a rematerialization chain, which
-    caches nothing and leaves alone what others cache).
+    caches nothing and leaves alone what others cache). ``consumed`` values lose that hold
+    when their node is reached: a recompute takes a kept value out of selective
+    checkpointing's cache there, and it lives on only as long as its readers or backward need it.
     """
     index = memory.index
     owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
     reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
     kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
+    taken = frozenset(consumed)
     for node in nodes:
         key = memory.key(node)
         if owns[node]:
@@ -39,7 +43,7 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
         for value in reads[node]:
             if within is None or value in within:
                 memory.release(value)
-        memory.release(node, 0, key)
+        memory.release(node, 1 if node in taken else 0, key)
         # A selective segment keeps the matmul outputs inside a kept node until its recompute
         # reruns the node (the cache is consumed there).
         if not selective:

@@ -154,9 +154,10 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     rerun = ("rng-rerun", len(memory.fresh))
     if ran and draws_random(graph, segment.nodes):  # the recompute forks the generator while it runs
         memory.allocate(("rng-fork", id(segment)), graph.graph.get("rng_state_bytes", 0))
+    taken = kept & set(index.id_list(step for step in ran if not isinstance(step, Segment)))
     for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
         if not is_segment:
-            run_forward(memory, index.id_list(steps), save=True, within=within)
+            run_forward(memory, index.id_list(steps), save=True, within=within, consumed=taken)
             continue
         for child in steps:
             _call_recomputed(memory, graph, child, rerun, within=within)
@@ -164,9 +165,9 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         memory.release(value)
     for value, times in unwound.items():  # the body's frame unwinds at the stop
         memory.release(value, times)
-    for value in kept:
+    for value in kept - taken:  # what the recompute did not reach is dropped from the cache
         memory.release(value)
-        memory.free(slot(value, SELECTIVE_EXTRA))  # what the recompute did not reach is dropped
+        memory.free(slot(value, SELECTIVE_EXTRA))
     memory.free(("rng-fork", id(segment)))  # the recompute's own graph, and the states its calls took, go
     for call in (call for step in ran if isinstance(step, Segment) for call in random_calls(graph, step)):
         memory.free((*rerun, id(call)))

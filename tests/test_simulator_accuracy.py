@@ -356,3 +356,25 @@ def test_a_backward_of_several_functions_lets_its_first_saves_go() -> None:
     held = graph.copy()
     held.nodes[loss]["released_early"] = ()
     assert simulate(held, eager_segments(held)).peak_bytes >= measured + 0.9 * label_bytes
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_selective_mode_lets_a_kept_value_go_once_its_recompute_takes_it(dropout: float) -> None:
+    """torch's selective checkpointing caches a kept value until the recompute reaches its op
+    and then hands it out: from there it lives only as long as the recompute's readers or
+    backward need it (a kept ``q @ k.T`` goes once the scaling op has read it). The
+    simulator held every kept value to the end of the recompute, and a GPT layer kept whole
+    under torch's selective mode simulated 13% over its measured peak (21% with two layers)."""
+    from passes.keeps import keepable, keeping, whole_graph
+    from passes.plan import plan_of_segments
+
+    torch.manual_seed(0)
+    model, inputs = on_test_device(*zoo.make("gpt", layers=2, dropout=dropout))
+    analysis = analyze(model, inputs)
+    graph = analysis.cost_graph
+    kept = {n for n in op_nodes(graph) if graph.nodes[n].get("expensive") and keepable(graph, n)}
+    plan = plan_of_segments(graph, "test", keeping(whole_graph(graph), kept))
+    assert plan.segments[0].saved_inside and not plan.segments[0].remake_each_use
+    rewritten = generate_rewrite(model, Analysis(analysis.captured, graph, plan))
+    measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert within(plan.peak_bytes, measured, 0.01), f"simulated/measured {plan.peak_bytes / measured:.3f}"
