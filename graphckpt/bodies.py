@@ -146,7 +146,8 @@ def hooked_module(source: Source, planned: PlannedSegment) -> HookedSegmentModul
                                [_remake_module(source, planned, index) for index in range(len(groups))],
                                nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs,
                                groups=groups, kept=planned.saved_inside,
-                               each_use=facts_of(planned).remake_each_use, held=facts_of(planned).remake_held)
+                               each_use=facts_of(planned).remake_each_use, held=facts_of(planned).remake_held,
+                               closures=facts_of(planned).remake_closures)
 
 
 def _remake_module(source: Source, planned: PlannedSegment, index: int) -> fx.GraphModule:

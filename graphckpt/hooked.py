@@ -213,12 +213,14 @@ class HookedSegmentModule(nn.Module):
     made again at each unpack and held only by what unpacked it
     (:attr:`passes.segments.Segment.remake_each_use`); the values of ``held`` are groups
     too, made before a remake reading them when not alive and then held until no unpack
-    left may need them (:attr:`passes.segments.Segment.remake_held`). The graph modules are
+    left may need them (:attr:`passes.segments.Segment.remake_held`), counted against each
+    group's ``closures`` (:func:`passes.hooked.remake_closures`). The graph modules are
     plain attributes, not submodules, so parameters and ``state_dict`` keys stay the model's."""
 
     def __init__(self, body: fx.GraphModule, remakes: Sequence[fx.GraphModule], *, nodes: Sequence[str],
                  inputs: Sequence[str], outputs: Sequence[str], groups: Sequence[Sequence[str]],
-                 kept: Sequence[str], each_use: bool = False, held: Sequence[str] = ()) -> None:
+                 kept: Sequence[str], each_use: bool = False, held: Sequence[str] = (),
+                 closures: Sequence[Sequence[str]] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "remakes", tuple(remakes))  # what codegen prints as the segment's recipes
@@ -238,7 +240,7 @@ class HookedSegmentModule(nn.Module):
         self.held = frozenset(held)  # each_use: values held once made, until no unpack left may need them
         self.held_reads = {group[0]: tuple((position, name) for position, name in enumerate(names) if name in self.held)
                            for group, names in zip(self.groups, self.reads, strict=True)}
-        self.closure = {name: _closure(name, self.held_reads) for name in self.group_of} if held else {}
+        self.closure = {group[0]: tuple(found) for group, found in zip(self.groups, closures, strict=True)} if held else {}
         self.held_closure = {name: tuple(v for v in found if v in self.held) for name, found in self.closure.items()}
         self.remake_norms = [m for remake in remakes for m in remake.modules()
                              if isinstance(m, NormBase) and m.track_running_stats]
@@ -282,17 +284,6 @@ class HookedSegmentModule(nn.Module):
                     "each again every time backward unpacks it" + (
                         f", from {len(self.held)} values held once made" if self.held else "") if self.each_use else
                     f"each group of them again when backward first needs one ({len(self.groups)} groups)"))
-
-
-def _closure(name: str, held_reads: dict[str, tuple[tuple[int, str], ...]]) -> tuple[str, ...]:
-    """``name`` and the held values making it again may make first, again and again."""
-    found, stack = [name], [name]
-    while stack:
-        for _, source in held_reads[stack.pop()]:
-            if source not in found:
-                found.append(source)
-                stack.append(source)
-    return tuple(found)
 
 
 def mark(hooks: _HookedCall | None, value: Any, name: str) -> Any:

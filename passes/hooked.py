@@ -226,9 +226,8 @@ def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeSt
     """
     held = set(segment.remake_held)
     steps = uses(graph, segment)
-    sources = {name: held_sources(graph, segment, name) for name in {*held, *(value for _, value in steps)}}
-    closures = {value: [name for name in remake_closure(graph, segment, value) if name in held]
-                for _, value in steps}
+    sources, closure = _held_sources_of(graph, segment), remake_closures(graph, segment)
+    closures = {value: [name for name in closure.get(value, (value,)) if name in held] for _, value in steps}
     pending: dict[str, int] = {}
     for _, value in steps:
         for name in closures[value]:
@@ -238,7 +237,7 @@ def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeSt
 
     def make(name: str, made: list[str]) -> None:
         if name not in alive:
-            for source in sources[name]:
+            for source in sources.get(name, ()):
                 make(source, made)
             made.append(name)
             if name in held:
@@ -257,16 +256,34 @@ def each_use_schedule(graph: nx.DiGraph, segment: SegmentLike) -> tuple[RemakeSt
     return tuple(schedule)
 
 
-def remake_closure(graph: nx.DiGraph, segment: SegmentLike, value: str) -> tuple[str, ...]:
-    """``value`` and the held values making it again may make first (:func:`held_sources`,
-    again and again): what its handles keep the sources of."""
-    found, stack = [value], [value]
-    while stack:
-        for source in held_sources(graph, segment, stack.pop()):
-            if source not in found:
-                found.append(source)
-                stack.append(source)
-    return tuple(found)
+@per_segment
+def _held_sources_of(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, tuple[str, ...]]:
+    """:func:`held_sources` of every value a segment holding values remakes (marked or
+    held); empty when it holds none."""
+    if not segment.remake_held:
+        return MappingProxyType({})
+    made = set(marked_values(graph, segment)).union(segment.remake_held)
+    return MappingProxyType({name: held_sources(graph, segment, name) for name in segment.nodes if name in made})
+
+
+@per_segment
+def remake_closures(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, tuple[str, ...]]:
+    """For each value a segment holding values remakes, it and the held values making it
+    again may make first (:func:`held_sources`, again and again): what its handles keep the
+    sources of, and what the runtime counts its unpacks against. Empty when it holds none
+    (a value's closure is then the value alone)."""
+    sources = _held_sources_of(graph, segment)
+
+    def closure(value: str) -> tuple[str, ...]:
+        found, stack = [value], [value]
+        while stack:
+            for source in sources[stack.pop()]:
+                if source not in found:
+                    found.append(source)
+                    stack.append(source)
+        return tuple(found)
+
+    return MappingProxyType({name: closure(name) for name in sources})
 
 
 @per_segment
@@ -313,7 +330,8 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
         for name in marked:
             reads[name] = read
     if segment.remake_held:  # a handle keeps what the held values made before its own may read
-        reads = {name: set().union(*(reads[v] for v in remake_closure(graph, segment, name))) for name in reads}
+        closure = remake_closures(graph, segment)
+        reads = {name: set().union(*(reads[v] for v in closure[name])) for name in reads}
     needed: dict[str, str] = {}
     drawn = set(redrawn(graph, segment))
     for name in reversed(segment.nodes):  # backward's order: the last write per value wins

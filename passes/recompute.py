@@ -16,7 +16,7 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.graph_facts import draws_random, node_attribute
-from passes.hooked import keeps_by_hooks, redrawn, remake_groups, remake_runs, remake_units
+from passes.hooked import keeps_by_hooks, redrawn, remake_closures, remake_groups, remake_runs, remake_units
 from passes.kept_bytes import boundary_bytes
 from passes.remat import remat_nodes, runs_by_hooks
 from passes.segments import RecomputeFacts, Segment, Step
@@ -66,6 +66,14 @@ def rerun_nodes(graph: nx.DiGraph, segment: Segment, cached: bool = True) -> lis
     return _without_kept(step_nodes(recompute_steps(graph, segment)[0]), segment, cached)
 
 
+def _closures_by_remake(graph: nx.DiGraph, segment: Segment, units: Sequence[tuple[tuple[str, ...], tuple[str, ...]]],
+                        ) -> tuple[tuple[str, ...], ...]:
+    """:func:`passes.hooked.remake_closures` of each remake's value, in the remakes' order;
+    none when the segment holds nothing."""
+    closures = remake_closures(graph, segment)
+    return tuple(closures[marked[0]] for _, marked in units) if closures else ()
+
+
 def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment:
     """``segment`` (and its children) with the :class:`RecomputeFacts` of ``graph`` that
     codegen reads; a kept segment has none. Only a ``top``-level segment runs by hooks
@@ -87,6 +95,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
         redrawn=redrawn(graph, segment) if hooked else (),
         remake_each_use=hooked and segment.remake_each_use,
         remake_held=segment.remake_held if hooked else (),
+        remake_closures=_closures_by_remake(graph, segment, units) if hooked else (),
     )
     return replace(segment, children=tuple(with_facts(graph, c, top=False) for c in segment.children), facts=facts)
 

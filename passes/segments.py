@@ -52,7 +52,9 @@ class RecomputeFacts:
     ``redrawn`` the dropouts among them drawn again from forward's generator state
     (:func:`passes.hooked.redrawn`). With ``remake_each_use`` each marked value is a group
     of its own, made again at every unpack (:attr:`Segment.remake_each_use`), and so is
-    each value of ``remake_held``, held once made (:attr:`Segment.remake_held`).
+    each value of ``remake_held``, held once made (:attr:`Segment.remake_held`);
+    ``remake_closures`` then gives, remake by remake, its value and the held values making
+    it may make first (:func:`passes.hooked.remake_closures`).
     """
 
     kept_bytes: float
@@ -67,6 +69,7 @@ class RecomputeFacts:
     redrawn: tuple[str, ...] = ()
     remake_each_use: bool = False
     remake_held: tuple[str, ...] = ()
+    remake_closures: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from graphckpt.capture import find_blocks
-from graphckpt.tools.measure import training_step
+from graphckpt.tools.measure import infer_device, training_step
 from graphckpt.torch_compat import activation_memory_budget
 from passes.plan import Plan
 
@@ -223,11 +223,11 @@ def _gradients(model: nn.Module, forward: Callable[..., Any], inputs: tuple,
                loss_fn: Callable[[Any], torch.Tensor], seed: int) -> list[torch.Tensor | None]:
     """The gradients one step of ``forward`` leaves on ``model``'s parameters, from ``seed``
     (the global RNG restored after, the gradients cleared)."""
-    devices = [t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
-    with torch.random.fork_rng(devices=devices[:1]):
+    device = infer_device(model, inputs)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
-        loss_fn(forward(*inputs)).backward()
+        training_step(forward, inputs, loss_fn)()
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return grads
