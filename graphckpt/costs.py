@@ -17,8 +17,7 @@ from torch import fx
 
 from graphckpt.dropout import dropout_call
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
-from graphckpt.op_dedup import profile_runs
-from graphckpt.op_keys import training_matters
+from graphckpt.op_dedup import profile_costs
 from graphckpt.profile import NodeCost
 from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
@@ -71,18 +70,16 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     final graph; unit costs when there are no example inputs. With ``cost="time"`` the
     recompute cost of each node is its measured forward time instead of its FLOPs.
     ``dedup`` (default: on unless ``GRAPHCKPT_DEDUP=0``) profiles each distinct call once
-    (:mod:`graphckpt.op_dedup`); the figures are the same either way. The eval-mode
-    profile, which only tells views apart, is skipped when no node can behave differently
-    in eval (:func:`graphckpt.op_keys.training_matters`)."""
+    (:mod:`graphckpt.op_dedup`); the figures are the same either way. A value that is a
+    view only in eval mode (a Dropout's) is found by the training profile itself
+    (``NodeCost.eval_alias_of``)."""
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
-                       view_parents(graph_module, []), measured=False)
-    modes = (True, False) if training_matters(graph_module) else (True,)  # eval only for aliasing
-    runs = profile_runs(graph_module, args, kwargs, modes, dedup=dedup)
-    parents = view_parents(graph_module, runs)
+                       view_parents(graph_module, {}), measured=False)
+    costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
+    parents = view_parents(graph_module, costs)
     if isolate_inplace(graph_module, parents):
-        runs = profile_runs(graph_module, args, kwargs, (True,), dedup=dedup)
-    costs = runs[0]
+        costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     rng = rng_state_bytes(graph_module, args, kwargs)
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)

@@ -83,12 +83,11 @@ def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
     return first if name.endswith("_") and not name.startswith("_") else []
 
 
-def view_parents(graph_module: fx.GraphModule, runs: Sequence[Mapping[str, NodeCost]]) -> dict[fx.Node, fx.Node]:
+def view_parents(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost]) -> dict[fx.Node, fx.Node]:
     """For each node whose value shares storage with one of its inputs, that input.
 
-    ``runs`` are profiles of the same graph in different modes (training and eval): a
-    node is a view if it is one in any of them (``Dropout`` returns its input in eval).
-    In-place ops are views of what they write.
+    A node is a view if it is one in training or in eval mode (``Dropout`` returns its
+    input in eval: ``NodeCost.eval_alias_of``). In-place ops are views of what they write.
     """
     parents: dict[fx.Node, fx.Node] = {}
     for node in graph_module.graph.nodes:
@@ -96,8 +95,8 @@ def view_parents(graph_module: fx.GraphModule, runs: Sequence[Mapping[str, NodeC
         if len(written) == 1:
             parents[node] = written[0]
             continue
-        for costs in runs:
-            root = costs[node.name].alias_of if node.name in costs else None
+        cost = costs.get(node.name)
+        for root in (cost.alias_of, cost.eval_alias_of) if cost is not None else ():
             same = [u for u in node.all_input_nodes if root is not None and
                     (u.name == root or (u.name in costs and costs[u.name].alias_of == root))]
             if same:

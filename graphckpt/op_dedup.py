@@ -77,6 +77,7 @@ class _Template:
     outputs: tuple[tuple, ...]
     requires_grad: tuple[bool, ...]
     saved: tuple[int | None, ...]  # per saved name: the input slot whose owner it is; None: the node itself
+    eval_alias: int | None  # the input slot whose owner ``cost.eval_alias_of`` is
 
 
 @dataclass(frozen=True)
@@ -221,12 +222,14 @@ class _DedupInterpreter(_CostInterpreter):
             return None
         owners = [self.owner.get(storage_key(t)) for t in inputs]
         saved = tuple(None if name == node.name else owners.index(name) if name in owners else -1 for name in cost.saved)
-        if -1 in saved or (any(t.requires_grad for t in outputs) and not any(t.requires_grad for t in inputs)):
+        eval_alias = owners.index(cost.eval_alias_of) if cost.eval_alias_of in owners else None
+        if -1 in saved or (cost.eval_alias_of is not None and eval_alias is None) or (
+                any(t.requires_grad for t in outputs) and not any(t.requires_grad for t in inputs)):
             return None
         if self.backward and torch.is_grad_enabled():
             self._watch(node.name, outputs, inputs, representative=True)
         return _Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
-                         tuple(t.requires_grad for t in outputs), saved)
+                         tuple(t.requires_grad for t in outputs), saved, eval_alias)
 
     def _ghost(self, node: fx.Node, template: _Template, args: tuple, kwargs: dict) -> Any:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -242,7 +245,8 @@ class _DedupInterpreter(_CostInterpreter):
         for tensor in outputs:
             self.owner[storage_key(tensor)] = node.name
         saved = tuple(node.name if slot is None else self.owner[storage_key(inputs[slot])] for slot in template.saved)
-        self.costs[node.name] = replace(template.cost, saved=tuple(dict.fromkeys(saved)),
+        eval_alias = None if template.eval_alias is None else self.owner[storage_key(inputs[template.eval_alias])]
+        self.costs[node.name] = replace(template.cost, saved=tuple(dict.fromkeys(saved)), eval_alias_of=eval_alias,
                                         param_grad_bytes=self._param_grad_bytes(node),
                                         param_grads=self._param_grads(node))
         result = tree_unflatten(list(outputs), template.spec)
@@ -360,18 +364,14 @@ def _deduplicated_run(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping
     return interpreter.costs
 
 
-def profile_runs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
-                 modes: tuple[bool, ...], *, dedup: bool | None = None) -> list[dict[str, NodeCost]]:
-    """The node costs of ``graph_module`` in each training mode of ``modes``: deduplicated
+def profile_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
+                  *, dedup: bool | None = None) -> dict[str, NodeCost]:
+    """The node costs of ``graph_module`` in training mode: deduplicated
     (:func:`deduplicated_costs`) unless turned off, falling back to the full profile when
     dedup cannot vouch for its figures."""
     if dedup_enabled(dedup):
-        lazy = lazy_fake_copy(graph_module)
         try:
-            return [deduplicated_costs(graph_module, args, kwargs, training=mode, lazy=lazy) for mode in modes]
+            return deduplicated_costs(graph_module, args, kwargs, training=True, lazy=lazy_fake_copy(graph_module))
         except DedupMismatch:
             pass
-    from graphckpt.profile import fake_copy
-
-    fake = fake_copy(graph_module)
-    return [node_costs(graph_module, args, kwargs, training=mode, fake=fake) for mode in modes]
+    return node_costs(graph_module, args, kwargs, training=True)

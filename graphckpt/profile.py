@@ -22,6 +22,7 @@ from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
 from graphckpt.backward_record import Recorder
+from graphckpt.op_keys import eval_output_storage
 from graphckpt.scratch import KERNEL_EXTRA, call_key, measure_kernel_scratch
 from graphckpt.torch_compat import (
     FakeTensorMode,
@@ -62,6 +63,7 @@ class NodeCost:
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
     param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
     released_early: tuple[str, ...] = ()  # the cost graph's attribute: saved values let go before backward's peak
+    eval_alias_of: str | None = None  # owner of the input memory the node returns in eval mode (a Dropout's input)
 
 
 def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
@@ -201,11 +203,22 @@ class _CostInterpreter(fx.Interpreter):
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
-        self.costs[node.name] = replace(cost, saves_from=saves_from(made_here),
+        self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
                                         forward_extra_bytes=kinds.forward_extra_bytes())
         if self.backward and node.op.startswith("call_"):
             self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result
+
+    def _eval_alias(self, node: fx.Node) -> str | None:
+        """In a training-mode run, the owner of the input memory ``node``'s module returns in
+        eval mode (:func:`graphckpt.op_keys.eval_output_storage`), other than a parameter."""
+        if node.op != "call_module" or not self.module.training:
+            return None
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        with self.mode:
+            key = eval_output_storage(self.module.get_submodule(node.target), args, kwargs)
+        owner = self.owner.get(key) if key is not None else None
+        return owner if owner != PARAM else None
 
     def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
         """Hook the autograd functions this node made (those its outputs reach before the

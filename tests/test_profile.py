@@ -41,6 +41,7 @@ def test_eval_run_builds_no_autograd_graph_and_training_run_does() -> None:
     evaluated = node_costs(gm, (x,), training=False, fake=fake)
     assert GRAD_MODES == [True, False]
     assert train["drop"].alias_of is None and evaluated["drop"].alias_of == "linear"  # its storage root
+    assert train["drop"].eval_alias_of == "linear" and evaluated["drop"].eval_alias_of is None
 
 
 def test_prepare_sees_eval_mode_views_with_one_fake_copy() -> None:
