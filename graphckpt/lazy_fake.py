@@ -36,6 +36,24 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def strides_like(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` with the dimensions in ``stride``'s order in memory: what
+    a pointwise kernel gives its output for an input of that layout (a transposed input's
+    order is kept; an expanded dimension counts as outermost).
+
+    >>> strides_like((2, 3), (1, 2))
+    (1, 2)
+    >>> strides_like((2, 3), (0, 1))
+    (3, 1)
+    """
+    order = sorted(range(len(shape)), key=lambda d: (stride[d] == 0, stride[d], -d))  # innermost first
+    dense, step = [0] * len(shape), 1
+    for d in order:
+        dense[d] = step
+        step *= max(shape[d], 1)
+    return tuple(dense)
+
+
 @dataclass
 class LazyFake:
     """A structural copy of the graph module sharing the model's tensors; each is swapped

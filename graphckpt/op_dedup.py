@@ -4,13 +4,16 @@ A stack of identical blocks repeats the same call (same op or module configurati
 argument layouts, same aliasing) thousands of times; :mod:`graphckpt.profile` ran every one
 on fake tensors, forward and backward, at about 6 ms a node. Here the first node of each
 kind (its *representative*) is profiled as before, and a later node with the same
-:func:`call_key` becomes a *ghost*: a cheap autograd function that makes outputs of the
-representative's layouts and, in backward, gradients for its inputs, and takes the
-representative's figures (names of saved values remapped to its own inputs, its own
-parameters). Nothing is guessed silently: after the backward, each ghost's incoming gradient
+:func:`call_key` becomes a *ghost* (:mod:`graphckpt.ghosts`): a cheap autograd function
+that makes outputs of the representative's layouts and, in backward, gradients for its
+inputs, and takes the representative's figures (names of saved values remapped to its own
+inputs, its own parameters). A call that makes no memory (a view, a reshape that can view,
+a check) is run as it is by its copies instead, unmeasured: half the nodes of an exported
+model. Nothing is guessed silently: after the backward, each ghost's incoming gradient
 layouts and the gradient layouts it handed upstream are checked against what its
-representative got and gave; any difference (or a node that cannot be keyed) makes the whole
-profile run again without dedup, so figures are always those of the full run.
+representative got and gave; a difference makes the run start again with the keys that
+differed profiled node by node, and after :data:`RETRIES` runs (or at a node that cannot be
+keyed) the whole profile runs without dedup, so figures are always those of the full run.
 
 Keys are :mod:`graphckpt.op_keys`'s (how a value is used is part of one, so attention's
 key projection, read through a transpose, is not a ghost of its query projection). Off with
@@ -23,22 +26,22 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from graphckpt.ghosts import Ghost, GhostCall, Template, ViewTemplate, first_slots
 from graphckpt.inplace import mutated_arguments
-from graphckpt.lazy_fake import LazyFake, contiguous_strides, empty_like_layout, lazy_fake_copy, strided_bytes
+from graphckpt.lazy_fake import LazyFake, empty_like_layout, lazy_fake_copy, strided_bytes
 from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
 from graphckpt.torch_compat import (
     FakeTensor,
-    fake_empty,
     is_accumulate_grad,
     module_registries,
     storage_key,
@@ -67,59 +70,6 @@ class DedupMismatch(Exception):
         self.representatives = representatives
 
 
-@dataclass(frozen=True)
-class _Template:
-    """A representative's figures and output layouts, for the ghosts of its key."""
-
-    name: str
-    cost: NodeCost
-    spec: Any
-    outputs: tuple[tuple, ...]
-    requires_grad: tuple[bool, ...]
-    saved: tuple[int | None, ...]  # per saved name: the input slot whose owner it is; None: the node itself
-    eval_alias: int | None  # the input slot whose owner ``cost.eval_alias_of`` is
-
-
-@dataclass(frozen=True)
-class _GhostCall:
-    interpreter: _DedupInterpreter
-    name: str
-    template: _Template
-    slots: tuple[int | None, ...]  # per tensor input: its first slot when it has a grad_fn, else None
-
-
-class _Ghost(torch.autograd.Function):
-    """Outputs of the representative's layouts; in backward, contiguous gradients for the
-    inputs, whose layouts are checked afterwards against the representative's."""
-
-    @staticmethod
-    def forward(ctx: Any, call: _GhostCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.call = call
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in tensors]
-        outputs = tuple(empty_like_layout(call.interpreter.mode, layout) for layout in call.template.outputs)
-        ctx.mark_non_differentiable(*(o for o, rg in zip(outputs, call.template.requires_grad, strict=True) if not rg))
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        call, result = ctx.call, []
-        emitted = call.interpreter.emitted.setdefault(call.name, {})
-        for index, (shape, dtype, device) in enumerate(ctx.inputs):
-            if not ctx.needs_input_grad[index + 1]:
-                result.append(None)
-                continue
-            result.append(fake_empty(call.interpreter.mode, shape, contiguous_strides(shape), dtype, device))
-            if call.slots[index] is not None:
-                emitted.setdefault(call.slots[index], Counter())[tensor_layout(result[-1])] += 1
-        return None, *result
-
-
-def _first_slots(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """Per tensor input, the first position the same tensor object has among them."""
-    first: dict[int, int] = {}
-    return tuple(first.setdefault(id(t), index) for index, t in enumerate(tensors))
-
-
 class _DedupInterpreter(_CostInterpreter):
     """:class:`graphckpt.profile._CostInterpreter` that runs each distinct call once."""
 
@@ -145,13 +95,15 @@ class _DedupInterpreter(_CostInterpreter):
     # ------------------------------------------------------------ fake tensors, lazily
 
     def _fake_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The fake of a model tensor, made once; a parameter's until a ``get_attr`` node
+        owns it (a weight tied to another module's stays owned by the first node read)."""
         fake = self.lazy.fakes.get(id(tensor))
         if fake is None:
             fake = self.mode.from_tensor(tensor)
             if isinstance(tensor, nn.Parameter):
                 fake = nn.Parameter(fake, tensor.requires_grad)
             self.lazy.fakes[id(tensor)] = fake
-        self.owner[storage_key(fake)] = PARAM
+        self.owner.setdefault(storage_key(fake), PARAM)
         if id(tensor) in self.param_names:
             self.param_names[id(fake)] = self.param_names[id(tensor)]
         return fake
@@ -196,17 +148,21 @@ class _DedupInterpreter(_CostInterpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         key = self.call_key(node, args, kwargs)
         template = _MISSING if key is None else self.templates.get(key, _MISSING)
-        if template is not _MISSING and template is not None:
+        if isinstance(template, Template):
             return self._ghost(node, template, args, kwargs)
+        if isinstance(template, ViewTemplate):
+            result = self._view_ghost(node, template, args, kwargs)
+            if result is not _MISSING:
+                return result
         self.last_claimed = []
         self._make_fake(node)
         result = super().run_node(node)
         if key is not None and template is _MISSING:
-            self.templates[key] = self._template(node, args, kwargs, result)
+            self.templates[key] = self._view_template(node, args, kwargs) or self._template(node, args, kwargs, result)
             self.keys[node.name] = key
         return result
 
-    def _template(self, node: fx.Node, args: tuple, kwargs: dict, result: Any) -> _Template | None:
+    def _template(self, node: fx.Node, args: tuple, kwargs: dict, result: Any) -> Template | None:
         """The representative's template, or ``None`` when its later copies must run too:
         outputs that are views or not tensors, saved values it cannot name by input. A
         random op (dropout) has ghosts too: on fake tensors nothing is drawn, and the mask
@@ -214,7 +170,7 @@ class _DedupInterpreter(_CostInterpreter):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs, spec = tree_flatten(result)
         cost = self.costs[node.name]
-        if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs) or cost.alias_of:
+        if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs) or cost.alias_of or cost.grad_views:
             return None
         keys = [storage_key(t) for t in outputs]
         if len(set(keys)) != len(keys) or any(self.owner.get(k) != node.name for k in keys) or any(
@@ -228,16 +184,49 @@ class _DedupInterpreter(_CostInterpreter):
             return None
         if self.backward and torch.is_grad_enabled():
             self._watch(node.name, outputs, inputs, representative=True)
-        return _Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
-                         tuple(t.requires_grad for t in outputs), saved, eval_alias)
+        return Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
+                         tuple(t.requires_grad for t in outputs), saved, eval_alias,
+                         not cost.expensive)
 
-    def _ghost(self, node: fx.Node, template: _Template, args: tuple, kwargs: dict) -> Any:
+    def _view_template(self, node: fx.Node, args: tuple, kwargs: dict) -> ViewTemplate | None:
+        """A :class:`ViewTemplate` for a function call that made no memory, saved nothing
+        and drew nothing; ``None`` for any other call."""
+        cost = self.costs[node.name]
+        if node.op == "call_module" or cost.bytes or cost.saved or cost.saved_extra_bytes or cost.random \
+                or cost.forward_extra_bytes:
+            return None
+        owners = [self.owner.get(storage_key(t)) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if cost.alias_of is not None and cost.alias_of not in owners:
+            return None
+        return ViewTemplate(node.name, cost, None if cost.alias_of is None else owners.index(cost.alias_of))
+
+    def _view_ghost(self, node: fx.Node, template: ViewTemplate, args: tuple, kwargs: dict) -> Any:
+        """``node``'s op run as it is (it makes no memory), with its representative's
+        figures; ``_MISSING`` when its outputs do not lie where the representative's did
+        (then it is profiled like any other node)."""
+        with self.mode:
+            result = fx.Interpreter.run_node(self, node)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        alias = None if template.alias is None else self.owner.get(storage_key(inputs[template.alias]))
+        if any(storage_key(t) not in self.owner for t in outputs) or (
+                outputs and self.owner[storage_key(outputs[0])] != (alias or PARAM)):
+            return _MISSING
+        self.costs[node.name] = replace(template.cost, alias_of=alias, param_grad_bytes=self._param_grad_bytes(node),
+                                        param_grads=self._param_grads(node))
+        self.keep_alive.append((result, []))
+        if self.backward:
+            self._claim_grad_fns(result, None)
+        return result
+
+    def _ghost(self, node: fx.Node, template: Template, args: tuple, kwargs: dict) -> Any:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with self.mode:
             if self.backward and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-                first = _first_slots(inputs)
+                first = first_slots(inputs)
                 slots = tuple(first[i] if t.grad_fn is not None else None for i, t in enumerate(inputs))
-                outputs = _Ghost.apply(_GhostCall(self, node.name, template, slots), *inputs)
+                call = GhostCall(self.mode, self.emitted.setdefault(node.name, {}), template, slots)
+                outputs = Ghost.apply(call, *inputs)
             else:
                 outputs = tuple(empty_like_layout(self.mode, layout) for layout in template.outputs)
         if tuple(t.requires_grad for t in outputs) != template.requires_grad:
@@ -268,7 +257,7 @@ class _DedupInterpreter(_CostInterpreter):
                 tensor.register_hook(partial(self._arrived, name, index))
         if not representative:
             return
-        first = _first_slots(inputs)
+        first = first_slots(inputs)
         slot_of = {(id(t.grad_fn), t.output_nr): first[i] for i, t in enumerate(inputs) if t.grad_fn is not None}
         claimed = set(self.last_claimed)
         for function in self.last_claimed:

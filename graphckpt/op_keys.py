@@ -83,17 +83,36 @@ def arguments_key(args: tuple, kwargs: dict, owner: Mapping[int, str], param: st
     return describe(args), describe(kwargs)
 
 
-def users_key(node: fx.Node, module_of: Callable[[str], nn.Module]) -> Hashable:
+_VIEW_CALLS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",
+                         "expand", "flatten", "unflatten", "view_as", "reshape_as", "movedim", "swapaxes",
+                         "swapdims", "contiguous"})
+
+
+def _view_call(node: fx.Node) -> bool:
+    """Whether ``node`` re-lays out its first argument (a view, reshape or transpose), by the
+    name of the op, function or method it calls."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = getattr(node.target, "overloadpacket", node.target)
+    return getattr(target, "__name__", str(target)) in _VIEW_CALLS
+
+
+def users_key(node: fx.Node, module_of: Callable[[str], nn.Module], depth: int = 4) -> Hashable:
     """How ``node``'s value is used: per user, what it calls (a module by class) and where
-    the value sits among its arguments. The gradient a node gets back depends on it (the
-    key projection of attention is read through a transpose, the query's straight by a
-    matmul): keying on it keeps such nodes apart from the start, instead of a whole
-    profiling run spent finding out that their gradients differ."""
+    the value sits among its arguments, and through users that only re-lay it out (views,
+    transposes: up to ``depth`` of them, with their constants) how those are used. The
+    gradient a node gets back depends on it (the key projection of attention is read
+    through one more transpose than the query's): keying on it keeps such nodes apart from
+    the start, instead of a whole profiling run spent finding out that their gradients differ."""
     uses = []
     for user in node.users:
         target = type(module_of(user.target)) if user.op == "call_module" else user.target
         places = tuple(i for i, arg in enumerate(user.args) if arg is node)
-        uses.append((user.op, target if isinstance(target, Hashable) else str(target), places))
+        further: Hashable = ()
+        if depth and _view_call(user):
+            constants = repr(fx.node.map_arg((user.args, user.kwargs), lambda _: "node"))  # a size read at run time
+            further = (constants, users_key(user, module_of, depth - 1))
+        uses.append((user.op, target if isinstance(target, Hashable) else str(target), places, further))
     return tuple(sorted(uses, key=repr))
 
 

@@ -26,6 +26,13 @@ def test_rewrite_cost_script_writes_table_and_plot(tmp_path: Path, capsys) -> No
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_an_exported_hugging_face_llama_is_a_stack_too() -> None:
+    """``--stacks llama``: a model captured by torch.export, its rewrite checked against eager."""
+    pytest.importorskip("transformers")
+    row = load_script("rewrite_cost").measure(200, 20, "llama")
+    assert 150 <= row["nodes"] <= 300 and row["stack"] == "llama" and row["plan budget 0.25"] is not None
+
+
 def test_a_plan_that_runs_too_long_is_given_up_even_when_its_error_is_wrapped() -> None:
     script = load_script("rewrite_cost")
 
