@@ -83,8 +83,8 @@ class Ghost(torch.autograd.Function):
 
 def gradient_strides(shape: tuple[int, ...], incoming: tuple[Any, ...]) -> tuple[int, ...]:
     """The strides of the gradient a ghost hands an input of ``shape``, as its op's backward
-    would make it from the ``incoming`` gradients (those of a pointwise op or of attention;
-    none for others): laid out like the first of the input's shape, else like a view of
+    would make it from the ``incoming`` gradients (given for an op that is not a matmul or
+    a convolution; none for those): laid out like the first of the input's shape, else like a view of
     one with as many elements (a reshape's), else contiguous (a matmul's). A guess, which
     the check after the backward confirms; the ghosts along a transposed attention input
     (rotary embeddings) need more than contiguous ones, and a retry costs a whole run."""

@@ -85,11 +85,13 @@ class _DedupInterpreter(_CostInterpreter):
         self.emitted: dict[str, dict[int, Counter]] = {}  # ghost -> slot -> gradient layouts given
         self.unknown: set[str] = set()  # representatives that gave a gradient to no input slot
         self.last_claimed: list[Any] = []
+        self.last_recorded = False  # the node just profiled has backward calls of its own on record
         self.nodes = {node.name: node for node in lazy.module.graph.nodes}
         self.submodule = lazy.module.get_submodule
 
     def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
         self.last_claimed = super()._claim_grad_fns(result, name)
+        self.last_recorded = name is not None and bool(self.last_claimed)
         return self.last_claimed
 
     # ------------------------------------------------------------ fake tensors, lazily
@@ -154,7 +156,7 @@ class _DedupInterpreter(_CostInterpreter):
             result = self._view_ghost(node, template, args, kwargs)
             if result is not _MISSING:
                 return result
-        self.last_claimed = []
+        self.last_claimed, self.last_recorded = [], False
         self._make_fake(node)
         result = super().run_node(node)
         if key is not None and template is _MISSING:
