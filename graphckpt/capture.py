@@ -120,7 +120,8 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
                 "out of forward)."
             ) from fx_error
     try:
-        return Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
+        with paused_gc():  # an 80-layer HF LLaMA's export: 8.3-9.2 s -> 7.9-8.0 s
+            return Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
     except Exception as export_error:
         if traced is not None:  # fx's trace, with the Functions inlined, is still a capture
             return Captured(traced, "fx", model)

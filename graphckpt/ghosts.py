@@ -87,7 +87,15 @@ def gradient_strides(shape: tuple[int, ...], incoming: tuple[Any, ...]) -> tuple
     a convolution; none for those): laid out like the first of the input's shape, else like a view of
     one with as many elements (a reshape's), else contiguous (a matmul's). A guess, which
     the check after the backward confirms; the ghosts along a transposed attention input
-    (rotary embeddings) need more than contiguous ones, and a retry costs a whole run."""
+    (rotary embeddings) need more than contiguous ones, and a retry costs a whole run.
+
+    >>> gradient_strides((2, 3), (torch.empty(3, 2).t(),))  # a transposed gradient: transposed
+    (1, 2)
+    >>> gradient_strides((3, 2), (torch.empty(2, 3),))  # a reshape's: a view of it
+    (2, 1)
+    >>> gradient_strides((2, 3), ())  # a matmul's
+    (3, 1)
+    """
     grads = [g for g in incoming if isinstance(g, torch.Tensor)]
     for grad in grads:
         if tuple(grad.shape) == shape:

@@ -213,3 +213,26 @@ def test_exported_hugging_face_models_cost_the_same_with_dedup_mostly_in_one_run
                         lambda self, node, *a: views.append(node.name) or view_ghost(self, node, *a))
     assert op_dedup.profile_costs(gm, (), inputs) == node_costs(gm, (), inputs)
     assert views and runs == ([True, True] if family == "t5" else [True])
+
+
+def test_the_call_key_looks_through_views_to_how_a_value_is_used() -> None:
+    """Query and key projections both go through a view and a transpose; the key's goes
+    through one more before the matmul, so its gradient comes back transposed: their
+    ``users_key`` differ (BERT's exported attention took a second dedup run before)."""
+    from graphckpt.op_keys import users_key
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x).view(2, 3, 2, 4).transpose(1, 2)
+            k = self.k(x).view(2, 3, 2, 4).transpose(1, 2)
+            return q @ k.transpose(-1, -2)
+
+    gm = fx.symbolic_trace(Attention())
+    nodes = {node.name: node for node in gm.graph.nodes}
+    keys = {name: users_key(nodes[name], gm.get_submodule) for name in ("q", "k")}
+    assert keys["q"] != keys["k"]
+    assert users_key(nodes["q"], gm.get_submodule, depth=0) == users_key(nodes["k"], gm.get_submodule, depth=0)
