@@ -187,15 +187,15 @@ class _DedupInterpreter(_CostInterpreter):
         if self.backward and torch.is_grad_enabled():
             self._watch(node.name, outputs, inputs, representative=True)
         return Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
-                         tuple(t.requires_grad for t in outputs), saved, eval_alias,
-                         not cost.expensive)
+                        tuple(t.requires_grad for t in outputs), saved, eval_alias, not cost.expensive)
 
     def _view_template(self, node: fx.Node, args: tuple, kwargs: dict) -> ViewTemplate | None:
-        """A :class:`ViewTemplate` for a function call that made no memory, saved nothing
-        and drew nothing; ``None`` for any other call."""
+        """A :class:`ViewTemplate` for a function call that made no memory, saved nothing,
+        drew nothing and has no backward calls on record (its copies are never recorded);
+        ``None`` for any other call."""
         cost = self.costs[node.name]
         if node.op == "call_module" or cost.bytes or cost.saved or cost.saved_extra_bytes or cost.random \
-                or cost.forward_extra_bytes:
+                or cost.forward_extra_bytes or self.last_recorded:
             return None
         owners = [self.owner.get(storage_key(t)) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if cost.alias_of is not None and cost.alias_of not in owners:
