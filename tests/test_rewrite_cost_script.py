@@ -26,8 +26,10 @@ def test_rewrite_cost_script_writes_table_and_plot(tmp_path: Path, capsys) -> No
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+@pytest.mark.slow
 def test_an_exported_hugging_face_llama_is_a_stack_too() -> None:
-    """``--stacks llama``: a model captured by torch.export, its rewrite checked against eager."""
+    """``--stacks llama``: a model captured by torch.export, its rewrite checked against eager
+    (15 s: with ``-m slow``; the default run's export dedup tests capture the same model)."""
     pytest.importorskip("transformers")
     row = load_script("rewrite_cost").measure(200, 20, "llama")
     assert 150 <= row["nodes"] <= 300 and row["stack"] == "llama" and row["plan budget 0.25"] is not None
