@@ -30,7 +30,12 @@ class Template:
     requires_grad: tuple[bool, ...]
     saved: tuple[int | None, ...]  # per saved name: the input slot whose owner it is; None: the node itself
     eval_alias: int | None  # the input slot whose owner ``cost.eval_alias_of`` is
-    grads_like_incoming: bool  # its backward lays input gradients out like the incoming one: not a matmul
+
+    @property
+    def grads_like_incoming(self) -> bool:
+        """Whether its backward lays input gradients out like the incoming one (not a matmul
+        or convolution: :func:`gradient_strides`)."""
+        return not self.cost.expensive
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,9 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 def strides_like(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
     """Dense strides for ``shape`` with the dimensions in ``stride``'s order in memory: what
     a pointwise kernel gives its output for an input of that layout (a transposed input's
-    order is kept; an expanded dimension counts as outermost).
+    order is kept; an expanded dimension counts as outermost). Not
+    ``torch._prims_common.compute_elementwise_output_strides``: it strides a size-1
+    dimension otherwise than the CPU kernels do, and ghosts' layouts are compared exactly.
 
     >>> strides_like((2, 3), (1, 2))
     (1, 2)

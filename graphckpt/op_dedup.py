@@ -178,7 +178,7 @@ class _DedupInterpreter(_CostInterpreter):
         if len(set(keys)) != len(keys) or any(self.owner.get(k) != node.name for k in keys) or any(
                 t.storage_offset() or t.untyped_storage().nbytes() != strided_bytes(t) for t in outputs):
             return None
-        owners = [self.owner.get(storage_key(t)) for t in inputs]
+        owners = self._owners(inputs)
         saved = tuple(None if name == node.name else owners.index(name) if name in owners else -1 for name in cost.saved)
         eval_alias = owners.index(cost.eval_alias_of) if cost.eval_alias_of in owners else None
         if -1 in saved or (cost.eval_alias_of is not None and eval_alias is None) or (
@@ -187,7 +187,11 @@ class _DedupInterpreter(_CostInterpreter):
         if self.backward and torch.is_grad_enabled():
             self._watch(node.name, outputs, inputs, representative=True)
         return Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
-                        tuple(t.requires_grad for t in outputs), saved, eval_alias, not cost.expensive)
+                        tuple(t.requires_grad for t in outputs), saved, eval_alias)
+
+    def _owners(self, inputs: list[torch.Tensor]) -> list[str | None]:
+        """The node owning each input's storage: what a template names its inputs by."""
+        return [self.owner.get(storage_key(t)) for t in inputs]
 
     def _view_template(self, node: fx.Node, args: tuple, kwargs: dict) -> ViewTemplate | None:
         """A :class:`ViewTemplate` for a function call that made no memory, saved nothing,
@@ -197,7 +201,7 @@ class _DedupInterpreter(_CostInterpreter):
         if node.op == "call_module" or cost.bytes or cost.saved or cost.saved_extra_bytes or cost.random \
                 or cost.forward_extra_bytes or self.last_recorded:
             return None
-        owners = [self.owner.get(storage_key(t)) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        owners = self._owners([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         if cost.alias_of is not None and cost.alias_of not in owners:
             return None
         return ViewTemplate(node.name, cost, None if cost.alias_of is None else owners.index(cost.alias_of))

@@ -12,7 +12,6 @@ Memory a kernel allocates *inside* itself, which fake tensors cannot show, comes
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,13 +22,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from graphckpt.backward_record import Recorder
 from graphckpt.op_keys import eval_output_storage
+from graphckpt.op_kinds import GRADIENT_VIEW_OPS, OpKinds
 from graphckpt.scratch import KERNEL_EXTRA, call_key, measure_kernel_scratch
 from graphckpt.torch_compat import (
     FakeTensorMode,
-    TorchDispatchMode,
     allocated_bytes,
     allocation_size,
-    draws_random_numbers,
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
@@ -74,106 +72,6 @@ def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
     return shapes, dtypes
 
 
-EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
-                           "mkldnn_convolution", "convolution_overrideable", "cudnn_convolution",
-                           "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                           "_scaled_dot_product_cudnn_attention"})
-# CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu``) is left out on purpose:
-# a selective segment keeps every expensive output it holds, with no choice per segment, and
-# keeping attention's made HF GPT-2's plans at torch.compile 0.5's peak slower, predicted and
-# measured (commit 703200b).
-
-
-def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a selective segment keeps this call's outputs from forward: matmuls,
-    convolutions and fused attention (:data:`EXPENSIVE_OPS`), except a call that draws random
-    numbers (fused attention with dropout). That one must run again in the recompute: a
-    cached result draws nothing, so every later random op of the segment would draw from
-    another place in the stream (T5 on CUDA got other dropout masks in backward, and
-    gradients 60% off). The profile and the runtime's policy both ask this one function.
-    """
-    return func.overloadpacket.__name__ in EXPENSIVE_OPS and not draws_random_numbers(func, args, kwargs)
-
-
-GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
-
-
-class _OpKinds(TorchDispatchMode):
-    """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
-    ops that are neither views nor pointwise (``opaque``).
-
-    It follows the storages those calls make (:meth:`forward_extra_bytes`). Only an opaque
-    op can need scratch memory in its backward: views allocate nothing, and
-    the derivatives of pointwise ops are pointwise ops (and sums for broadcasting), kernels
-    that write straight into their outputs (every one replayed on the zoo measured 0 bytes).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.random = False
-        self.expensive = False
-        self.opaque = False
-        self.last = ""  # the last op: ``cat`` or ``stack`` hands its inputs views of its gradient
-        self.expensive_outputs: list[torch.Tensor] = []  # what a selective checkpoint policy keeps
-        self.made: list[int] = []  # bytes of each storage a call made, in order
-        self.events: list[int] = []  # indices into ``made``: ``i`` made, ``-i - 1`` freed, in time order
-        self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
-        self.running = True
-
-    def __exit__(self, *exc: Any) -> Any:
-        self.running = False  # what is freed after the node ran is no scratch of it
-        return super().__exit__(*exc)
-
-    def _follow(self, tensor: torch.Tensor, new: bool) -> None:
-        """Count ``tensor`` among those keeping its storage alive (one ``new`` to it makes
-        the storage an allocation of the node); the storage is freed with the last of them."""
-        key = storage_key(tensor)
-        if new:
-            self.tensors[key] = [len(self.made), 0]
-            self.events.append(len(self.made))
-            self.made.append(allocated_bytes(tensor))
-        elif key not in self.tensors:
-            return
-        self.tensors[key][1] += 1
-        weakref.finalize(tensor, self._dropped, key)
-
-    def _dropped(self, key: int) -> None:
-        entry = self.tensors[key]
-        entry[1] -= 1
-        if entry[1] == 0 and self.running:
-            self.events.append(-entry[0] - 1)
-            del self.tensors[key]
-
-    def forward_extra_bytes(self) -> int:
-        """Peak bytes of the storages the node's calls made, above those still alive when it
-        ended (what it returns and saves): the temporaries of an op run as a chain of ATen
-        calls (attention by the math kernel scales the query, builds a mask). 0 for a node of
-        only views and pointwise ops, whose steps eager runs one by one as well."""
-        if not self.opaque:
-            return 0
-        current = peak = 0
-        for event in self.events:
-            current += self.made[event] if event >= 0 else -self.made[-event - 1]
-            peak = max(peak, current)
-        return peak - current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten":  # not prim::device and other metadata queries
-            self.last = func.overloadpacket.__name__
-        self.random = self.random or draws_random_numbers(func, args, kwargs)
-        is_expensive = kept_by_selective(func, args, kwargs or {})
-        self.expensive = self.expensive or is_expensive
-        self.opaque = self.opaque or not (func.is_view or torch.Tag.pointwise in func.tags)
-        result = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for tensor in tree_leaves(result):
-            if isinstance(tensor, torch.Tensor):
-                self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
-        if is_expensive:
-            self.expensive_outputs.extend(t for t in tree_leaves(result) if isinstance(t, torch.Tensor))
-        return result
-
-
 class _CostInterpreter(fx.Interpreter):
     """Runs nodes on fake tensors and records a :class:`NodeCost` for each."""
 
@@ -199,7 +97,7 @@ class _CostInterpreter(fx.Interpreter):
             made_here.append(storage_key(tensor) not in self.owner)
             return tensor
 
-        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), flop_counter() as flops, _OpKinds() as kinds:
+        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), flop_counter() as flops, OpKinds() as kinds:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
@@ -315,7 +213,7 @@ class _CostInterpreter(fx.Interpreter):
         return tuple((self.param_names[id(p)], _trainable_bytes([p])) for p in params
                      if id(p) in self.param_names and _trainable_bytes([p]))
 
-    def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: _OpKinds) -> NodeCost:
+    def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: OpKinds) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         fresh, aliased = 0, []
         for tensor in tensors:

@@ -14,7 +14,7 @@ of recomputing them (torch's selective checkpointing contexts): the body marks e
 (:func:`keep_begin` / :func:`keep_end` around it, emitted by codegen) and the segment's
 policy saves the ops run inside a mark: every op of a node kept whole, only the
 matmul/convolution kernels of a matmul or convolution node
-(:func:`graphckpt.profile.kept_by_selective`, what the cost graph's ``selective_extra_bytes``
+(:func:`graphckpt.op_kinds.kept_by_selective`, what the cost graph's ``selective_extra_bytes``
 counts). A nested one keeps them from its enclosing segment's recompute, not from the first
 forward: each call records the nested calls it makes, and when backward recomputes
 it, the nested calls made again, in the same order, fill the storage of the ones they
@@ -43,7 +43,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from graphckpt.profile import kept_by_selective
+from graphckpt.op_kinds import kept_by_selective
 from graphckpt.state import StateInput, frozen_running_stats, scratch_state, unwrap_state
 from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema
 

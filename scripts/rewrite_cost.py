@@ -25,6 +25,7 @@ from graphckpt.codegen import generate
 from graphckpt.costs import build_cost_graph, prepare
 from graphckpt.tools.bench_report import machine_line
 from graphckpt.tools.plots import _pyplot
+from graphckpt.tools.zoo import scalar_loss
 from passes.budget import BudgetError
 
 WIDTH, BATCH, SEQ, CHECK_MAX_NODES = 16, 4, 8, 1000
@@ -131,12 +132,6 @@ def plan_budget(cost_graph: Any) -> None:
         plan_cost_graph(cost_graph, budget=0.25)
 
 
-def _loss(output: Any) -> torch.Tensor:
-    """A model's own loss where it returns one (a Hugging Face model given labels), else the sum."""
-    loss = getattr(output, "loss", None)
-    return loss if loss is not None else output.sum()
-
-
 def check_gradients(model: nn.Module, rewritten: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """One forward+backward of ``rewritten`` gives eager's loss and parameter gradients
     (the same dropout masks: each run from one seed)."""
@@ -144,7 +139,7 @@ def check_gradients(model: nn.Module, rewritten: nn.Module, args: tuple, kwargs:
     for module in (model, rewritten):
         model.zero_grad()
         torch.manual_seed(0)
-        loss = _loss(module(*args, **kwargs))
+        loss = scalar_loss(module(*args, **kwargs))
         loss.backward()
         results.append([loss, *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
     torch.testing.assert_close(results[1], results[0])

@@ -87,7 +87,7 @@ def test_fused_attention_rng_state_is_replayed_on_the_host() -> None:
 def test_selective_segments_recompute_calls_that_draw_random_numbers() -> None:
     """A fused attention with dropout is recomputed, not kept: a kept result draws nothing
     in the recompute, and every later random op of the segment then drew other numbers."""
-    from graphckpt.profile import kept_by_selective
+    from graphckpt.op_kinds import kept_by_selective
     from graphckpt.torch_compat import draws_random_numbers
 
     attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
