@@ -41,11 +41,15 @@ class Template:
 @dataclass(frozen=True)
 class ViewTemplate:
     """A representative that makes no memory (a view, a reshape that can view, a check):
-    its copies run their op as it is, cheaply and unmeasured, and take its figures."""
+    its copies run their op as it is, cheaply and unmeasured, and take its forward figures.
+    Where the representative's backward calls are on record (a slice's backward makes a
+    gradient of its input's size), each copy's are recorded under its own name, and its
+    backward figures come from them as any profiled node's do."""
 
     name: str
     cost: NodeCost
     alias: int | None  # the input slot whose memory the outputs lie in (``cost.alias_of``'s)
+    recorded: bool  # the representative's backward calls are recorded
 
 
 @dataclass(frozen=True)

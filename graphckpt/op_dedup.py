@@ -194,17 +194,17 @@ class _DedupInterpreter(_CostInterpreter):
         return [self.owner.get(storage_key(t)) for t in inputs]
 
     def _view_template(self, node: fx.Node, args: tuple, kwargs: dict) -> ViewTemplate | None:
-        """A :class:`ViewTemplate` for a function call that made no memory, saved nothing,
-        drew nothing and has no backward calls on record (its copies are never recorded);
-        ``None`` for any other call."""
+        """A :class:`ViewTemplate` for a function call that made no memory, saved nothing
+        and drew nothing; ``None`` for any other call."""
         cost = self.costs[node.name]
         if node.op == "call_module" or cost.bytes or cost.saved or cost.saved_extra_bytes or cost.random \
-                or cost.forward_extra_bytes or self.last_recorded:
+                or cost.forward_extra_bytes:
             return None
         owners = self._owners([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         if cost.alias_of is not None and cost.alias_of not in owners:
             return None
-        return ViewTemplate(node.name, cost, None if cost.alias_of is None else owners.index(cost.alias_of))
+        return ViewTemplate(node.name, cost, None if cost.alias_of is None else owners.index(cost.alias_of),
+                            self.last_recorded)
 
     def _view_ghost(self, node: fx.Node, template: ViewTemplate, args: tuple, kwargs: dict) -> Any:
         """``node``'s op run as it is (it makes no memory), with its representative's
@@ -222,7 +222,7 @@ class _DedupInterpreter(_CostInterpreter):
                                         param_grads=self._param_grads(node))
         self.keep_alive.append((result, []))
         if self.backward:
-            self._claim_grad_fns(result, None)
+            self._claim_grad_fns(result, node.name if template.recorded else None)
         return result
 
     def _ghost(self, node: fx.Node, template: Template, args: tuple, kwargs: dict) -> Any:
