@@ -12,15 +12,17 @@ import inspect
 import operator
 import os
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import fx, nn
 
+from graphckpt.blocks import find_blocks, join_path
 from graphckpt.functions import functions_kept_whole
 from graphckpt.progress import paused_gc
+from graphckpt.stamping import export_stamped
 from graphckpt.torch_compat import export_training_graph
 
 CaptureMethod = Literal["fx", "export"]
@@ -85,12 +87,19 @@ def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx
     """``torch.export`` (non-strict) at the example inputs, unlifted back to a module, with
     the model's own autograd Functions kept one node each (:mod:`graphckpt.functions`;
     traced through when one of them draws random numbers) and the attention masks that
-    tracing materialised taken back out (:func:`fold_constant_masks`)."""
-    with functions_kept_whole() as seen:
-        graph_module = export_training_graph(model, tuple(args), dict(kwargs))
-    if seen.random:
-        graph_module = export_training_graph(model, tuple(args), dict(kwargs))
+    tracing materialised taken back out (:func:`fold_constant_masks`). A long run of like
+    layers is traced three deep and stamped for the rest (:mod:`graphckpt.stamping`)."""
+    args, kwargs = tuple(args), dict(kwargs)
+    graph_module = export_stamped(model, args, kwargs, _export_whole) or _export_whole(model, args, kwargs)
     return fold_constant_masks(graph_module)
+
+
+def _export_whole(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    with functions_kept_whole() as seen:
+        graph_module = export_training_graph(model, args, kwargs)
+    if seen.random:
+        graph_module = export_training_graph(model, args, kwargs)
+    return graph_module
 
 
 def capture(model: nn.Module, example_inputs: tuple | None = None,
@@ -134,28 +143,6 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
         ) from export_error
 
 
-def _has_own_forward(module: nn.Module) -> bool:
-    return type(module).forward is not nn.Module.forward and not isinstance(module, nn.ModuleList)
-
-
-def _is_block(child: nn.Module) -> bool:
-    """A callable, parametrised module with insides of its own: a layer a user checkpoints."""
-    return (_has_own_forward(child) and any(True for _ in child.children())
-            and any(True for _ in child.parameters()))
-
-
-def find_blocks(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
-    """``(container, name)`` of each block a user would checkpoint: the :func:`_is_block`
-    children of ``nn.Sequential``/``nn.ModuleList`` containers, outermost first (a block's
-    own insides are not searched)."""
-    container = isinstance(module, (nn.Sequential, nn.ModuleList))
-    for name, child in module.named_children():
-        if container and _is_block(child):
-            yield module, name
-        else:
-            yield from find_blocks(child)
-
-
 def block_paths(model: nn.Module, names: Sequence[str] | None = None) -> tuple[str, ...]:
     """Qualified names (as ``model.named_modules()`` gives them) of the blocks per-block
     checkpointing wraps: the repeated layers :func:`find_blocks` finds, or the modules
@@ -167,7 +154,7 @@ def block_paths(model: nn.Module, names: Sequence[str] | None = None) -> tuple[s
     modules = dict(model.named_modules())
     if names is None:
         path_of = {id(module): name for name, module in modules.items()}
-        return tuple(_join(path_of[id(container)], child) for container, child in find_blocks(model))
+        return tuple(join_path(path_of[id(container)], child) for container, child in find_blocks(model))
     unknown = [name for name in names if name not in modules]
     if unknown:
         raise CaptureError(f"blocks {unknown} are not modules of {type(model).__name__}; "
@@ -176,14 +163,10 @@ def block_paths(model: nn.Module, names: Sequence[str] | None = None) -> tuple[s
     for name in names:
         module = modules[name]
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            found += [_join(name, child) for child, _ in module.named_children()]
+            found += [join_path(name, child) for child, _ in module.named_children()]
         else:
             found.append(name)
     return tuple(found)
-
-
-def _join(parent: str, child: str) -> str:
-    return f"{parent}.{child}" if parent else child
 
 
 def node_blocks(graph_module: fx.GraphModule, paths: Sequence[str]) -> dict[str, str]:

@@ -29,33 +29,33 @@ def _gpt2(layers: int = 2, d: int = 32, positions: int = 64, dropout: float = 0.
     return transformers.GPT2LMHeadModel(config)
 
 
-def _bert() -> nn.Module:
+def _bert(layers: int = 2) -> nn.Module:
     """BERT masked LM (encoder only, token types, tied decoder)."""
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                                      vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0)
     return transformers.BertForMaskedLM(config)
 
 
-def _llama() -> nn.Module:
+def _llama(layers: int = 2) -> nn.Module:
     """LLaMA causal LM (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)."""
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
                                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return transformers.LlamaForCausalLM(config)
 
 
-def _t5() -> nn.Module:
+def _t5(layers: int = 2) -> nn.Module:
     """T5 (encoder-decoder, relative position buckets, tied embeddings)."""
-    config = transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64,
+    config = transformers.T5Config(num_layers=layers, num_decoder_layers=layers, d_model=32, d_kv=8, num_heads=4, d_ff=64,
                                    vocab_size=VOCAB, dropout_rate=0.0, use_cache=False,
                                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     return transformers.T5ForConditionalGeneration(config)
 
 
-def _bart() -> nn.Module:
+def _bart(layers: int = 2) -> nn.Module:
     """BART (encoder-decoder, learned positions, shared embeddings)."""
-    config = transformers.BartConfig(encoder_layers=2, decoder_layers=2, d_model=32, encoder_attention_heads=4,
+    config = transformers.BartConfig(encoder_layers=layers, decoder_layers=layers, d_model=32, encoder_attention_heads=4,
                                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                                      vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
                                      activation_dropout=0.0, use_cache=False, pad_token_id=1, bos_token_id=0,
@@ -73,11 +73,12 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], str]] = {
 }
 
 
-def build(family: str) -> nn.Module:
-    """A tiny random model of ``family`` in training mode, seeded."""
+def build(family: str, layers: int = 2) -> nn.Module:
+    """A tiny random model of ``family`` with ``layers`` layers (per stack), in training
+    mode, seeded."""
     builder, attention = FAMILIES[family]
     torch.manual_seed(0)
-    model = builder()
+    model = builder(layers)
     model.config._attn_implementation = attention
     return model.train()
 

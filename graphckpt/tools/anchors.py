@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from graphckpt.capture import find_blocks
+from graphckpt.blocks import find_blocks
 from graphckpt.tools.measure import infer_device, training_step
 from graphckpt.torch_compat import activation_memory_budget
 from passes.plan import Plan
