@@ -180,7 +180,9 @@ def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progr
             progress(done, len(makers))
         candidate = make(graph, segments)
         if candidate.segments not in simulated_by_segments:
-            if plans and _beaten(graph, candidate, min(p.peak_bytes for p in plans)):
+            # Dropped early when it peaks above the best so far, unless that best is at eager's
+            # peak: then the candidate would become eager execution, which ties it with no recompute.
+            if plans and _beaten_below_eager(graph, candidate, plans):
                 continue
             simulated_by_segments[candidate.segments] = simulated(graph, candidate)
         plan = replace(simulated_by_segments[candidate.segments], strategy=candidate.strategy, notes=candidate.notes)
@@ -191,7 +193,12 @@ def auto_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progr
     return replace(best, notes=(f"auto: chose {best.strategy}", *best.notes))
 
 
-def _beaten(graph: nx.DiGraph, candidate: Candidate, best_peak: int) -> bool:
-    """Whether a valid ``candidate`` peaks above ``best_peak``, so it cannot win."""
+def _beaten_below_eager(graph: nx.DiGraph, candidate: Candidate, plans: list[Plan]) -> bool:
+    """Whether a valid ``candidate`` peaks above the best of ``plans`` while that best is
+    below eager's peak, so that neither it nor the eager execution it would fall back to
+    (:func:`no_worse_than_eager`) can win."""
+    best_peak = min(p.peak_bytes for p in plans)
+    if best_peak >= plans[0].eager_peak_bytes:
+        return False
     validate_plan(graph, candidate.segments)
     return peak_exceeds(graph, candidate.segments, best_peak)
