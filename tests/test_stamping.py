@@ -114,12 +114,45 @@ def test_a_model_that_is_a_sequential_of_blocks_is_stamped() -> None:
     assert described(stamped) == described(whole)
 
 
-def test_blocks_that_differ_are_not_stamped() -> None:
-    """Every other block doubles its output (an attribute, like a sliding window on every
-    other layer): no run. Blocks that differ only in their layer index: a run."""
-    assert stamping.stampable_runs(Stack(depth=8, odd_every=2)) == []
+@pytest.mark.parametrize("odd_every", [2, 3])
+def test_blocks_that_alternate_are_stamped_per_phase(odd_every: int) -> None:
+    """Every second (third) block doubles its output, as layers alternating sliding-window and
+    global attention differ: a run with that period, one template per phase, the whole
+    export's graph node for node."""
+    torch.manual_seed(0)
+    model, x = Stack(depth=14, odd_every=odd_every), torch.randn(16, 8)
+    (run,) = stamping.stampable_runs(model)
+    assert run.period == odd_every
+    stamped, whole = stamped_and_whole(model, (x,), {})
+    assert stamped is not None and described(stamped) == described(whole)
+
+
+def test_blocks_that_differ_without_a_period_are_not_stamped() -> None:
+    """One block unlike the others: no run. Blocks that differ only in their layer index: a
+    run. Too few blocks to stamp three: none."""
+    odd_one = Stack(depth=8)
+    odd_one.body[5].odd = True
+    assert stamping.stampable_runs(odd_one) == []
     assert [run.container for run in stamping.stampable_runs(Stack(depth=8))] == ["body"]
-    assert stamping.stampable_runs(Stack(depth=stamping.MIN_BLOCKS - 1)) == []
+    assert stamping.stampable_runs(Stack(depth=5)) == []
+
+
+def test_gemma2_alternating_attention_is_stamped_per_phase() -> None:
+    """Gemma 2 alternates sliding-window and global attention layer by layer (attributes
+    ``sliding_window`` and ``layer_type`` differ): period 2, the whole export's graph."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(num_hidden_layers=9, hidden_size=32, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=100,
+                                       sliding_window=8, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).train()
+    from tests.test_ecosystem_hf import batch
+
+    inputs = batch()
+    (run,) = stamping.stampable_runs(model)
+    assert run.period == 2
+    stamped, whole = stamped_and_whole(model, (), inputs)
+    assert stamped is not None and described(stamped) == described(whole)
 
 
 class CountingBlock(Block):
