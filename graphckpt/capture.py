@@ -87,14 +87,20 @@ def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx
     """``torch.export`` (non-strict) at the example inputs, unlifted back to a module, with
     the model's own autograd Functions kept one node each (:mod:`graphckpt.functions`;
     traced through when one of them draws random numbers) and the attention masks that
-    tracing materialised taken back out (:func:`fold_constant_masks`). A long run of like
-    layers is traced three deep and stamped for the rest (:mod:`graphckpt.stamping`)."""
+    tracing materialised taken back out (:func:`fold_constant_masks`). A run of like layers
+    is traced a few layers deep and stamped for the rest (:mod:`graphckpt.stamping`)."""
     args, kwargs = tuple(args), dict(kwargs)
-    graph_module = export_stamped(model, args, kwargs, _export_whole) or _export_whole(model, args, kwargs)
-    return fold_constant_masks(graph_module)
+    return export_stamped(model, args, kwargs, _export_folded) or _export_folded(model, args, kwargs)
+
+
+def _export_folded(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """:func:`_export_whole` with constant masks folded: before stamping, so that the copies
+    inherit the folded calls and the stamped graph is generated once."""
+    return fold_constant_masks(_export_whole(model, args, kwargs))
 
 
 def _export_whole(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """Every op of ``model`` exported, its own autograd Functions kept whole unless random."""
     with functions_kept_whole() as seen:
         graph_module = export_training_graph(model, args, kwargs)
     if seen.random:

@@ -231,3 +231,18 @@ def test_deepened_corpus_models_stamp_to_the_whole_export(name: str) -> None:
         assert name in {"mobilenet_v2", "albert", "convnext"}, "stamping refused"
     else:
         assert described(stamped) == described(whole)
+
+
+def test_a_stamped_capture_has_its_constant_masks_folded_in_every_layer() -> None:
+    """Masks are folded before stamping (the copies inherit it): without padding, every
+    attention call of a 7-layer LLaMA is causal with no mask tensor, stamped layers too."""
+    pytest.importorskip("transformers")
+    from graphckpt.capture import SDPA
+    from tests.test_ecosystem_hf import batch, build
+
+    inputs = {key: value for key, value in batch().items() if key != "attention_mask"}
+    graph_module = trace_export(build("llama", layers=7), (), inputs)
+    assert graph_module.meta["graphckpt_stamped"] == {"model.layers": 4}
+    attention = [n for n in graph_module.graph.nodes if n.target is SDPA]
+    assert len(attention) == 7
+    assert all(len(n.args) <= 3 or n.args[3] is None for n in attention)
