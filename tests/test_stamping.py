@@ -5,13 +5,15 @@ neighbours must be exported whole."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import fx, nn
 
 import graphckpt
 from graphckpt import stamping
-from graphckpt.capture import _export_whole, capture, trace_export
+from graphckpt.capture import _export_whole, block_paths, capture, node_blocks, trace_export
 from tests.equivalence import assert_trains_like, fresh_pair
 
 
@@ -186,6 +188,9 @@ def test_capture_of_an_exported_hugging_face_model_stamps_unless_switched_off(mo
     model = build("gpt2", layers=7)
     captured = capture(model, (), batch())
     assert captured.method == "export" and captured.graph_module.meta["graphckpt_stamped"] == {"transformer.h": 4}
+    # stamped nodes carry their own layer's module stack: the blocks strategy sees seven like layers
+    per_block = Counter(node_blocks(captured.graph_module, block_paths(model)).values())
+    assert len({per_block[f"transformer.h.{i}"] for i in range(7)}) == 1 and per_block["transformer.h.6"] > 0
     monkeypatch.setenv(stamping.STAMP_ENV, "0")
     assert "graphckpt_stamped" not in capture(model, (), batch()).graph_module.meta
 
