@@ -24,16 +24,15 @@ pooled op timing of ``cost="time"`` (:func:`graphckpt.timing.node_nanoseconds`).
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from graphckpt.ghosts import Ghost, GhostCall, Template, ViewTemplate, first_slots
+from graphckpt.gradient_watch import GradientWatch
 from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, lazy_fake_copy, strided_bytes
 from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
@@ -42,7 +41,6 @@ from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
 from graphckpt.torch_compat import (
     FakeTensor,
-    is_accumulate_grad,
     module_registries,
     storage_key,
     tree_flatten,
@@ -80,10 +78,7 @@ class _DedupInterpreter(_CostInterpreter):
         self.keys: dict[str, Hashable] = {}  # representative -> its key
         self.signatures: dict[int, Hashable | None] = {}
         self.ghosts: dict[str, str] = {}  # ghost -> its representative
-        self.incoming: dict[str, dict[int, tuple]] = {}  # node -> output index -> layout of its gradient
-        self.contributions: dict[str, dict[int, Counter]] = {}  # representative -> slot -> gradient layouts given
-        self.emitted: dict[str, dict[int, Counter]] = {}  # ghost -> slot -> gradient layouts given
-        self.unknown: set[str] = set()  # representatives that gave a gradient to no input slot
+        self.gradients = GradientWatch()
         self.last_claimed: list[Any] = []
         self.last_recorded = False  # the node just profiled has backward calls of its own on record
         self.nodes = {node.name: node for node in lazy.module.graph.nodes}
@@ -169,7 +164,7 @@ class _DedupInterpreter(_CostInterpreter):
         outputs that are views or not tensors, saved values it cannot name by input. A
         random op (dropout) has ghosts too: on fake tensors nothing is drawn, and the mask
         it saves is its own, as a ghost's would be."""
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
         outputs, spec = tree_flatten(result)
         cost = self.costs[node.name]
         if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs) or cost.alias_of or cost.grad_views:
@@ -185,7 +180,7 @@ class _DedupInterpreter(_CostInterpreter):
                 any(t.requires_grad for t in outputs) and not any(t.requires_grad for t in inputs)):
             return None
         if self.backward and torch.is_grad_enabled():
-            self._watch(node.name, outputs, inputs, representative=True)
+            self.gradients.watch(node.name, outputs, inputs, self.last_claimed)
         return Template(node.name, cost, spec, tuple(tensor_layout(t) for t in outputs),
                         tuple(t.requires_grad for t in outputs), saved, eval_alias)
 
@@ -200,7 +195,7 @@ class _DedupInterpreter(_CostInterpreter):
         if node.op == "call_module" or cost.bytes or cost.saved or cost.saved_extra_bytes or cost.random \
                 or cost.forward_extra_bytes:
             return None
-        owners = self._owners([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        owners = self._owners(_tensors((args, kwargs)))
         if cost.alias_of is not None and cost.alias_of not in owners:
             return None
         return ViewTemplate(node.name, cost, None if cost.alias_of is None else owners.index(cost.alias_of),
@@ -212,8 +207,8 @@ class _DedupInterpreter(_CostInterpreter):
         (then it is profiled like any other node)."""
         with self.mode:
             result = fx.Interpreter.run_node(self, node)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(result)
         alias = None if template.alias is None else self.owner.get(storage_key(inputs[template.alias]))
         if any(storage_key(t) not in self.owner for t in outputs) or (
                 outputs and self.owner[storage_key(outputs[0])] != (alias or PARAM)):
@@ -226,12 +221,12 @@ class _DedupInterpreter(_CostInterpreter):
         return result
 
     def _ghost(self, node: fx.Node, template: Template, args: tuple, kwargs: dict) -> Any:
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
         with self.mode:
             if self.backward and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
                 first = first_slots(inputs)
                 slots = tuple(first[i] if t.grad_fn is not None else None for i, t in enumerate(inputs))
-                call = GhostCall(self.mode, self.emitted.setdefault(node.name, {}), template, slots)
+                call = GhostCall(self.mode, self.gradients.emitted_by(node.name), template, slots)
                 outputs = Ghost.apply(call, *inputs)
             else:
                 outputs = tuple(empty_like_layout(self.mode, layout) for layout in template.outputs)
@@ -249,39 +244,10 @@ class _DedupInterpreter(_CostInterpreter):
         self.ghosts[node.name] = template.name
         if self.backward:
             self._claim_grad_fns(result, None)
-            self._watch(node.name, list(outputs), inputs, representative=False)
+            self.gradients.watch(node.name, list(outputs), inputs)
         return result
 
     # ------------------------------------------------------------ checking the backward
-
-    def _watch(self, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *,
-               representative: bool) -> None:
-        """Record the gradient layouts each output receives; for a representative, also
-        those its backward hands to each input slot."""
-        for index, tensor in enumerate(outputs):
-            if tensor.requires_grad:
-                tensor.register_hook(partial(self._arrived, name, index))
-        if not representative:
-            return
-        first = first_slots(inputs)
-        slot_of = {(id(t.grad_fn), t.output_nr): first[i] for i, t in enumerate(inputs) if t.grad_fn is not None}
-        claimed = set(self.last_claimed)
-        for function in self.last_claimed:
-            function.register_hook(partial(self._contributed, name, function, claimed, slot_of))
-
-    def _arrived(self, name: str, index: int, grad: torch.Tensor) -> None:
-        self.incoming.setdefault(name, {})[index] = tensor_layout(grad)
-
-    def _contributed(self, name: str, function: Any, claimed: set, slot_of: dict, grad_inputs: Any,
-                     grad_outputs: Any) -> None:
-        for (next_function, number), grad in zip(function.next_functions, grad_inputs, strict=False):
-            if grad is None or next_function is None or next_function in claimed or is_accumulate_grad(next_function):
-                continue
-            slot = slot_of.get((id(next_function), number))
-            if slot is None:
-                self.unknown.add(name)
-                continue
-            self.contributions.setdefault(name, {}).setdefault(slot, Counter())[tensor_layout(grad)] += 1
 
     def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:
         """As the full profile's, then each ghost's from its representative's, once every
@@ -291,10 +257,7 @@ class _DedupInterpreter(_CostInterpreter):
                 raise DedupMismatch("no backward ran")
             return
         self.assign_backward_extra()
-        differing = frozenset(representative for ghost, representative in self.ghosts.items()
-                              if representative in self.unknown
-                              or self.incoming.get(ghost) != self.incoming.get(representative)
-                              or self.emitted.get(ghost, {}) != self.contributions.get(representative, {}))
+        differing = self.gradients.differing(self.ghosts)
         if differing:
             raise DedupMismatch(f"ghosts of {sorted(differing)[:3]} got other gradients", differing)
         shared: dict[str, tuple[int, int]] = {}
@@ -318,6 +281,11 @@ class _DedupInterpreter(_CostInterpreter):
             return ()
         as_mine = dict(zip(theirs, mine, strict=True))
         return tuple(as_mine[value] for value in self.costs[representative].released_early if value in as_mine)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors among a call's arguments or results, in order."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def deduplicated_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,

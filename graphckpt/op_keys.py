@@ -48,13 +48,19 @@ def module_signature(module: nn.Module) -> Hashable | None:
         attributes = tuple(sorted((k, constant_key(v)) for k, v in vars(module).items() if not k.startswith("_")))
     except Unkeyable:
         return None
-    _, parameters, buffers = module_registries(module)
-    tensors = tuple((name, None if t is None else (tensor_layout(t), t.requires_grad, isinstance(t, nn.Parameter)))
-                    for name, t in (*parameters.items(), *buffers.items()))
+    tensors = own_tensors_key(module)
     children = tuple((name, module_signature(child)) for name, child in module.named_children())
     if any(signature is None for _, signature in children):
         return None
     return type(module), attributes, tensors, children
+
+
+def own_tensors_key(module: nn.Module) -> Hashable:
+    """A module's own parameters and buffers by name: layout, ``requires_grad``, and
+    whether each is a parameter (what a call can depend on of them, data aside)."""
+    _, parameters, buffers = module_registries(module)
+    return tuple((name, None if t is None else (tensor_layout(t), t.requires_grad, isinstance(t, nn.Parameter)))
+                 for name, t in (*parameters.items(), *buffers.items()))
 
 
 def arguments_key(args: tuple, kwargs: dict, owner: Mapping[int, str], param: str) -> Hashable:

@@ -37,7 +37,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.blocks import find_blocks, join_path
-from graphckpt.op_keys import Unkeyable, constant_key, tensor_layout
+from graphckpt.op_keys import Unkeyable, constant_key, own_tensors_key
 from graphckpt.torch_compat import has_module_hooks, module_registries, tree_leaves
 
 MIN_STAMPED = 3  # a run with fewer blocks to stamp exports about as fast whole
@@ -140,10 +140,7 @@ def _description(block: nn.Module) -> tuple[Hashable, dict[tuple[str, str], Hash
     for path, module in block.named_modules(remove_duplicate=False):
         if has_module_hooks(module):
             return None
-        _, parameters, buffers = module_registries(module)
-        tensors = tuple((name, None if t is None else (tensor_layout(t), t.requires_grad, isinstance(t, nn.Parameter)))
-                        for name, t in (*parameters.items(), *buffers.items()))
-        structure.append((path, type(module), tensors))
+        structure.append((path, type(module), own_tensors_key(module)))
         for name, value in vars(module).items():
             if not name.startswith("_") and not isinstance(value, torch.Tensor):
                 attributes[path, name] = _attribute_key(value)
