@@ -68,25 +68,28 @@ def arguments_key(args: tuple, kwargs: dict, owner: Mapping[int, str], param: st
     ``requires_grad``, leafness, which arguments share a storage or an owner (``owner``:
     storage key -> the node that made it), and whether the owner is a parameter (``param``).
     Raises :class:`Unkeyable` for an argument it cannot describe."""
-    storages: dict[int, int] = {}
-    owners: dict[Any, int] = {}
+    numbering = ({}, {})  # storage key -> its number among the arguments; owner -> its number
+    return _describe(args, owner, param, numbering), _describe(kwargs, owner, param, numbering)
 
-    def describe(value: Any) -> Hashable:
-        if isinstance(value, torch.Tensor):
-            key = storage_key(value)
-            made_by = owner.get(key)
-            return ("tensor", tensor_layout(value), value.requires_grad, value.is_leaf,
-                    isinstance(value, nn.Parameter), storages.setdefault(key, len(storages)),
-                    made_by == param, owners.setdefault(made_by, len(owners)))
-        if isinstance(value, (tuple, list)):
-            return type(value).__name__, tuple(describe(v) for v in value)
-        if isinstance(value, dict):
-            return "dict", tuple((k, describe(v)) for k, v in value.items())
-        if isinstance(value, slice):
-            return "slice", describe(value.start), describe(value.stop), describe(value.step)
-        return constant_key(value)
 
-    return describe(args), describe(kwargs)
+def _describe(value: Any, owner: Mapping[int, str], param: str, numbering: tuple[dict, dict]) -> Hashable:
+    """One argument's part of :func:`arguments_key` (a function of its own, not a closure:
+    a recursive closure is a reference cycle, and one per node left 10k of them for the
+    garbage collector after a 10k-node profile)."""
+    if isinstance(value, torch.Tensor):
+        storages, owners = numbering
+        key = storage_key(value)
+        made_by = owner.get(key)
+        return ("tensor", tensor_layout(value), value.requires_grad, value.is_leaf,
+                isinstance(value, nn.Parameter), storages.setdefault(key, len(storages)),
+                made_by == param, owners.setdefault(made_by, len(owners)))
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(_describe(v, owner, param, numbering) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((k, _describe(v, owner, param, numbering)) for k, v in value.items())
+    if isinstance(value, slice):
+        return ("slice", *(_describe(v, owner, param, numbering) for v in (value.start, value.stop, value.step)))
+    return constant_key(value)
 
 
 _VIEW_CALLS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",

@@ -122,14 +122,21 @@ class _CostInterpreter(fx.Interpreter):
         """Hook the autograd functions this node made (those its outputs reach before the
         functions of earlier nodes and the leaves' ``AccumulateGrad``) so that, in the
         backward, :class:`Recorder` gives their ATen calls to ``name``; ``None`` (a node
-        that ran only views and pointwise ops) records nothing. Returns those functions."""
+        that ran only views and pointwise ops, or a ghost) records nothing and has no hooks.
+        Returns those functions.
+
+        The recorder is a dispatch mode entered only while a named node's function runs: a
+        mode on the stack for the whole backward took every ATen call of the ghosts and all
+        of autograd's device queries through Python (a third of a 10k-node backward)."""
         recorder = self.recorder
 
         def enter(grad_outputs: Any) -> None:
             recorder.owner = name
+            recorder.__enter__()  # left by the engine's thread-local state guard if the function fails
 
         def leave(grad_inputs: Any, grad_outputs: Any) -> None:
             recorder.leave(name)
+            recorder.__exit__(None, None, None)
 
         stack, claimed = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor)], []
         while stack:
@@ -138,8 +145,9 @@ class _CostInterpreter(fx.Interpreter):
                 continue
             self.grad_fns.add(function)
             claimed.append(function)
-            function.register_prehook(enter)
-            function.register_hook(leave)
+            if name is not None:
+                function.register_prehook(enter)
+                function.register_hook(leave)
             stack.extend(next_function for next_function, _ in function.next_functions)
         return claimed
 
@@ -163,7 +171,7 @@ class _CostInterpreter(fx.Interpreter):
         leaves = [t for t in (*self.module.parameters(), *inputs) if t.requires_grad]
         if not outputs or not leaves:
             return False
-        with self.mode, self.recorder:
+        with self.mode:
             try:
                 torch.autograd.grad(outputs, leaves, [torch.empty_like(t) for t in outputs], allow_unused=True)
             except (RuntimeError, NotImplementedError):
