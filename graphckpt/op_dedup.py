@@ -96,8 +96,8 @@ class _DedupInterpreter(_CostInterpreter):
         owns it (a weight tied to another module's stays owned by the first node read)."""
         fake = self.lazy.fakes.get(id(tensor))
         if fake is None:
-            fake = self.mode.from_tensor(tensor)
-            if isinstance(tensor, nn.Parameter):
+            fake = self.mode.from_tensor(tensor)  # a parameter's is one already (its meta copy's _is_param)
+            if isinstance(tensor, nn.Parameter) and not isinstance(fake, nn.Parameter):
                 fake = nn.Parameter(fake, tensor.requires_grad)
             self.lazy.fakes[id(tensor)] = fake
         self.owner.setdefault(storage_key(fake), PARAM)
