@@ -125,12 +125,18 @@ def _edit_leaves(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]],
 
 def add_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
     """``segments`` with each ``(path, value)`` of ``keeps`` added to that segment's
-    ``saved_inside`` (in the segment's own order)."""
+    ``saved_inside`` (in the segment's own order, :func:`saving_inside`)."""
     def add(segment: Segment, names: set[str]) -> Segment:
-        chosen = set(segment.saved_inside) | names
-        return replace(segment, saved_inside=tuple(n for n in segment.nodes if n in chosen))
+        return saving_inside(segment, set(segment.saved_inside) | names)
 
     return _edit_leaves(segments, keeps, add)
+
+
+def saving_inside(segment: Segment, kept: set[str]) -> Segment:
+    """``segment`` keeping from forward exactly its values in ``kept``; one it held once
+    made again (``remake_held``) and now keeps is not made again, so no longer held."""
+    return replace(segment, saved_inside=tuple(n for n in segment.nodes if n in kept),
+                   remake_held=tuple(n for n in segment.remake_held if n not in kept))
 
 
 def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
@@ -149,8 +155,7 @@ def whole_graph(graph: nx.DiGraph) -> tuple[Segment, ...]:
 
 def keeping(segments: Sequence[Segment], kept: set[str]) -> tuple[Segment, ...]:
     """``segments`` with each recomputed one keeping exactly the values of ``kept`` it runs."""
-    return tuple(replace(s, saved_inside=tuple(n for n in s.nodes if n in kept)) if s.recompute else s
-                 for s in segments)
+    return tuple(saving_inside(s, kept) if s.recompute else s for s in segments)
 
 
 def remat_still_valid(graph: nx.DiGraph, segments: Sequence[Segment]) -> bool:
@@ -225,7 +230,7 @@ def without_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simula
         if trial_peak is not None:
             segments, peak = trial, trial_peak
             if peak <= budget_bytes:
-                return plan_of_segments(graph, plan.strategy, segments, plan.notes)
+                return plan_of_segments(graph, plan.strategy, segments, plan.notes, peak)
     return None
 
 
@@ -255,21 +260,22 @@ def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulatio
     (default :func:`simulation_limit`)."""
     limit = simulation_limit(graph) if max_simulations is None else max_simulations
     ranked = ranked_keeps(graph, plan.segments)
-    best, best_key, chosen = plan.segments, plan.cost_key, []
+    best, best_key, best_peak, chosen = plan.segments, plan.cost_key, plan.peak_bytes, []
     position, run, simulations = 0, max(1, len(ranked) // 4), 0
     while position < len(ranked) and simulations < limit:
         trial = [*chosen, *ranked[position:position + run]]
         segments = add_keeps(graph, plan.segments, trial)
         simulations += 1
-        if remat_still_valid(graph, segments) and peak_within(graph, segments, budget_bytes) is not None:
+        peak = peak_within(graph, segments, budget_bytes) if remat_still_valid(graph, segments) else None
+        if peak is not None:
             chosen, position, run = trial, position + run, run * 2
             if cost_key(graph, segments) < best_key:
-                best, best_key = segments, cost_key(graph, segments)
+                best, best_key, best_peak = segments, cost_key(graph, segments), peak
         elif run > 1:
             run //= 2
         else:
             position += 1
-    return plan if best is plan.segments else plan_of_segments(graph, plan.strategy, best, plan.notes)
+    return plan if best is plan.segments else plan_of_segments(graph, plan.strategy, best, plan.notes, best_peak)
 
 
 def best_with_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: float, starts: int = 4) -> Plan | None:

@@ -115,12 +115,13 @@ class Candidate:
 
 
 def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segment],
-                     notes: Sequence[str] = ()) -> Plan:
-    """A :class:`Plan` of ready segments: validated, simulated, and described for codegen."""
+                     notes: Sequence[str] = (), peak_bytes: int | None = None) -> Plan:
+    """A :class:`Plan` of ready segments: validated, simulated (unless the caller just did:
+    ``peak_bytes``, :func:`passes.simulate.simulate`), and described for codegen."""
     segments = tuple(segments)
     validate_plan(graph, segments)
     checkpoints = checkpoints_of(graph, segments)
-    result = simulate(graph, segments)
+    result = simulate(graph, segments, peak_bytes)
     return Plan(
         strategy=strategy,
         segments=tuple(with_facts(graph, s) for s in segments),

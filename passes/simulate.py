@@ -284,13 +284,15 @@ def peak_exceeds(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) -
     return peak_within(graph, segments, limit) is None
 
 
-def simulate(graph: nx.DiGraph, segments: Iterable[Segment]) -> Simulation:
-    """Peak bytes and recompute FLOPs of a training step run with ``segments``."""
+def simulate(graph: nx.DiGraph, segments: Iterable[Segment], peak_bytes: int | None = None) -> Simulation:
+    """Peak bytes and recompute FLOPs of a training step run with ``segments``; ``peak_bytes``
+    is their peak when the caller has just replayed them (:func:`peak_within`: a search's
+    winning trial), so that the step is not replayed again (a second at 50k ops)."""
     segments = tuple(segments)
     recompute_flops, recompute_bytes = recompute_totals(graph, segments)
     forward = forward_flops(graph)
     return Simulation(
-        peak_bytes=_step_peak(graph, segments),
+        peak_bytes=_step_peak(graph, segments) if peak_bytes is None else peak_bytes,
         eager_peak_bytes=eager_peak(graph),
         recompute_flops=recompute_flops,
         forward_flops=forward,

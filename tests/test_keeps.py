@@ -32,7 +32,7 @@ from passes.keeps import (
     without_keeps,
 )
 from passes.plan import Plan, plan_of_segments
-from passes.segments import make_segments
+from passes.segments import make_segments, validate_plan
 from passes.simulate import eager_peak, simulate
 from scripts.planner_gap import random_cost_graph
 from tests.equivalence import assert_trains_like_twice, zoo_pair
@@ -87,6 +87,8 @@ def test_with_keeps_fits_and_recomputes_no_more(seed: int) -> None:
     again = with_keeps(graph, plan, budget)
     assert again.peak_bytes <= budget
     assert again.cost_key <= plan.cost_key
+    roomier = with_keeps(graph, plan, eager_peak(graph))  # room for more keeps: a new plan
+    assert roomier.peak_bytes == simulate(graph, roomier.segments).peak_bytes  # the search's own replay, not redone
 
 
 def test_keeps_never_name_random_views_or_state() -> None:
@@ -99,11 +101,25 @@ def test_keeps_never_name_random_views_or_state() -> None:
     assert keepable(graph, "op6")
 
 
+def test_a_value_held_once_made_again_and_then_kept_is_no_longer_held() -> None:
+    """Keeping a value from forward that a hooked segment held once made again (the plan
+    ``fit_budget`` makes of this graph at 0.7 of eager: one segment holding op0) leaves a
+    valid plan: the value is kept, not made again, so not held (with_keeps raised PlanError)."""
+    graph = random_cost_graph(random.Random(3), 16)
+    plan = fit_budget(graph, int(0.7 * eager_peak(graph)))
+    held = [(path, n) for path, s in leaf_segments(plan.segments) for n in s.remake_held]
+    assert held, "the plan this test is about holds a value once made again"
+    segments = add_keeps(graph, plan.segments, held)
+    validate_plan(graph, segments)
+    assert not any(s.remake_held for _, s in leaf_segments(segments))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_remove_keeps_undoes_add_keeps(seed: int) -> None:
     graph = random_cost_graph(random.Random(seed), 16)
     plan = fit_budget(graph, int(0.7 * eager_peak(graph)))
-    keeps = ranked_keeps(graph, plan.segments)[::2]
+    held = {n for _, s in leaf_segments(plan.segments) for n in s.remake_held}  # kept, no longer held: not undone
+    keeps = [(path, n) for path, n in ranked_keeps(graph, plan.segments)[::2] if n not in held]
     assert remove_keeps(add_keeps(graph, plan.segments, keeps), keeps) == plan.segments
 
 
@@ -118,6 +134,7 @@ def test_without_keeps_fits_by_giving_up_keeps_that_lower_the_peak(seed: int) ->
                    for k in ranked_removals(graph, start.segments))
         return
     assert trimmed.peak_bytes <= budget
+    assert trimmed.peak_bytes == simulate(graph, trimmed.segments).peak_bytes
     kept = {(path, n) for path, s in leaf_segments(trimmed.segments) for n in s.saved_inside}
     assert kept < set(ranked_removals(graph, start.segments))
     assert trimmed.cost_key >= start.cost_key
