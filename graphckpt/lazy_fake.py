@@ -75,5 +75,5 @@ def lazy_fake_copy(graph_module: fx.GraphModule) -> LazyFake:
     module = module_tree_copy(graph_module)
     modules = {name: m for name, m in module.named_modules(remove_duplicate=False) if m is not module}
     root = weakref.ref(module)  # not the module itself: that would be a reference cycle through its own attribute
-    module.get_submodule = lambda target: modules.get(target) or nn.Module.get_submodule(root(), target)
+    module.get_submodule = lambda target: modules[target] if target in modules else nn.Module.get_submodule(root(), target)
     return LazyFake(FakeTensorMode(allow_non_fake_inputs=True), module)

@@ -141,7 +141,8 @@ def saving_inside(segment: Segment, kept: set[str]) -> Segment:
 
 def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
     """``segments`` with each ``(path, value)`` of ``keeps`` taken out of that segment's
-    ``saved_inside``: the inverse of :func:`add_keeps`."""
+    ``saved_inside``: the inverse of :func:`add_keeps` for values the segment did not hold
+    once made again (one it held and was made to keep is no longer held, :func:`saving_inside`)."""
     def remove(segment: Segment, names: set[str]) -> Segment:
         return replace(segment, saved_inside=tuple(n for n in segment.saved_inside if n not in names))
 
