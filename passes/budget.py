@@ -186,7 +186,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")
-    rounded = rounded or relaxed_plans(graph, budget_bytes)
+    rounded = rounded if rounded is not None else relaxed_plans(graph, budget_bytes)  # solved at most once
     unrounded = chosen
     if rounded.searchable is not None and rounded.searchable.cost_key < chosen.cost_key:
         chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
