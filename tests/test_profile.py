@@ -182,5 +182,7 @@ def test_the_profile_leaves_no_reference_cycles_per_node() -> None:
     """Nothing the profile makes per node is a reference cycle (a recursive closure, a copy
     of the module holding itself): at 10k nodes such cycles were 98k objects left for the
     garbage collector, half a second of a collection after every profile. Torch's own
-    (pytree and meta-conversion closures) are not counted."""
-    assert _own_cyclic_garbage(4) == _own_cyclic_garbage(12)
+    (pytree and meta-conversion closures) are not counted, nor a pair of hook closures that
+    a cycle through the recorder's saved tensors may hold (one or two pairs, whatever the
+    size); with a cycle per node the larger stack's count was 32 above the smaller's."""
+    assert _own_cyclic_garbage(12) - _own_cyclic_garbage(4) < 8  # 16 more nodes
