@@ -26,8 +26,9 @@ class BackwardPeak(NamedTuple):
 
 
 class Recorder(TorchDispatchMode):
-    """Records, for the node named ``owner`` (``None``: record nothing), the ATen calls made
-    under it that may allocate: not views, and only calls that return a tensor.
+    """Records, for the node named ``owner`` (between :meth:`enter` and :meth:`leave`, the
+    only time it is a dispatch mode), the ATen calls made under it that may allocate: not
+    views, and only calls that return a tensor.
 
     It also follows the tensors those calls make until autograd drops them: a node whose
     backward is several calls (attention computed by the math kernel: matmul, dropout,
@@ -96,15 +97,24 @@ class Recorder(TorchDispatchMode):
                 self.releasing_values.setdefault(self.owner, []).append(saves[1])
         return tensor
 
-    def leave(self, owner: str | None) -> None:
+    def enter(self, owner: str) -> None:
+        """One of ``owner``'s backward functions starts: its calls are recorded. The recorder
+        is a dispatch mode only from here to :meth:`leave`, not for the whole backward, which
+        took every other node's calls and autograd's device queries through Python (a third
+        of a 10k-node fake backward); a function that fails leaves the mode through the
+        autograd engine's thread-local state guard."""
+        self.owner = owner
+        self.__enter__()
+
+    def leave(self, owner: str) -> None:
         """One of ``owner``'s backward functions has returned (releasing the extras it
         unpacked); the last one ends its backward."""
-        if owner is not None:
-            events = self.events.setdefault(owner, [])
-            events.extend((RELEASED, -nbytes) for nbytes in self.releasing.pop(owner, ()))
-            events.extend(((RELEASED, value), 0) for value in self.releasing_values.pop(owner, ()))
-            self.ends[owner] = len(events)
+        events = self.events.setdefault(owner, [])
+        events.extend((RELEASED, -nbytes) for nbytes in self.releasing.pop(owner, ()))
+        events.extend(((RELEASED, value), 0) for value in self.releasing_values.pop(owner, ()))
+        self.ends[owner] = len(events)
         self.owner = None
+        self.__exit__(None, None, None)
 
     def backward_peak(self, owner: str) -> BackwardPeak:
         """Peak bytes ``owner``'s backward holds above what it started with: the results
