@@ -21,7 +21,7 @@ from graphckpt.op_dedup import profile_costs
 from graphckpt.profile import NodeCost
 from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
-from graphckpt.torch_compat import OpOverload
+from graphckpt.torch_compat import OpOverload, allocation_size
 from passes.costgraph import add_value, check_cost_graph
 
 _KIND = {"placeholder": "input", "get_attr": "param", "output": "output"}
@@ -55,6 +55,7 @@ class Profile:
     measured: bool = True  # False: unit costs, nothing was run
     cost_unit: str = "FLOPs"  # what NodeCost.flops counts: "FLOPs", or "ns" of measured time
     rng_state_bytes: int = 0  # what a checkpoint keeps to replay random draws, in the model's memory
+    scalar_bytes: int = 0  # what a float32 scalar takes in the model's memory (the loss's, its seed gradient's)
     checkpoint_call_cost: int = 0  # in cost_unit: one checkpoint call's own cost (measured for "ns")
     selective_op_cost: int = 0  # in cost_unit: each op of a selective segment, beyond its work
     dropped_value_cost: int = 0  # in cost_unit: each value an op run by hooks drops, beyond its remake
@@ -81,14 +82,17 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if isolate_inplace(graph_module, parents):
         costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     rng = rng_state_bytes(graph_module, args, kwargs)
+    device = model_device(graph_module, args, kwargs)
+    scalar = allocation_size(4, device)
     if cost == "time":
         nanoseconds = node_nanoseconds(graph_module, args, kwargs)
         costs = {name: replace(c, flops=nanoseconds.get(name, 0)) for name, c in costs.items()}
-        overheads = checkpoint_overheads(str(model_device(graph_module, args, kwargs)))
+        overheads = checkpoint_overheads(str(device))
         per_op = max(overheads.selective_op, selective_overhead_per_op(graph_module, args, kwargs))
-        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, checkpoint_call_cost=overheads.call,
-                       selective_op_cost=per_op, dropped_value_cost=overheads.dropped_value)
-    return Profile(costs, parents, rng_state_bytes=rng)
+        return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, scalar_bytes=scalar,
+                       checkpoint_call_cost=overheads.call, selective_op_cost=per_op,
+                       dropped_value_cost=overheads.dropped_value)
+    return Profile(costs, parents, rng_state_bytes=rng, scalar_bytes=scalar)
 
 
 def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> int:
@@ -140,7 +144,8 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
     lifted = lifted_params or {}
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
-                       rng_state_bytes=profile.rng_state_bytes, loss=returned_loss(graph_module, profile),
+                       rng_state_bytes=profile.rng_state_bytes, scalar_bytes=profile.scalar_bytes,
+                       loss=returned_loss(graph_module, profile),
                        checkpoint_call_cost=profile.checkpoint_call_cost, selective_op_cost=profile.selective_op_cost,
                        dropped_value_cost=profile.dropped_value_cost)
     for order, node in enumerate(graph_module.graph.nodes):

@@ -32,7 +32,7 @@ import networkx as nx
 
 from passes.cuts import INF, op_positions, op_weights, prefix_costs
 from passes.kept_bytes import gradient_bytes
-from passes.simulate import loss_working_bytes, trained_outputs
+from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,9 @@ def rerun_stops(graph: nx.DiGraph, ops: Sequence[str]) -> list[int]:
 
 def loss_bytes(graph: nx.DiGraph) -> float:
     """Bytes the loss holds at the end of forward, as :mod:`passes.simulate` counts them:
-    its working set and the gradients backward starts from."""
-    return loss_working_bytes(graph) + sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
+    its working set, the gradients backward starts from and the loss's scalars."""
+    return (loss_working_bytes(graph) + loss_scalar_bytes(graph)
+            + sum(gradient_bytes(graph, v) for v in trained_outputs(graph)))
 
 
 def _stage_of_positions(ends: Sequence[int]) -> list[int]:

@@ -36,6 +36,10 @@ Graph attributes, all optional:
     ``False`` where the runtime has only torch's checkpoint, as :func:`graphckpt.enable`,
     which wraps a module's own forward, so the simulator models what torch's selective
     checkpointing holds instead.
+``scalar_bytes`` (default 0)
+    Bytes one float32 scalar takes in the model's memory (4 on CPU, a 512-byte block on a
+    GPU): a step holds two from the loss until backward returns when the loss is computed
+    outside the model (:func:`passes.simulate.loss_scalar_bytes`).
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,

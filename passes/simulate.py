@@ -23,6 +23,8 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   forward and backward, an elementwise loss and its reduction hold ``LOSS_WORKING_SET``
   times the outputs' bytes for a moment (``x.pow(2).mean()``'s
   backward makes four output-sized temporaries: three here plus the output's gradient).
+  From the loss until backward returns, the scalars it leaves are held too
+  (:func:`loss_scalar_bytes`): the caller's loss and the gradient backward starts from.
 
 This is an estimate; ``graphckpt.tools.measure`` is the truth it is checked against.
 """
@@ -73,6 +75,17 @@ def loss_working_bytes(graph: nx.DiGraph) -> int:
     if graph.graph.get("loss") is not None:
         return 0
     return LOSS_WORKING_SET * sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
+
+
+def loss_scalar_bytes(graph: nx.DiGraph) -> int:
+    """Bytes of the scalars a step holds from the loss until backward returns, when the loss
+    is computed outside the model: the caller's loss and the gradient backward starts from
+    (``torch.autograd.backward`` keeps its seed until it returns), ``graph.graph["scalar_bytes"]``
+    each (a 512-byte block on a GPU). A model's own loss is an output already, and its
+    gradient is the seed, held likewise (:func:`_step_peak`)."""
+    if graph.graph.get("loss") is not None or not trained_outputs(graph):
+        return 0
+    return 2 * graph.graph.get("scalar_bytes", 0)
 
 
 def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, tag: tuple,
@@ -219,9 +232,11 @@ def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = fl
               if segment.recompute and keeps_by_hooks(graph, segment)}  # asked in forward and backward
     _forward_sequence(memory, graph, segments, hooked)
     grads: set[int] = set()
+    memory.allocate(("loss scalars",), loss_scalar_bytes(graph))
     memory.allocate(("loss",), loss_working_bytes(graph))
-    for value in trained_outputs(graph):
-        memory.allocate(slot(index.ids[value], GRAD), gradient_bytes(graph, value))
+    own_loss = graph.graph.get("loss")
+    for value in trained_outputs(graph):  # the model's own loss's gradient is the seed, held to the end
+        memory.allocate(("seed",) if value == own_loss else slot(index.ids[value], GRAD), gradient_bytes(graph, value))
         grads.add(index.ids[value])
     memory.free(("loss",))
     _backward_sequence(memory, graph, segments, grads, hooked=hooked)

@@ -7,7 +7,8 @@ without recompute peaks at the simulator's eager peak). Forward: the op nodes in
 node of that size, made only together with its op and only if wanted (a recomputed segment
 does not save in forward). An op reading a view also reads the view's storage root. Then one
 gradient seed per graph output that needs a gradient (size: its storage root's bytes; the
-loss working set ``LOSS_WORKING_SET`` x those bytes is held for a moment). Then, ops in
+loss working set ``LOSS_WORKING_SET`` x those bytes is held for a moment; the model's own
+loss's seed and, for a loss computed outside, the loss's scalars are kept to the end). Then, ops in
 reverse, the backward of op ``k``: one node per gradient buffer it creates (one node if none),
 each reading ``k``'s gradient buffer, the buffers it adds into, ``k``'s extra and the storage
 roots of ``k``'s ``saved`` values. A gradient added into an existing buffer, and the
@@ -28,7 +29,7 @@ import networkx as nx
 
 from passes.graph_facts import graph_outputs, needs_grad, op_nodes, storage_root
 from passes.kept_bytes import gradient_bytes
-from passes.simulate import loss_working_bytes, trained_outputs
+from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
 Matrix = tuple[tuple[int, ...], ...]
 FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home")
@@ -99,7 +100,10 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     n_forward = len(nodes["names"])
     trained = trained_outputs(graph)
     loss = loss_working_bytes(graph)
-    owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input",
+    if loss_scalar_bytes(graph):
+        add("loss-scalars", loss_scalar_bytes(graph), (), kept=True)
+    own_loss = graph.graph.get("loss")  # its gradient is backward's seed, held to the end
+    owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input" or v == own_loss,
                     transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
     for k in reversed(list(index)):
         gets_grad = k in owner and needs_grad(graph, k)
