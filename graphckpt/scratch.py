@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from graphckpt.torch_compat import (
+    allocated_bytes,
     allocations_under,
     argument_names,
     memory_timeline_allocations,
@@ -234,13 +235,15 @@ def rng_state_on_host(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 
 def _cuda_scratch(func: Any, args: tuple, kwargs: dict, device: torch.device) -> int:
-    """A call's peak above the storages it returns, from the CUDA allocator's statistics."""
+    """A call's peak above the storages it returns, from the CUDA allocator's statistics
+    (which count 512-byte blocks: so are the returned storages, or a call returning 64 bytes
+    would show 448 bytes of scratch)."""
     outputs: list[Any] = []
     with torch.no_grad():
         func(*args, **kwargs)
         peak = peak_memory(lambda: outputs.append(func(*args, **kwargs)), device=device)
     inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-    returned = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+    returned = {t.untyped_storage().data_ptr(): allocated_bytes(t)
                 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)}
     return max(0, peak - sum(n for pointer, n in returned.items() if pointer not in inputs))
 
