@@ -185,3 +185,18 @@ def is_activation(graph: nx.DiGraph, name: str) -> bool:
 def storage_root(graph: nx.DiGraph, name: str) -> str:
     """The value that owns ``name``'s storage (itself when it is not an alias)."""
     return graph.nodes[name]["alias_of"] or name
+
+
+@per_segment
+def leaves_nothing(graph: nx.DiGraph, segment: Any) -> bool:
+    """Whether a recomputed segment's checkpoint call leaves nothing behind once its forward
+    returns: no op in it saves anything for backward (nor does it nest a recomputed child,
+    which saves its inputs), and it keeps nothing from forward. No saved-tensor handle then
+    holds the call's frame, so its inputs go at their last use as in eager code, and backward
+    reruns nothing (:func:`passes.recompute.recompute_steps` finds no step). For example, a
+    segment cut around ``scores * scale + mask`` (neither op saves): LLaMA's sqrt plan on a
+    GPU held each layer's 256 MiB attention scores in the simulation, 6.07 GiB against 4.06
+    measured."""
+    saves_from = node_attribute(graph, "saves_from")
+    return (segment.recompute and not segment.saved_inside and not any(c.recompute for c in segment.children)
+            and all(saves_from[name] == "nothing" for name in segment.nodes))

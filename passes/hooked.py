@@ -314,7 +314,8 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     remake group reading it (each handle of a group holds what the group's remake reads,
     :class:`graphckpt.hooked.HookedSegmentModule`, so a retained graph can remake it again).
     After that op's backward the value is let go; one missing from the map is let go when
-    the segment's forward ends. Values are matched by storage (a saved view holds its owner).
+    the segment's forward ends if a remake reads it (:func:`remake_sources`), else at its
+    last use in forward. Values are matched by storage (a saved view holds its owner).
 
     Example: a segment ``fc1, relu1, fc2, relu2, fc3`` keeping ``fc1`` and ``fc2`` remakes
     ``relu2`` from ``fc2``; ``relu2`` is saved by ``fc3`` and by ``relu2`` itself, so ``fc2``
@@ -322,13 +323,7 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     input, not its output), where it used to stay until the segment's backward ended.
     """
     sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
-    reads: dict[str, set[str]] = {}  # marked value -> the sources its remake reads
-    for nodes, marked in remake_units(graph, segment):
-        inside = set(nodes)
-        read = {sources[root] for name in nodes for pred in graph.predecessors(name)
-                if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
-        for name in marked:
-            reads[name] = read
+    reads = _remake_reads(graph, segment)
     if segment.remake_held:  # a handle keeps what the held values made before its own may read
         closure = remake_closures(graph, segment)
         reads = {name: set().union(*(reads[v] for v in closure[name])) for name in reads}
@@ -342,6 +337,29 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
             for source in reads.get(root, ()):
                 needed[source] = name
     return MappingProxyType(needed)  # shared by every caller (per_segment)
+
+
+def _remake_reads(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, set[str]]:
+    """For each marked value, the inputs and kept values its remake reads."""
+    sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
+    reads: dict[str, set[str]] = {}
+    for nodes, marked in remake_units(graph, segment):
+        inside = set(nodes)
+        read = {sources[root] for name in nodes for pred in graph.predecessors(name)
+                if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
+        for name in marked:
+            reads[name] = read
+    return reads
+
+
+@per_segment
+def remake_sources(graph: nx.DiGraph, segment: SegmentLike) -> frozenset[str]:
+    """The inputs and kept values of a hooked segment that some remake reads. The call holds
+    them until its forward ends (:class:`graphckpt.hooked.HookedSegmentModule` gives each
+    remake what it reads as forward makes it), then only the handles that may remake from
+    them do (:func:`last_needed`); a kept value no remake reads and no op saves goes at its
+    last use in forward, as in eager code."""
+    return frozenset().union(*_remake_reads(graph, segment).values())
 
 
 @per_segment

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from passes.graph_facts import graph_outputs, in_order, node_attribute, per_graph_value, pure, pure_ops
+from passes.graph_facts import graph_outputs, in_order, leaves_nothing, node_attribute, per_graph_value, pure, pure_ops
 from passes.hooked import SegmentLike, keeps_by_hooks, last_needed
 from passes.sim_memory import LiveMemory
 from passes.sim_ops import run_forward
@@ -125,7 +125,8 @@ def runs_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
 def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:
     """For each top-level segment, the activations certainly alive when backward recomputes it
     (its backward comes before the segments before it): the graph's outputs; the inputs the
-    recomputed segments up to it keep from forward (not counting inputs they rematerialize);
+    recomputed segments up to it keep from forward (not counting inputs they rematerialize,
+    nor those of a call that :func:`passes.graph_facts.leaves_nothing`);
     the values recomputed segments before it keep inside (``saved_inside``, held until their
     own recompute) and return (one the segment uses only inside never reaches the forward code
     calling later segments); and what the ops of kept segments before it saved for their
@@ -137,7 +138,7 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
     result = []
     for segment in segments:
         own: set[str] = set()
-        if segment.recompute:
+        if segment.recompute and not leaves_nothing(graph, segment):  # such a call holds nothing
             dropped = {r.value for r in segment.remat}
             own = {v for v in segment.inputs if v not in dropped}
         result.append(returned | earlier | own)

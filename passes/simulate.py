@@ -38,8 +38,8 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.graph_facts import draws_random, graph_outputs, needs_grad, op_nodes, storage_root
-from passes.hooked import keeps_by_hooks, last_needed, redrawn
+from passes.graph_facts import draws_random, graph_outputs, leaves_nothing, needs_grad, op_nodes, storage_root
+from passes.hooked import keeps_by_hooks, last_needed, redrawn, remake_sources
 from passes.kept_bytes import gradient_bytes
 from passes.recompute import random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.remat import kept_inputs, remat_nodes, run_remat
@@ -89,16 +89,22 @@ def loss_scalar_bytes(graph: nx.DiGraph) -> int:
 
 
 def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, tag: tuple,
-                     within: set[int] | None = None) -> None:
+                     within: set[int] | None = None, kept: Iterable[str] | None = None) -> None:
     """One checkpoint call of a recomputed segment, saving nothing: it holds the segment's
     inputs, and each random call its body makes (:func:`random_calls`: itself and every
     recomputed segment nested in it) copies the generator state, ``(*tag, id(call))``, when
     the body reaches it. Called in forward (``tag`` ``("rng",)``: the copies live until each
-    call's backward) or rerun by an enclosing recompute (freed when that recompute ends)."""
+    call's backward) or rerun by an enclosing recompute (freed when that recompute ends).
+    A call that :func:`passes.graph_facts.leaves_nothing` runs like eager code that saves nothing.
+    ``kept``: the values kept from forward that it holds (default: ``saved_inside``)."""
     index = memory.index
+    nodes = index.id_list(segment.nodes)
+    keep = index.id_list(segment.saved_inside if kept is None else kept)
+    if leaves_nothing(graph, segment):
+        run_forward(memory, nodes, save=False, within=within, keep=keep)
+        return
     for value in index.id_list(kept_inputs(segment)):  # a rematerialized input is not kept: its sources are
         memory.hold(value)
-    nodes, keep = index.id_list(segment.nodes), index.id_list(segment.saved_inside)
     done = 0
     for call in random_calls(graph, segment):  # in call order, so their first nodes in order
         at = segment.nodes.index(call.nodes[0], done)
@@ -115,15 +121,17 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
     ops save beyond values, when run by hooks: ``hooked``, with :func:`passes.hooked.last_needed`)."""
     for segment in segments:
         if segment.recompute:
-            _call_recomputed(memory, graph, segment, ("rng",))
-            needed = hooked.get(segment)
+            needed = hooked.get(segment)  # run by hooks: a kept value no op saves and no remake reads goes
+            kept = None if needed is None else [  # at its last use in forward (passes.hooked.remake_sources)
+                v for v in segment.saved_inside if v in needed or v in remake_sources(graph, segment)]
+            _call_recomputed(memory, graph, segment, ("rng",), kept=kept)
             if needed is not None:  # run by hooks: what its ops save beyond values stays, but dropout noise
                 drawn = redrawn(graph, segment)
                 for node in memory.index.id_list(n for n in segment.nodes if n not in drawn):
                     memory.allocate(slot(node, EXTRA), memory.index.saved_extra[node])
                 memory.allocate(("rng-draws", id(segment)),  # a generator state per dropout, one counted above
                                 max(len(drawn) - 1, 0) * graph.graph.get("rng_state_bytes", 0))
-                for value in (*kept_inputs(segment), *segment.saved_inside):  # the rest goes now
+                for value in (*kept_inputs(segment), *kept):  # the rest goes now
                     if value not in needed:
                         memory.release(memory.index.ids[value])
         else:
@@ -144,8 +152,9 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
             backward_hooked(memory, graph, segment, grads, hooked[segment])  # lets its inputs go as it goes
         else:
             _backward_recomputed(memory, graph, segment, grads, cached=ran is None or segment in ran)
-            for value in memory.index.id_list(kept_inputs(segment)):
-                memory.release(value)
+            if not leaves_nothing(graph, segment):
+                for value in memory.index.id_list(kept_inputs(segment)):
+                    memory.release(value)
         memory.free(("rng", id(segment)))
         memory.free(("rng-draws", id(segment)))
 
@@ -272,11 +281,14 @@ def forward_flops(graph: nx.DiGraph) -> int:
 
 def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     """Bytes alive when forward ends that a plan cannot avoid: the inputs of its recomputed
-    segments and the values they keep from forward, each storage once. A lower bound on
+    segments and the values they keep from forward (those backward needs, for a segment run by
+    hooks), each storage once. A lower bound on
     its simulated peak, in O(kept values): a plan above the budget by this alone need not
     be simulated."""
-    roots = {storage_root(graph, value) for segment in segments if segment.recompute
-             for value in (*kept_inputs(segment), *segment.saved_inside)}
+    roots = {storage_root(graph, value) for segment in segments
+             if segment.recompute and not leaves_nothing(graph, segment)
+             for value in (*kept_inputs(segment), *segment.saved_inside)
+             if not keeps_by_hooks(graph, segment) or value in last_needed(graph, segment)}
     inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments if segment.recompute
                 for value in segment.saved_inside)
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")

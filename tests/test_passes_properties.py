@@ -385,11 +385,12 @@ def test_nearest_positions_matches_the_plain_search(weights: list[float], data) 
 def test_a_plan_worse_than_eager_falls_back_to_eager_and_says_so() -> None:
     """Found by hypothesis: a one-op segment recomputed right before another keeps its
     output (1 byte) alive with the recompute's copy, so sqrt's plan peaks at 2 bytes
-    where eager peaks at 1."""
+    where eager peaks at 1. (``op1`` saves its input: a segment whose ops save nothing holds
+    nothing, passes.graph_facts.leaves_nothing.)"""
     graph = nx.DiGraph(measured=True)
     add_value(graph, "x0", kind="input", order=0, bytes=0, requires_grad=False)
     add_value(graph, "op0", kind="op", order=1, bytes=1, reads=["x0"])
-    add_value(graph, "op1", kind="op", order=2, bytes=0, reads=["x0", "op0"], alias_of="x0")
+    add_value(graph, "op1", kind="op", order=2, bytes=0, reads=["x0", "op0"], alias_of="x0", saved=("x0",))
     views = [f"op{i}" for i in range(2, 7)]
     for order, name in enumerate(views, start=3):
         add_value(graph, name, kind="op", order=order, bytes=0, reads=["x0"], alias_of="x0")
