@@ -32,7 +32,7 @@ from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
 from passes.remat import rematerializable, with_remat
 from passes.segments import PlanError, Segment, make_segments, nested
-from passes.simulate import simulate
+from passes.simulate import peak_within, simulate
 
 SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there
 SEARCHED_OPS = 24000  # ops x simulations one search may replay: 1500 moves at 16 ops, 375 at 64
@@ -51,6 +51,10 @@ class PlanLayout:
 
     def flags(self) -> list[list[bool]]:
         return [self.top_start, self.top_recompute, self.child_start, self.child_recompute, self.keep, self.remat]
+
+    def state(self) -> tuple[tuple[bool, ...], ...]:
+        """The flags as they are now, hashable."""
+        return tuple(tuple(flags) for flags in self.flags())
 
 
 def _runs(starts: Sequence[bool], first: int, last: int) -> list[tuple[int, int]]:
@@ -123,6 +127,22 @@ def score(graph: nx.DiGraph, segments: Sequence[Segment], budget_bytes: float) -
     return (max(0, simulate(graph, segments).peak_bytes - budget_bytes), *cost_key(graph, segments))
 
 
+def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_bytes: float, bar: tuple) -> tuple | None:
+    """:func:`score` of ``segments`` when it is no worse than ``bar``, else ``None``, asking
+    the simulator as little as that takes: beside a plan that fits, one recomputing more is
+    worse whatever its peak (no replay), and a replay stops once the peak is further over the
+    budget than ``bar``'s (:func:`passes.simulate.peak_within`). Most of a search's moves are
+    rejected, so this is what its time goes on."""
+    key = cost_key(graph, segments)
+    if bar[0] == 0 and key > bar[1:]:
+        return None
+    peak = peak_within(graph, segments, budget_bytes + bar[0])
+    if peak is None:
+        return None
+    trial = (max(0, peak - budget_bytes), *key)
+    return trial if trial <= bar else None
+
+
 def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed: int = 0,
            remat: bool = True) -> Plan | None:
     """The best plan a hill climb from each of ``starts`` finds: the least over ``budget_bytes``,
@@ -142,24 +162,28 @@ def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed:
     for start in starts:
         layout = layout_of(graph, start.segments)
         current = (score(graph, start.segments, budget_bytes), start.segments)
-        for _ in range(moves):
+        rejected: set[tuple] = set()  # layouts found no better than the current plan (most moves
+        for _ in range(moves):  # are rejected, and the next move from the same plan often repeats one)
             kind = rng.randrange(6)
             if kind in choices and not choices[kind]:
                 continue
             position = rng.choice(choices[kind]) if kind in choices else rng.randrange(1 if kind in (0, 2) else 0, len(ops))
             flags = layout.flags()[kind]
             flags[position] = not flags[position]
+            state = layout.state()
+            if state in rejected:
+                flags[position] = not flags[position]
+                continue
             try:
                 segments = build(graph, layout, memo)
             except PlanError:
                 segments = current[1]  # rejected below, like a flag nothing reads
-            if segments == current[1]:
-                flags[position] = not flags[position]
-                continue  # a flag nothing reads here, or a layout that is no plan
-            trial = (score(graph, segments, budget_bytes), segments)
-            if trial[0] <= current[0]:
-                current = trial
+            trial = None if segments == current[1] else score_if_no_worse(graph, segments, budget_bytes, current[0])
+            if trial is not None:  # (a flag nothing reads here, or a layout that is no plan: rejected)
+                current = (trial, segments)
+                rejected.clear()
             else:
+                rejected.add(state)
                 flags[position] = not flags[position]
         if best is None or current[0] < best[0]:
             best = current
