@@ -38,34 +38,32 @@ def assert_same_graph(a: nx.DiGraph, b: nx.DiGraph) -> None:
         assert list(a.successors(name)) == list(b.successors(name)), name
 
 
+def zoo_cost_graphs(name: str) -> list[nx.DiGraph]:
+    """Zoo model ``name``'s cost graph profiled without op dedup, then with it."""
+    from graphckpt.tools import zoo
+
+    graphs = []
+    for dedup in (False, True):
+        model, inputs = zoo.make(name)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        gm = capture(model, args, None).graph_module
+        graphs.append(build_cost_graph(gm, prepare(gm, args, None, "flops", dedup=dedup)))
+    return graphs
+
+
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_cost_graphs_are_the_same_with_and_without_dedup(name: str) -> None:
     """Equal cost graphs, and (with ``-m slow``) every strategy's and budget's plan of them
     compared as well: the plans follow from the graphs (:func:`assert_same_graph`), and
     planning both took 8-23 s a model, most of this test's time."""
-    from graphckpt.tools import zoo
-
-    graphs = []
-    for dedup in (False, True):
-        model, inputs = zoo.make(name)
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        gm = capture(model, args, None).graph_module
-        graphs.append(build_cost_graph(gm, prepare(gm, args, None, "flops", dedup=dedup)))
-    assert_same_graph(*graphs)
+    assert_same_graph(*zoo_cost_graphs(name))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_plans_are_the_same_with_and_without_dedup(name: str) -> None:
-    from graphckpt.tools import zoo
-
-    graphs = []
-    for dedup in (False, True):
-        model, inputs = zoo.make(name)
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        gm = capture(model, args, None).graph_module
-        graphs.append(build_cost_graph(gm, prepare(gm, args, None, "flops", dedup=dedup)))
-    assert plans_of(graphs[0]) == plans_of(graphs[1])
+    without, with_dedup = zoo_cost_graphs(name)
+    assert plans_of(without) == plans_of(with_dedup)
 
 
 class Block(nn.Module):
