@@ -314,7 +314,7 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     remake group reading it (each handle of a group holds what the group's remake reads,
     :class:`graphckpt.hooked.HookedSegmentModule`, so a retained graph can remake it again).
     After that op's backward the value is let go; one missing from the map is let go when
-    the segment's forward ends if a remake reads it (:func:`remake_sources`), else at its
+    the segment's forward ends if a remake reads it (:func:`held_in_forward`), else at its
     last use in forward. Values are matched by storage (a saved view holds its owner).
 
     Example: a segment ``fc1, relu1, fc2, relu2, fc3`` keeping ``fc1`` and ``fc2`` remakes
@@ -322,8 +322,8 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     goes after ``relu2``'s backward, before backward reaches ``fc2`` (a linear saves its
     input, not its output), where it used to stay until the segment's backward ended.
     """
-    sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
-    reads = _remake_reads(graph, segment)
+    sources = _sources(graph, segment)
+    reads = _remake_reads(graph, segment, sources)
     if segment.remake_held:  # a handle keeps what the held values made before its own may read
         closure = remake_closures(graph, segment)
         reads = {name: set().union(*(reads[v] for v in closure[name])) for name in reads}
@@ -339,9 +339,13 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     return MappingProxyType(needed)  # shared by every caller (per_segment)
 
 
-def _remake_reads(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, set[str]]:
-    """For each marked value, the inputs and kept values its remake reads."""
-    sources = {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
+def _sources(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
+    """A hooked segment's inputs and kept values by their storage root."""
+    return {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
+
+
+def _remake_reads(graph: nx.DiGraph, segment: SegmentLike, sources: Mapping[str, str]) -> dict[str, set[str]]:
+    """For each marked value, the inputs and kept values (``sources``) its remake reads."""
     reads: dict[str, set[str]] = {}
     for nodes, marked in remake_units(graph, segment):
         inside = set(nodes)
@@ -353,13 +357,15 @@ def _remake_reads(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, set[str]
 
 
 @per_segment
-def remake_sources(graph: nx.DiGraph, segment: SegmentLike) -> frozenset[str]:
-    """The inputs and kept values of a hooked segment that some remake reads. The call holds
-    them until its forward ends (:class:`graphckpt.hooked.HookedSegmentModule` gives each
-    remake what it reads as forward makes it), then only the handles that may remake from
-    them do (:func:`last_needed`); a kept value no remake reads and no op saves goes at its
-    last use in forward, as in eager code."""
-    return frozenset().union(*_remake_reads(graph, segment).values())
+def held_in_forward(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
+    """The kept values a hooked segment's call holds until its forward ends: those backward
+    needs (:func:`last_needed`) and those a remake reads
+    (:class:`graphckpt.hooked.HookedSegmentModule` gives each remake what it reads as forward
+    makes it). A kept value no op saves and no remake reads goes at its last use in forward,
+    as in eager code."""
+    read = set().union(*_remake_reads(graph, segment, _sources(graph, segment)).values())
+    needed = last_needed(graph, segment)
+    return tuple(v for v in segment.saved_inside if v in needed or v in read)
 
 
 @per_segment

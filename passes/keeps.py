@@ -270,8 +270,9 @@ def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulatio
         peak = peak_within(graph, segments, budget_bytes) if remat_still_valid(graph, segments) else None
         if peak is not None:
             chosen, position, run = trial, position + run, run * 2
-            if cost_key(graph, segments) < best_key:
-                best, best_key, best_peak = segments, cost_key(graph, segments), peak
+            key = cost_key(graph, segments)
+            if key < best_key:
+                best, best_key, best_peak = segments, key, peak
         elif run > 1:
             run //= 2
         else:

@@ -39,7 +39,7 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.graph_facts import draws_random, graph_outputs, leaves_nothing, needs_grad, op_nodes, storage_root
-from passes.hooked import keeps_by_hooks, last_needed, redrawn, remake_sources
+from passes.hooked import held_in_forward, keeps_by_hooks, last_needed, redrawn
 from passes.kept_bytes import gradient_bytes
 from passes.recompute import random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.remat import kept_inputs, remat_nodes, run_remat
@@ -99,10 +99,10 @@ def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, ta
     ``kept``: the values kept from forward that it holds (default: ``saved_inside``)."""
     index = memory.index
     nodes = index.id_list(segment.nodes)
-    keep = index.id_list(segment.saved_inside if kept is None else kept)
-    if leaves_nothing(graph, segment):
-        run_forward(memory, nodes, save=False, within=within, keep=keep)
+    if leaves_nothing(graph, segment):  # keeps nothing either
+        run_forward(memory, nodes, save=False, within=within)
         return
+    keep = index.id_list(segment.saved_inside if kept is None else kept)
     for value in index.id_list(kept_inputs(segment)):  # a rematerialized input is not kept: its sources are
         memory.hold(value)
     done = 0
@@ -121,9 +121,8 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
     ops save beyond values, when run by hooks: ``hooked``, with :func:`passes.hooked.last_needed`)."""
     for segment in segments:
         if segment.recompute:
-            needed = hooked.get(segment)  # run by hooks: a kept value no op saves and no remake reads goes
-            kept = None if needed is None else [  # at its last use in forward (passes.hooked.remake_sources)
-                v for v in segment.saved_inside if v in needed or v in remake_sources(graph, segment)]
+            needed = hooked.get(segment)
+            kept = None if needed is None else held_in_forward(graph, segment)
             _call_recomputed(memory, graph, segment, ("rng",), kept=kept)
             if needed is not None:  # run by hooks: what its ops save beyond values stays, but dropout noise
                 drawn = redrawn(graph, segment)
@@ -285,12 +284,17 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     hooks), each storage once. A lower bound on
     its simulated peak, in O(kept values): a plan above the budget by this alone need not
     be simulated."""
-    roots = {storage_root(graph, value) for segment in segments
-             if segment.recompute and not leaves_nothing(graph, segment)
-             for value in (*kept_inputs(segment), *segment.saved_inside)
-             if not keeps_by_hooks(graph, segment) or value in last_needed(graph, segment)}
-    inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments if segment.recompute
-                for value in segment.saved_inside)
+    segments = [s for s in segments if s.recompute]
+    roots: set[str] = set()
+    for segment in segments:
+        if leaves_nothing(graph, segment):
+            continue
+        values = (*kept_inputs(segment), *segment.saved_inside)
+        if keeps_by_hooks(graph, segment):
+            needed = last_needed(graph, segment)
+            values = tuple(v for v in values if v in needed)
+        roots.update(storage_root(graph, value) for value in values)
+    inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments for value in segment.saved_inside)
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
 
 

@@ -100,8 +100,9 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     n_forward = len(nodes["names"])
     trained = trained_outputs(graph)
     loss = loss_working_bytes(graph)
-    if loss_scalar_bytes(graph):
-        add("loss-scalars", loss_scalar_bytes(graph), (), kept=True)
+    scalars = loss_scalar_bytes(graph)
+    if scalars:
+        add("loss-scalars", scalars, (), kept=True)
     own_loss = graph.graph.get("loss")  # its gradient is backward's seed, held to the end
     owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input" or v == own_loss,
                     transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
