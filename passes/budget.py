@@ -14,7 +14,7 @@ import networkx as nx
 
 from passes.blocks import block_mixes
 from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
-from passes.flat_plans import candidates, cheapest_fitting, partially_recomputed
+from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest_fitting, more_segments, partially_recomputed
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
@@ -153,10 +153,16 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     found = plan_for_budget(program, budget_bytes)
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
+    if chosen is None and len(op_nodes(graph)) > THOROUGH_UP_TO:  # few flat plans were tried: try more
+        more = more_segments(graph)
+        chosen, more_tried = cheapest_fitting(graph, more, budget_bytes, None)
+        flat, tried = [*flat, *more], [*tried, *more_tried]
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
     dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
-    on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes)
+    searched_later = len(op_nodes(graph)) <= SEARCH_MAX_OPS  # a dearer dropping plan is a search's start there
+    on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes,
+                           None if searched_later or chosen is None else chosen.cost_key)
               if len(op_nodes(graph)) <= DROPS_MAX_OPS else None)
     if on_top is not None and (dropping is None or on_top.cost_key < dropping.cost_key):
         dropping = on_top

@@ -18,7 +18,7 @@ from passes.drops import dropped_segments, drops_on_top
 from passes.graph_facts import op_nodes
 from passes.plan import build_plan, plan_of_segments
 from passes.remat import runs_by_hooks
-from passes.segments import PlanError
+from passes.segments import PlanError, make_segments
 from passes.simulate import eager_peak
 from tests.equivalence import assert_trains_like_twice, fresh_pair
 
@@ -126,3 +126,37 @@ def test_drops_on_top_of_a_plan_meet_a_budget_it_misses() -> None:
     assert plan.segments[0].nodes == base.segments[0].nodes and plan.segments[0].recompute
     assert any(runs_by_hooks(graph, s) for s in plan.segments)
     assert drops_on_top(graph, [base], int(0.05 * eager_peak(graph))) is None
+
+
+def test_a_value_only_remade_through_a_random_op_is_never_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropping other values only lengthens a value's chain, so one whose chain back to all
+    the plan could hold already runs a random op (a dropout: not :func:`passes.graph_facts.pure`)
+    is refused before the scan builds a plan for it (each build is a rebuild of the whole
+    plan: on GPT-2 such refusals were 99 rebuilds a base)."""
+    import networkx as nx
+
+    import passes.drops as drops
+    from passes.costgraph import add_value
+
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=64, requires_grad=False)
+    add_value(graph, "lin", kind="op", order=1, bytes=64, reads=["x"], flops=100, saved=("x",))
+    add_value(graph, "drop", kind="op", order=2, bytes=64, reads=["lin"], flops=1, random=True, saved=())
+    add_value(graph, "view", kind="op", order=3, bytes=64, reads=["drop"], flops=1, saved=())
+    add_value(graph, "mul", kind="op", order=4, bytes=64, reads=["view", "lin"], flops=1, saved=("view", "lin"))
+    add_value(graph, "output", kind="output", order=5, bytes=0, reads=["mul"])
+    base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
+    built: list[list[str]] = []
+    trial = drops._trial
+
+    def recording(graph: nx.DiGraph, dropped: list[str], segments: object) -> object:
+        built.append(list(dropped))
+        return trial(graph, dropped, segments)
+
+    monkeypatch.setattr(drops, "_trial", recording)
+    assert "view" in drops.drop_order(graph)
+    with pytest.raises(PlanError, match="may not run again"):
+        dropped_segments(graph, ["view"], base.segments)
+    found = list(drops.droppable_values(graph, base.segments))
+    assert "view" not in found and "lin" in found
+    assert not any("view" in dropped for dropped in built)

@@ -290,11 +290,11 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
     base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
     checks: list[bool] = []
 
-    def refuse(*args: object) -> bool:
+    def refuse(*args: object) -> None:
         checks.append(False)
-        return False
+        return None
 
-    monkeypatch.setattr(drops, "_valid", refuse)
+    monkeypatch.setattr(drops, "_trial", refuse)
     monkeypatch.setattr(drops, "DROP_REFUSALS", 3)
     assert len(drops.drop_order(graph)) > 8
     assert list(drops.droppable_values(graph, base.segments, chunk=4)) == []
@@ -312,6 +312,6 @@ def test_dropping_values_skips_exactly_the_values_refused(monkeypatch: pytest.Mo
     base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
     options = list(drops.droppable_values(graph, base.segments))
     refused = set(options[1::3])
-    monkeypatch.setattr(drops, "_valid", lambda graph, dropped, segments: not refused & set(dropped))
+    monkeypatch.setattr(drops, "_trial", lambda graph, dropped, segments: None if refused & set(dropped) else ())
     assert len(refused) < drops.DROP_REFUSALS
     assert list(drops.droppable_values(graph, base.segments, chunk=4)) == [v for v in options if v not in refused]
