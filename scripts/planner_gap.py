@@ -1,6 +1,7 @@
 """How far each strategy's recompute is from the exact optimum (Checkmate-style MILP).
 
     python scripts/planner_gap.py [--graphs 12] [--ops 16] [--seed 0] [--budget-ops 16 40] [--budget-graphs 8]
+                                  [--timing-ops 500]
                                   [--out docs/planner_quality.md] [--quick]
 
 For random DAG cost graphs and for small zoo models' real cost graphs, and each strategy, the
@@ -10,7 +11,8 @@ of the plan over the optimum's, as Checkmate's paper does (it found sqrt(n) on a
 points at 1.14-1.54x). ``optimal`` is planned at auto's peak; the last row plans optimal at
 half of eager's peak or, where no plan reaches that, at the smallest peak a plan reaches.
 A third table plans at 0.3, 0.5 and 0.7 of eager and compares with the MILP at that budget
-(:func:`budget_rows`).
+(:func:`budget_rows`); a fourth times the planner alone on larger random DAGs
+(``--timing-ops``, default 500 ops), where the MILP is not solved.
 """
 
 from __future__ import annotations
@@ -254,6 +256,31 @@ def budget_table(options: argparse.Namespace, sizes: dict[str, dict[str, object]
     return "\n".join(lines)
 
 
+def timing_table(sizes: Sequence[int], graphs: int, seed: int) -> str:
+    """Planning time alone (no MILP: it does not solve graphs this large) of ``fit_budget`` at
+    0.3, 0.5 and 0.7 of eager on ``graphs`` random DAGs of each size, with the plan's recompute
+    over the forward's FLOPs; a budget no plan meets is counted."""
+    lines = ["| graphs | budget (× eager) | planning s (median / max) | recompute / forward FLOPs "
+             "(median / max) | refused |", "|---|---:|---:|---:|---:|"]
+    for ops in sizes:
+        rng = random.Random(seed)
+        family = [random_cost_graph(rng, ops) for _ in range(graphs)]
+        for fraction in FRACTIONS:
+            seconds, ratios, refused = [], [], 0
+            for graph in family:
+                forward = sum(f for _, f in graph.nodes(data="flops"))
+                started = time.perf_counter()
+                try:
+                    ratios.append(fit_budget(graph, int(fraction * eager_peak(graph))).recompute_flops / forward)
+                except BudgetError:
+                    refused += 1
+                seconds.append(time.perf_counter() - started)
+            spread = f"{statistics.median(ratios):.2f} / {max(ratios):.2f}" if ratios else "—"
+            lines.append(f"| {graphs} random DAGs of {ops} ops | {fraction:g} | {statistics.median(seconds):.2f} / "
+                         f"{max(seconds):.2f} | {spread} | {refused} |")
+    return "\n".join(lines)
+
+
 def report(options: argparse.Namespace, command: str) -> str:
     """The markdown fragment: what is compared, the command, the tables."""
     started = time.perf_counter()
@@ -264,6 +291,7 @@ def report(options: argparse.Namespace, command: str) -> str:
     random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit)
     zoo_part, notes = zoo_table(sizes, options.zoo_time_limit)
     budget_part = budget_table(options, sizes)
+    timing_part = timing_table(options.timing_ops, options.budget_graphs, options.seed)
     return (
         "Each strategy's total forward compute (forward + recompute) over the least any schedule "
         "needs at the same simulated peak, found by the Checkmate-style MILP (`passes/checkmate.py`, "
@@ -284,7 +312,10 @@ def report(options: argparse.Namespace, command: str) -> str:
         "both meet; a budget the MILP meets and the planner refuses is counted, not priced; planning "
         "time is `fit_budget`'s wall time per graph on this machine (a refusal includes the true floor's "
         f"MILP, `passes/floor.py`); time limit {options.budget_time_limit:g} s a solve:\n\n"
-        f"{budget_part}\n"
+        f"{budget_part}\n\n"
+        "Planning time on larger random DAGs (the same family), where the MILP is not solved: "
+        "`fit_budget`'s wall time per graph on this machine, and the plan's recompute over the "
+        f"forward's FLOPs:\n\n{timing_part}\n"
     )
 
 
@@ -300,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-ops", type=int, nargs="+", default=[16, 40], help="random DAG sizes of the budget table")
     parser.add_argument("--budget-graphs", type=int, default=8, help="random DAGs of each size in the budget table")
     parser.add_argument("--budget-time-limit", type=float, default=20.0, help="seconds a budget-table solve")
+    parser.add_argument("--timing-ops", type=int, nargs="+", default=[500],
+                        help="random DAG sizes planned for time alone (no MILP)")
     parser.add_argument("--budget-only", action="store_true", help="only the budget table (e.g. to run an older planner)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: few small graphs, short limits")
     parser.add_argument("--out", type=Path, help="write the markdown here instead of printing it")
@@ -310,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         options.budget_graphs, options.budget_ops = min(options.budget_graphs, 2), [min(options.ops, 8)]
         options.time_limit, options.zoo_time_limit = min(options.time_limit, 5), min(options.zoo_time_limit, 5)
         options.budget_time_limit = min(options.budget_time_limit, 5)
+        options.timing_ops = [min(options.timing_ops[0], 80)]
     text = report(options, " ".join(["python scripts/planner_gap.py", *argv]))
     if options.out is None:
         print(text, end="")

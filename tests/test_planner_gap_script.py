@@ -1,4 +1,4 @@
-"""Smoke test of scripts/planner_gap.py: a ``--quick`` run writes both tables, well formed."""
+"""Smoke test of scripts/planner_gap.py: a ``--quick`` run writes every table, well formed."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ def tables(text: str) -> list[list[list[str]]]:
     return found
 
 
-def test_quick_run_writes_both_tables(tmp_path: Path) -> None:
+def test_quick_run_writes_every_table(tmp_path: Path) -> None:
     script = load_script("planner_gap")
     out = tmp_path / "gap.md"
     script.main(["--quick", "--out", str(out)])
     text = out.read_text()
     assert not text.startswith("#") and "python scripts/planner_gap.py --quick" in text
-    random_table, zoo_table, budget_table = tables(text)
+    random_table, zoo_table, budget_table, timing_table = tables(text)
     assert random_table[0] == ["strategy", "median", "worst"]
     assert zoo_table[0][0] == "strategy" and zoo_table[0][1].startswith("mlp (")
     for table in (random_table, zoo_table):
@@ -53,3 +53,11 @@ def test_quick_run_writes_both_tables(tmp_path: Path) -> None:
             assert match or cell == "—", cell
             if match:
                 assert float(match[1]) >= 0.99, row
+
+    assert timing_table[0][:3] == ["graphs", "budget (× eager)", "planning s (median / max)"]
+    assert [row[1] for row in timing_table[2:]] == ["0.3", "0.5", "0.7"]
+    for row in timing_table[2:]:
+        median, worst = (float(x) for x in row[2].split(" / "))
+        assert 0 < median <= worst, row
+        assert row[3] == "—" or all(float(x) >= 0 for x in row[3].split(" / ")), row
+        assert int(row[4]) >= 0
