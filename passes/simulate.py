@@ -82,7 +82,7 @@ def loss_scalar_bytes(graph: nx.DiGraph) -> int:
     is computed outside the model: the caller's loss and the gradient backward starts from
     (``torch.autograd.backward`` keeps its seed until it returns), ``graph.graph["scalar_bytes"]``
     each (a 512-byte block on a GPU). A model's own loss is an output already, and its
-    gradient is the seed, held likewise (:func:`_step_peak`)."""
+    gradient is the seed, held likewise (:func:`step_peak`)."""
     if graph.graph.get("loss") is not None or not trained_outputs(graph):
         return 0
     return 2 * graph.graph.get("scalar_bytes", 0)
@@ -226,10 +226,13 @@ def _stop_holds(graph: nx.DiGraph, stop: Step | None) -> Sequence[str]:
     return graph.nodes[stop]["saved"] if stop else ()
 
 
-def _step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = float("inf")) -> int:
+def step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = float("inf"),
+              memory: LiveMemory | None = None) -> int:
     """Peak live bytes of one forward + backward run segment by segment (raises
-    :class:`passes.sim_memory.LimitExceeded` as soon as they go above ``limit``)."""
-    memory = LiveMemory(graph, limit)
+    :class:`passes.sim_memory.LimitExceeded` as soon as they go above ``limit``), replayed
+    onto ``memory`` when given (a fresh :class:`passes.sim_memory.LiveMemory` of ``graph``:
+    :mod:`passes.sim_peak` passes one that watches the live set)."""
+    memory = LiveMemory(graph, limit) if memory is None else memory
     index = memory.index
     for name, kind in graph.nodes(data="kind"):
         if kind == "input":
@@ -263,7 +266,7 @@ def eager_peak(graph: nx.DiGraph) -> int:
     """Simulated peak of plain eager execution; computed once per cost graph (cost graphs
     are not changed after they are built)."""
     if graph not in _EAGER_PEAKS:
-        _EAGER_PEAKS[graph] = _step_peak(graph, eager_segments(graph))
+        _EAGER_PEAKS[graph] = step_peak(graph, eager_segments(graph))
     return _EAGER_PEAKS[graph]
 
 
@@ -305,7 +308,7 @@ def peak_within(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) ->
     simulation (at 50k nodes the √n candidate of :func:`passes.heuristics.auto_plan` went
     above the articulation plan's peak early in backward)."""
     try:
-        return _step_peak(graph, tuple(segments), limit)
+        return step_peak(graph, tuple(segments), limit)
     except LimitExceeded:
         return None
 
@@ -323,7 +326,7 @@ def simulate(graph: nx.DiGraph, segments: Iterable[Segment], peak_bytes: int | N
     recompute_flops, recompute_bytes = recompute_totals(graph, segments)
     forward = forward_flops(graph)
     return Simulation(
-        peak_bytes=_step_peak(graph, segments) if peak_bytes is None else peak_bytes,
+        peak_bytes=step_peak(graph, segments) if peak_bytes is None else peak_bytes,
         eager_peak_bytes=eager_peak(graph),
         recompute_flops=recompute_flops,
         forward_flops=forward,

@@ -80,6 +80,21 @@ def test_inspect_recompute_per_segment_adds_up(runner: CliRunner) -> None:
     assert sum(s["recompute_flops"] for s in document["segments"]) == document["recompute_flops"]
 
 
+def test_inspect_peak_lists_what_is_alive_there(runner: CliRunner) -> None:
+    """``--peak`` adds the live set at the simulated peak: its kinds add up to the peak, and
+    the largest storages are named by node, largest first."""
+    document = json.loads(ok(invoke(runner, "inspect", MLP, "--strategy", "sqrt", "--peak", "--json")))
+    peak = document["at_peak"]
+    assert peak["peak_bytes"] == document["peak_bytes"]
+    assert sum(peak["bytes_by_kind"].values()) == peak["peak_bytes"]
+    sizes = [row["bytes"] for row in peak["largest"]]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) <= peak["storage_count"]
+    assert peak["reached_by"]
+    text = ok(invoke(runner, "inspect", MLP, "--strategy", "sqrt", "--peak"))
+    assert "at the simulated peak" in text and peak["largest"][0]["node"] in text
+    assert "at the simulated peak" not in ok(invoke(runner, "inspect", MLP, "--strategy", "sqrt"))
+
+
 def test_inspect_budget_and_batch(runner: CliRunner) -> None:
     document = json.loads(ok(invoke(runner, "inspect", "zoo:mlp?depth=4&width=32", "--batch", "8",
                                     "--budget", "0.9", "--json")))

@@ -142,9 +142,10 @@ def inspect(
     png: Annotated[Path | None, typer.Option(help="draw the cut to a PNG file")] = None,
     collapse: Annotated[bool | None, typer.Option("--collapse/--no-collapse",
                                                   help="one box per segment (default: above 60 ops)")] = None,
+    peak: Annotated[bool, typer.Option("--peak", help="also list what is alive at the simulated peak")] = False,
 ) -> None:
     """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
-    from graphckpt.tools.report import inspect_view, plan_document
+    from graphckpt.tools.report import inspect_view, peak_dict, plan_document
 
     check_strategy(strategy)
     parsed_budget = parse_budget_option(budget)
@@ -152,6 +153,8 @@ def inspect(
     analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments)
     document = plan_document(analysis.cost_graph, analysis.plan, target=target, capture=analysis.captured.method,
                              strategy=strategy, budget=budget, planning_seconds=round(seconds, 4))
+    if peak:
+        document["at_peak"] = peak_dict(analysis.cost_graph, analysis.plan)
     if json_:
         _print_json(document)
     else:

@@ -23,6 +23,7 @@ from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.recompute import recomputed_nodes
 from passes.segments import Segment
+from passes.sim_peak import peak_breakdown
 from passes.strategies import STRATEGIES
 from passes.units import format_bytes
 
@@ -129,6 +130,30 @@ def plan_document(graph: nx.DiGraph, plan: Plan, *, target: str, capture: str, s
     }
 
 
+PEAK_ROWS = 15  # storages listed at the peak; the rest are summed in their kinds
+VALUE_SHAPED = ("activation", "recomputed copy", "gradient", "partial gradient")  # shaped as their node's value
+
+
+def peak_dict(graph: nx.DiGraph, plan: Plan, rows: int = PEAK_ROWS) -> dict[str, Any]:
+    """What is alive at the plan's simulated peak (:func:`passes.sim_peak.peak_breakdown`):
+    bytes per kind, and the ``rows`` largest storages, each with its node's label and shape."""
+    breakdown = peak_breakdown(graph, plan.segments)
+    return {
+        "peak_bytes": breakdown.peak_bytes,
+        "reached_by": breakdown.reached_by,
+        "storage_count": len(breakdown.storages),
+        "bytes_by_kind": breakdown.bytes_by_kind(),
+        "largest": [{
+            "node": storage.name,
+            "kind": storage.kind,
+            "recompute_depth": storage.level,
+            "label": graph.nodes[storage.name]["label"] if storage.name in graph else "",
+            "shape": graph.nodes[storage.name].get("shape", "") if storage.kind in VALUE_SHAPED else "",
+            "bytes": storage.bytes,
+        } for storage in breakdown.storages[:rows]],
+    }
+
+
 def compare_strategies(graph: nx.DiGraph, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
     """Run every strategy (default: all of :data:`STRATEGIES`) on ``graph`` and time it.
 
@@ -183,6 +208,20 @@ def _checkpoint_table(document: Mapping[str, Any]) -> Table:
     return table
 
 
+def _peak_table(peak: Mapping[str, Any]) -> Table:
+    kinds = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in peak["bytes_by_kind"].items())
+    table = Table(title=f"at the simulated peak, {format_bytes(peak['peak_bytes'])} in {peak['storage_count']} "
+                        f"storages (reached by the {peak['reached_by']}): {kinds}",
+                  title_justify="left", title_style="bold")
+    for header, justify in (("node", "left"), ("module / op", "left"), ("what", "left"), ("shape", "left"),
+                            ("bytes", "right")):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for row in peak["largest"]:
+        depth = f" (recompute depth {row['recompute_depth']})" if row["recompute_depth"] else ""
+        table.add_row(row["node"], row["label"], row["kind"] + depth, row["shape"], format_bytes(row["bytes"]))
+    return table
+
+
 def summary_text(document: Mapping[str, Any]) -> Text:
     """Simulated peak vs eager, recompute share, capture path and notes, a few lines."""
     text = Text()
@@ -208,8 +247,11 @@ def summary_text(document: Mapping[str, Any]) -> Text:
 
 def inspect_view(document: Mapping[str, Any], *, checkpoints: bool = True) -> Group:
     """What ``graphckpt inspect`` prints: the summary, segments and (unless ``checkpoints``
-    is false, as in the demo, where they run to dozens of rows) checkpoints tables."""
+    is false, as in the demo, where they run to dozens of rows) checkpoints tables, and what
+    is alive at the peak when the document has it (``inspect --peak``)."""
     tables = (_segment_table(document), _checkpoint_table(document)) if checkpoints else (_segment_table(document),)
+    if "at_peak" in document:
+        tables = (*tables, _peak_table(document["at_peak"]))
     return Group(summary_text(document), *tables)
 
 
