@@ -25,6 +25,7 @@ from passes.recompute import cost_key
 from passes.relaxed import Rounded, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, search
 from passes.segments import PlanError, Segment
+from passes.sim_peak import PeakBreakdown, peak_breakdown
 from passes.simulate import eager_peak, forward_floor
 from passes.units import format_bytes, parse_size
 
@@ -43,15 +44,18 @@ class BudgetError(ValueError):
     ``smallest_peak_bytes`` is the floor of graphckpt's plans; ``true_floor_bytes`` the least
     peak any recompute schedule reaches (:func:`passes.floor.true_floor`, the exact MILP, on
     graphs small enough to solve; ``None`` otherwise). Between the two lie budgets that a
-    schedule meets and no plan graphckpt builds yet does.
+    schedule meets and no plan graphckpt builds yet does. ``at_peak`` is what is alive at
+    the smallest plan's peak (:func:`passes.sim_peak.peak_breakdown`): what to shrink
+    (``graphckpt inspect --budget ... --peak`` prints it).
     """
 
     def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None,
                  eager_peak_bytes: int | None = None, strategy: str | None = None,
                  segment_count: int | None = None, kept_values: Sequence[str] = (),
-                 true_floor_bytes: int | None = None) -> None:
+                 true_floor_bytes: int | None = None, at_peak: PeakBreakdown | None = None) -> None:
         super().__init__(message)
         self.true_floor_bytes = true_floor_bytes
+        self.at_peak = at_peak
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
         self.eager_peak_bytes = eager_peak_bytes
@@ -270,7 +274,8 @@ def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
                        f"{_floor_note(floor, best.peak_bytes, best.eager_peak_bytes, budget_bytes)} Raise the budget.",
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
-                       segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor)
+                       segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor,
+                       at_peak=peak_breakdown(graph, best.segments))
 
 
 def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:

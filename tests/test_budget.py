@@ -126,6 +126,8 @@ def test_infeasible_budget_names_the_smallest_peak() -> None:
     assert error.budget_bytes < error.smallest_peak_bytes < error.eager_peak_bytes
     assert error.kept_values and error.strategy and error.segment_count
     assert error.reason in str(error) and "kept values" not in error.reason
+    assert error.at_peak is not None and error.at_peak.peak_bytes == error.smallest_peak_bytes
+    assert set(error.kept_values) <= {s.name for s in error.at_peak.storages}  # what it keeps is alive there
 
 
 def test_budget_with_a_strategy_is_refused() -> None:

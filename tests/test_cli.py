@@ -95,6 +95,16 @@ def test_inspect_peak_lists_what_is_alive_there(runner: CliRunner) -> None:
     assert "at the simulated peak" not in ok(invoke(runner, "inspect", MLP, "--strategy", "sqrt"))
 
 
+def test_inspect_peak_of_a_missed_budget_shows_the_smallest_plans_peak(runner: CliRunner) -> None:
+    """A budget no plan meets fails as before, and with ``--peak`` first shows what the
+    smallest plan holds at its peak: what would have to shrink."""
+    result = invoke(runner, "inspect", MLP, "--budget", "0.05", "--peak")
+    assert result.exit_code == 1 and "no plan fits" in result.output
+    assert "at the smallest plan's simulated peak" in result.output and "activation" in result.output
+    result = invoke(runner, "inspect", MLP, "--budget", "0.05")
+    assert result.exit_code == 1 and "simulated peak," not in result.output
+
+
 def test_inspect_budget_and_batch(runner: CliRunner) -> None:
     document = json.loads(ok(invoke(runner, "inspect", "zoo:mlp?depth=4&width=32", "--batch", "8",
                                     "--budget", "0.9", "--json")))

@@ -146,20 +146,40 @@ def inspect(
 ) -> None:
     """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
     from graphckpt.tools.report import inspect_view, peak_dict, plan_document
+    from passes.sim_peak import peak_breakdown
 
     check_strategy(strategy)
     parsed_budget = parse_budget_option(budget)
     loaded = _load(target, batch)
-    analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments)
+    try:
+        analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments)
+    except BudgetError as error:
+        if peak and error.at_peak is not None:  # what the smallest plan holds at its peak: what to shrink
+            _print_smallest_peak(error, json_)
+        raise
     document = plan_document(analysis.cost_graph, analysis.plan, target=target, capture=analysis.captured.method,
                              strategy=strategy, budget=budget, planning_seconds=round(seconds, 4))
     if peak:
-        document["at_peak"] = peak_dict(analysis.cost_graph, analysis.plan)
+        document["at_peak"] = peak_dict(analysis.cost_graph, peak_breakdown(analysis.cost_graph, analysis.plan.segments))
     if json_:
         _print_json(document)
     else:
         out().print(inspect_view(document))
     _draw(analysis, target, strategy, {"dot": dot, "svg": svg, "png": png}, collapse)
+
+
+def _print_smallest_peak(error: BudgetError, json_: bool) -> None:
+    """What is alive at the peak of the smallest plan a missed budget reports
+    (:attr:`passes.budget.BudgetError.at_peak`), before the error line itself."""
+    import networkx as nx
+
+    from graphckpt.tools.report import peak_dict, peak_table
+
+    peak = peak_dict(nx.DiGraph(), error.at_peak)  # no graph: nodes by name alone
+    if json_:
+        _print_json({"error": str(error), "at_peak": peak})
+    else:
+        out().print(peak_table(peak, "the smallest plan's"))
 
 
 @app.command()

@@ -23,7 +23,7 @@ from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.recompute import recomputed_nodes
 from passes.segments import Segment
-from passes.sim_peak import peak_breakdown
+from passes.sim_peak import PeakBreakdown
 from passes.strategies import STRATEGIES
 from passes.units import format_bytes
 
@@ -134,10 +134,9 @@ PEAK_ROWS = 15  # storages listed at the peak; the rest are summed in their kind
 VALUE_SHAPED = ("activation", "recomputed copy", "gradient", "partial gradient")  # shaped as their node's value
 
 
-def peak_dict(graph: nx.DiGraph, plan: Plan, rows: int = PEAK_ROWS) -> dict[str, Any]:
-    """What is alive at the plan's simulated peak (:func:`passes.sim_peak.peak_breakdown`):
+def peak_dict(graph: nx.DiGraph, breakdown: PeakBreakdown, rows: int = PEAK_ROWS) -> dict[str, Any]:
+    """What is alive at a plan's simulated peak (:func:`passes.sim_peak.peak_breakdown`):
     bytes per kind, and the ``rows`` largest storages, each with its node's label and shape."""
-    breakdown = peak_breakdown(graph, plan.segments)
     return {
         "peak_bytes": breakdown.peak_bytes,
         "reached_by": breakdown.reached_by,
@@ -148,7 +147,8 @@ def peak_dict(graph: nx.DiGraph, plan: Plan, rows: int = PEAK_ROWS) -> dict[str,
             "kind": storage.kind,
             "recompute_depth": storage.level,
             "label": graph.nodes[storage.name]["label"] if storage.name in graph else "",
-            "shape": graph.nodes[storage.name].get("shape", "") if storage.kind in VALUE_SHAPED else "",
+            "shape": graph.nodes[storage.name].get("shape", "") if storage.kind in VALUE_SHAPED and storage.name in graph
+            else "",
             "bytes": storage.bytes,
         } for storage in breakdown.storages[:rows]],
     }
@@ -208,9 +208,11 @@ def _checkpoint_table(document: Mapping[str, Any]) -> Table:
     return table
 
 
-def _peak_table(peak: Mapping[str, Any]) -> Table:
+def peak_table(peak: Mapping[str, Any], whose: str = "the") -> Table:
+    """The ``at_peak`` part of a document (:func:`peak_dict`) as a table, its kinds in the
+    title, which names ``whose`` peak it is."""
     kinds = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in peak["bytes_by_kind"].items())
-    table = Table(title=f"at the simulated peak, {format_bytes(peak['peak_bytes'])} in {peak['storage_count']} "
+    table = Table(title=f"at {whose} simulated peak, {format_bytes(peak['peak_bytes'])} in {peak['storage_count']} "
                         f"storages (reached by the {peak['reached_by']}): {kinds}",
                   title_justify="left", title_style="bold")
     for header, justify in (("node", "left"), ("module / op", "left"), ("what", "left"), ("shape", "left"),
@@ -251,7 +253,7 @@ def inspect_view(document: Mapping[str, Any], *, checkpoints: bool = True) -> Gr
     is alive at the peak when the document has it (``inspect --peak``)."""
     tables = (_segment_table(document), _checkpoint_table(document)) if checkpoints else (_segment_table(document),)
     if "at_peak" in document:
-        tables = (*tables, _peak_table(document["at_peak"]))
+        tables = (*tables, peak_table(document["at_peak"]))
     return Group(summary_text(document), *tables)
 
 
