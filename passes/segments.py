@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from passes.graph_facts import in_order, is_activation, keeps_order, op_nodes
+from passes.graph_facts import in_order, is_activation, keeps_order, leaves_nothing, op_nodes
 from passes.hooked import holdable
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, validate_remat
@@ -175,8 +175,10 @@ def _split_unrecomputable(graph: nx.DiGraph, nodes: list[str], recompute: bool):
 
 def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str, ...]:
     """Activations kept at the edges of recomputed segments (and the sources of inputs they
-    rematerialize), but the values only rematerialized inputs."""
-    held = {v for s in segments if s.recompute for v in kept_inputs(s)}
+    rematerialize), but the values only rematerialized inputs and the inputs of a segment
+    whose call keeps nothing (:func:`passes.graph_facts.leaves_nothing`: they go at their
+    last use, as in eager code)."""
+    held = {v for s in segments if s.recompute and not leaves_nothing(graph, s) for v in kept_inputs(s)}
     dropped = {r.value for s in segments for r in s.remat} - held
     edges = held | {v for s in segments if s.recompute for v in s.outputs}
     kept = {v for v in edges if is_activation(graph, v) and v not in dropped}
