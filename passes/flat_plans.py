@@ -67,19 +67,22 @@ def candidates(graph: nx.DiGraph) -> list[Candidate]:
     return _with_selective(graph, found)
 
 
-MORE_SEGMENTS = (1.25, 1.6, 2.0, 2.5)  # times the default √n count
+MORE_SEGMENTS = (1.0, 1.25, 1.6, 2.0)  # times the default √n count
 
 
 def more_segments(graph: nx.DiGraph) -> list[Candidate]:
     """Flat plans for a graph over :data:`THOROUGH_UP_TO` ops whose :func:`candidates` all miss
-    a budget: the two fast strategies at :data:`MORE_SEGMENTS` times their default count, and
+    a budget: sqrt at more segments than its default count, min-cut (which those candidates
+    try only where articulation points are too few) at :data:`MORE_SEGMENTS` times it, and
     their selective variants. More boundaries hold less each, so a plan recomputing every
-    segment reaches lower. On a 500-op random DAG at 0.3 of eager, where both default plans
-    missed by 2-7%, the planner's answer was a plan dropping 353 values at 3.8x the forward's
-    FLOPs; min-cut at 26-50 segments fits at 0.9x."""
+    segment reaches lower, and min-cut boundaries hold least. On 500-op random DAGs at 0.3 of
+    eager, where the default plans missed by 2-7% (articulation's by 3x: its cut points are
+    few and far between), the planner's answer was a plan dropping hundreds of values at
+    1.6-3.8x the forward's FLOPs; min-cut plans fit at 0.9x."""
     count = op_layout(graph).segment_count
-    counts = sorted({max(count + 1, round(factor * count)) for factor in MORE_SEGMENTS})
-    found = [strategy(graph, c) for c in counts for strategy in (sqrt_candidate, articulation_candidate)]
+    counts = sorted({max(1, round(factor * count)) for factor in MORE_SEGMENTS})
+    found = [mincut_candidate(graph, c) for c in counts]
+    found += [sqrt_candidate(graph, c) for c in counts if c != count]
     return _with_selective(graph, found)
 
 

@@ -216,7 +216,8 @@ def test_a_large_graph_whose_default_flat_plans_miss_tries_more_segments() -> No
     budget = int(0.3 * eager_peak(graph))
     assert min(simulated(graph, c).peak_bytes for c in candidates(graph)) > budget
     default = len(sqrt_candidate(graph).segments)
-    assert all(len(c.segments) > default for c in more_segments(graph))
+    assert {c.strategy for c in more_segments(graph)} >= {"mincut", "sqrt"}
+    assert max(len(c.segments) for c in more_segments(graph)) > default
     plan = fit_budget(graph, budget)
     assert plan.peak_bytes <= budget
     assert plan.recompute_flops <= sum(f for _, f in graph.nodes(data="flops"))
