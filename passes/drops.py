@@ -179,14 +179,20 @@ def droppable_values(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int 
 
 def _reachable_from_held(graph: nx.DiGraph, segments: Sequence[Segment]) -> Callable[[str], bool]:
     """Whether a value could be made again from what ``segments`` hold at all: its chain back
-    to every value the plan holds at some segment's recompute or saves for backward (a superset
-    of what any plan dropping values on top of it holds) is pure and at most
-    :data:`passes.remat.MAX_REMAT_OPS` ops. Dropping other values only lengthens a chain, so a
-    value failing this is refused by every set the scan tries; found here in one trace rather
-    than by a plan rebuild per refusal. On GPT-2 every chain through a dropout fails, and its
+    to every value the plan holds at some segment's recompute, saves for backward, or reads
+    into an op that saves something (such an op, made a one-op recomputed segment when a value
+    it saved is dropped, keeps its inputs: :func:`dropped_segments`) is pure and at most
+    :data:`passes.remat.MAX_REMAT_OPS` ops. That is a superset of what any plan dropping values
+    on top of ``segments`` holds, and dropping values only lengthens a chain, so a value
+    failing this is refused by every set the scan tries; found here in one trace rather than
+    by a plan rebuild per refusal. On GPT-2 every chain through a dropout fails, and its
     refusals were most of a budget plan's time (8 bases, 99 rebuilds each)."""
     held = set().union(*held_at_each(graph, segments))
-    held |= {v for s in segments if not s.recompute for name in s.nodes for v in graph.nodes[name]["saved"]}
+    for segment in segments:
+        if not segment.recompute:
+            for name in segment.nodes:
+                saved = graph.nodes[name]["saved"]
+                held.update((*saved, *graph.predecessors(name)) if saved else ())
     pure = pure_ops(graph)
 
     def reachable(value: str) -> bool:
