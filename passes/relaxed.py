@@ -58,8 +58,8 @@ def with_one_less(keep_sets: list[set[str]]) -> list[set[str]]:
     scalars moved a dense layer's output from a half hold to a full one, and the plan
     keeping it cost 21% more than the one holding it once made."""
     smallest = min(keep_sets, key=len, default=set())
-    fewer = [smallest - {name} for name in sorted(smallest)]
-    return keep_sets + [kept for i, kept in enumerate(fewer) if kept and kept not in keep_sets and kept not in fewer[:i]]
+    fewer = (smallest - {name} for name in sorted(smallest))  # distinct: each lacks another value
+    return keep_sets + [kept for kept in fewer if kept and kept not in keep_sets]
 
 
 def fitted(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float) -> Plan | None:

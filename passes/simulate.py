@@ -230,8 +230,8 @@ def step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = flo
               memory: LiveMemory | None = None) -> int:
     """Peak live bytes of one forward + backward run segment by segment (raises
     :class:`passes.sim_memory.LimitExceeded` as soon as they go above ``limit``), replayed
-    onto ``memory`` when given (a fresh :class:`passes.sim_memory.LiveMemory` of ``graph``:
-    :mod:`passes.sim_peak` passes one that watches the live set)."""
+    onto ``memory`` when given (a fresh :class:`passes.sim_memory.LiveMemory` of ``graph``,
+    whose own limit then applies: :mod:`passes.sim_peak` passes one that watches the live set)."""
     memory = LiveMemory(graph, limit) if memory is None else memory
     index = memory.index
     for name, kind in graph.nodes(data="kind"):
