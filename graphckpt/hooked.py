@@ -16,7 +16,7 @@ gradients (``hooked_i_remake_g``; a dropout in it draws its noise again from the
 state it drew from in forward, :mod:`graphckpt.dropout`); each is let go once its last handle is unpacked. What a
 group's remake reads is held by the group's handles, not by the call: an input or kept
 value goes once the ops that saved it and the handles that may remake from it are done
-(:func:`passes.hooked.last_needed`), and a retained graph's handles keep it for the next
+(:func:`passes.hooked_lifetimes.last_needed`), and a retained graph's handles keep it for the next
 backward.
 
 **Gradients.** Only what backward saved is replaced, by a value computed by the same pure

@@ -13,7 +13,8 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.blocks import block_mixes
-from passes.drops import DROPS_MAX_OPS, drop_bases, drop_plan, drops_on_top
+from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
+from passes.drops import drop_plan
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest_fitting, more_segments, partially_recomputed
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes

@@ -23,7 +23,7 @@ other random op keeps the segment on torch's selective checkpointing.
 
 Memory (``passes.simulate``): inputs and kept values are held from forward until the
 backward of the last op that saved one or saved a value of a group remade from it
-(:func:`last_needed`); what its ops save that is no value of the graph is held from forward
+(:func:`passes.hooked_lifetimes.last_needed`); what its ops save that is no value of the graph is held from forward
 to the end of the segment's backward
 (``saved_extra_bytes``: norm statistics, attention's log-sum-exp, the contiguous copies a
 ``matmul`` of transposed views saves, kept ops' included), which torch's selective mode
@@ -304,68 +304,6 @@ def remake_runs(graph: nx.DiGraph, segment: SegmentLike) -> list[tuple[str, ...]
         return [nodes for nodes, _ in remake_units(graph, segment)]
     recipes = {marked[0]: nodes for nodes, marked in remake_units(graph, segment)}
     return [recipes[value] for step in each_use_schedule(graph, segment) for value in step.made]
-
-
-@per_segment
-def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
-    """For each input and kept value of a hooked segment that backward needs, the op of the
-    segment whose backward needs it last (the earliest in forward order): an op that saved
-    it (autograd holds it until that op's backward), or one that saved a marked value of a
-    remake group reading it (each handle of a group holds what the group's remake reads,
-    :class:`graphckpt.hooked.HookedSegmentModule`, so a retained graph can remake it again).
-    After that op's backward the value is let go; one missing from the map is let go when
-    the segment's forward ends if a remake reads it (:func:`held_in_forward`), else at its
-    last use in forward. Values are matched by storage (a saved view holds its owner).
-
-    Example: a segment ``fc1, relu1, fc2, relu2, fc3`` keeping ``fc1`` and ``fc2`` remakes
-    ``relu2`` from ``fc2``; ``relu2`` is saved by ``fc3`` and by ``relu2`` itself, so ``fc2``
-    goes after ``relu2``'s backward, before backward reaches ``fc2`` (a linear saves its
-    input, not its output), where it used to stay until the segment's backward ended.
-    """
-    sources = _sources(graph, segment)
-    reads = _remake_reads(graph, segment, sources)
-    if segment.remake_held:  # a handle keeps what the held values made before its own may read
-        closure = remake_closures(graph, segment)
-        reads = {name: set().union(*(reads[v] for v in closure[name])) for name in reads}
-    needed: dict[str, str] = {}
-    drawn = set(redrawn(graph, segment))
-    for name in reversed(segment.nodes):  # backward's order: the last write per value wins
-        for value in saved_by(graph, name, drawn):
-            root = storage_root(graph, value)
-            if root in sources:
-                needed[sources[root]] = name
-            for source in reads.get(root, ()):
-                needed[source] = name
-    return MappingProxyType(needed)  # shared by every caller (per_segment)
-
-
-def _sources(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
-    """A hooked segment's inputs and kept values by their storage root."""
-    return {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
-
-
-def _remake_reads(graph: nx.DiGraph, segment: SegmentLike, sources: Mapping[str, str]) -> dict[str, set[str]]:
-    """For each marked value, the inputs and kept values (``sources``) its remake reads."""
-    reads: dict[str, set[str]] = {}
-    for nodes, marked in remake_units(graph, segment):
-        inside = set(nodes)
-        read = {sources[root] for name in nodes for pred in graph.predecessors(name)
-                if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
-        for name in marked:
-            reads[name] = read
-    return reads
-
-
-@per_segment
-def held_in_forward(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
-    """The kept values a hooked segment's call holds until its forward ends: those backward
-    needs (:func:`last_needed`) and those a remake reads
-    (:class:`graphckpt.hooked.HookedSegmentModule` gives each remake what it reads as forward
-    makes it). A kept value no op saves and no remake reads goes at its last use in forward,
-    as in eager code."""
-    read = set().union(*_remake_reads(graph, segment, _sources(graph, segment)).values())
-    needed = last_needed(graph, segment)
-    return tuple(v for v in segment.saved_inside if v in needed or v in read)
 
 
 @per_segment

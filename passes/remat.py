@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from passes.graph_facts import graph_outputs, in_order, leaves_nothing, node_attribute, per_graph_value, pure, pure_ops
-from passes.hooked import SegmentLike, keeps_by_hooks, last_needed
+from passes.hooked import SegmentLike, keeps_by_hooks
+from passes.hooked_lifetimes import last_needed
 from passes.sim_memory import LiveMemory
 from passes.sim_ops import run_forward
 
@@ -131,7 +132,7 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
     own recompute) and return (one the segment uses only inside never reaches the forward code
     calling later segments); and what the ops of kept segments before it saved for their
     backward. A segment run by saved-tensor hooks holds an input or kept value only while its
-    own backward needs it (:func:`passes.hooked.last_needed`), so only those count for it.
+    own backward needs it (:func:`passes.hooked_lifetimes.last_needed`), so only those count for it.
     One pass over the plan."""
     returned = set(graph_outputs(graph))
     earlier: set[str] = set()  # what the segments before the current one hold for it

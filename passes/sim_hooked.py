@@ -23,7 +23,7 @@ def backward_hooked(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, gra
     makes the whole group again, and each value made goes after its last saver's backward
     (a dropout drawn again saves itself: its noise and value go after its own backward).
     The inputs and kept values, held by the call since forward, go after the backward of
-    the last op needing them (``needed``: :func:`passes.hooked.last_needed`)."""
+    the last op needing them (``needed``: :func:`passes.hooked_lifetimes.last_needed`)."""
     if segment.remake_each_use:
         _backward_remaking_each_use(memory, graph, segment, grads, needed)
         return
@@ -113,7 +113,7 @@ def _remake(memory: LiveMemory, group: RemakeGroup, savers: dict[int, int], draw
 
 def _let_go(memory: LiveMemory, needed: Mapping[str, str]) -> dict[int, list[int]]:
     """Op id -> the inputs and kept values going after its backward (``needed``:
-    :func:`passes.hooked.last_needed`, value -> the op needing it last)."""
+    :func:`passes.hooked_lifetimes.last_needed`, value -> the op needing it last)."""
     let_go: dict[int, list[int]] = {}
     for value, name in needed.items():
         let_go.setdefault(memory.index.ids[name], []).append(memory.index.ids[value])

@@ -39,7 +39,8 @@ from weakref import WeakKeyDictionary
 import networkx as nx
 
 from passes.graph_facts import draws_random, graph_outputs, leaves_nothing, needs_grad, op_nodes, storage_root
-from passes.hooked import held_in_forward, keeps_by_hooks, last_needed, redrawn
+from passes.hooked import keeps_by_hooks, redrawn
+from passes.hooked_lifetimes import held_in_forward, last_needed
 from passes.kept_bytes import gradient_bytes
 from passes.recompute import random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.remat import kept_inputs, remat_nodes, run_remat
@@ -118,7 +119,7 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
                       hooked: dict[Segment, Mapping[str, str]]) -> None:
     """Run the step's forward: kept segments save for backward, recomputed ones hold their
     inputs and generator states (and their matmul outputs, when selective; and what their
-    ops save beyond values, when run by hooks: ``hooked``, with :func:`passes.hooked.last_needed`)."""
+    ops save beyond values, when run by hooks: ``hooked``, with :func:`passes.hooked_lifetimes.last_needed`)."""
     for segment in segments:
         if segment.recompute:
             needed = hooked.get(segment)

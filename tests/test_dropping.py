@@ -1,7 +1,7 @@
 """Values dropped by saved-tensor hooks (:mod:`graphckpt.dropping`): an op that saves a
 dropped value runs as eager code, and backward makes the value again when it unpacks it.
 Trains like eager, peaks where the simulator says, costs less than a checkpoint call, and
-the planner drops values on top of any plan (:func:`passes.drops.drops_on_top`).
+the planner drops values on top of any plan (:func:`passes.drop_scan.drops_on_top`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.drops import dropped_segments, drops_on_top
+from passes.drop_scan import drops_on_top
+from passes.drops import dropped_segments
 from passes.graph_facts import op_nodes
 from passes.plan import build_plan, plan_of_segments
 from passes.remat import runs_by_hooks
@@ -135,7 +136,7 @@ def test_a_value_only_remade_through_a_random_op_is_never_tried(monkeypatch: pyt
     plan: on GPT-2 such refusals were 99 rebuilds a base)."""
     import networkx as nx
 
-    import passes.drops as drops
+    import passes.drop_scan as drops
     from passes.costgraph import add_value
 
     graph = nx.DiGraph()
@@ -147,13 +148,13 @@ def test_a_value_only_remade_through_a_random_op_is_never_tried(monkeypatch: pyt
     add_value(graph, "output", kind="output", order=5, bytes=0, reads=["mul"])
     base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
     built: list[list[str]] = []
-    trial = drops._trial
+    trial = drops.dropped_or_none
 
     def recording(graph: nx.DiGraph, dropped: list[str], segments: object) -> object:
         built.append(list(dropped))
         return trial(graph, dropped, segments)
 
-    monkeypatch.setattr(drops, "_trial", recording)
+    monkeypatch.setattr(drops, "dropped_or_none", recording)
     assert "view" in drops.drop_order(graph)
     with pytest.raises(PlanError, match="may not run again"):
         dropped_segments(graph, ["view"], base.segments)

@@ -284,7 +284,7 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
     """Each check of a set of dropped values rebuilds the whole plan, so the scan for values to
     drop stops after ``DROP_REFUSALS`` values were refused instead of trying every value,
     and finds each refused value of a chunk by galloping from its start."""
-    import passes.drops as drops
+    import passes.drop_scan as drops
 
     graph, _ = _mlp_graph()
     base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
@@ -294,7 +294,7 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
         checks.append(False)
         return None
 
-    monkeypatch.setattr(drops, "_trial", refuse)
+    monkeypatch.setattr(drops, "dropped_or_none", refuse)
     monkeypatch.setattr(drops, "DROP_REFUSALS", 3)
     assert len(drops.drop_order(graph)) > 8
     assert list(drops.droppable_values(graph, base.segments, chunk=4)) == []
@@ -306,12 +306,12 @@ def test_dropping_values_gives_up_after_a_few_failed_checks(monkeypatch: pytest.
 def test_dropping_values_skips_exactly_the_values_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bisection in a chunk that fails takes what checking its values one by one takes:
     every value but the refused ones, in order."""
-    import passes.drops as drops
+    import passes.drop_scan as drops
 
     graph, _ = _mlp_graph()
     base = plan_of_segments(graph, "eager", make_segments(graph, [(op_nodes(graph), False)]))
     options = list(drops.droppable_values(graph, base.segments))
     refused = set(options[1::3])
-    monkeypatch.setattr(drops, "_trial", lambda graph, dropped, segments: None if refused & set(dropped) else ())
+    monkeypatch.setattr(drops, "dropped_or_none", lambda graph, dropped, segments: None if refused & set(dropped) else ())
     assert len(refused) < drops.DROP_REFUSALS
     assert list(drops.droppable_values(graph, base.segments, chunk=4)) == [v for v in options if v not in refused]
