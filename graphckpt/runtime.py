@@ -195,7 +195,7 @@ class SegmentModule(nn.Module):
         if self.remat_inputs:
             remade = ", ".join(self.inputs[i] for i in self.remat_inputs)
             kept += f"; drops {remade} after forward and rematerializes it from {', '.join(self.remat_names)}"
-        if not self.reruns and not kept:  # passes.graph_facts.leaves_nothing
+        if not self.reruns and not self.saved_inside and not self.remat_inputs:  # passes.graph_facts.leaves_nothing
             return (f"runs {len(self.nodes)} nodes as eager code would: none saves anything for backward, so the "
                     "call keeps nothing (its inputs go at their last use) and backward reruns nothing")
         span = f"{self.reruns[0]} .. {self.reruns[-1]}" if self.reruns else "nothing"

@@ -46,23 +46,34 @@ class BudgetError(ValueError):
     peak any recompute schedule reaches (:func:`passes.floor.true_floor`, the exact MILP, on
     graphs small enough to solve; ``None`` otherwise). Between the two lie budgets that a
     schedule meets and no plan graphckpt builds yet does. ``at_peak`` is what is alive at
-    the smallest plan's peak (:func:`passes.sim_peak.peak_breakdown`): what to shrink
-    (``graphckpt inspect --budget ... --peak`` prints it).
+    the smallest plan's peak (:func:`passes.sim_peak.peak_breakdown`, replayed when first
+    asked: a caller trying budgets until one fits never pays for it): what to shrink
+    (``graphckpt inspect --budget ... --peak`` prints it, naming nodes from ``cost_graph``).
     """
 
     def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None,
                  eager_peak_bytes: int | None = None, strategy: str | None = None,
                  segment_count: int | None = None, kept_values: Sequence[str] = (),
-                 true_floor_bytes: int | None = None, at_peak: PeakBreakdown | None = None) -> None:
+                 true_floor_bytes: int | None = None, cost_graph: nx.DiGraph | None = None,
+                 smallest_segments: Sequence[Segment] = ()) -> None:
         super().__init__(message)
         self.true_floor_bytes = true_floor_bytes
-        self.at_peak = at_peak
+        self.cost_graph = cost_graph
+        self._smallest_segments = tuple(smallest_segments)
+        self._at_peak: PeakBreakdown | None = None
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
         self.eager_peak_bytes = eager_peak_bytes
         self.strategy = strategy
         self.segment_count = segment_count
         self.kept_values = tuple(kept_values)
+
+    @property
+    def at_peak(self) -> PeakBreakdown | None:
+        """What is alive at the smallest plan's simulated peak; ``None`` for an unreadable budget."""
+        if self._at_peak is None and self.cost_graph is not None:
+            self._at_peak = peak_breakdown(self.cost_graph, self._smallest_segments)
+        return self._at_peak
 
     @property
     def reason(self) -> str:
@@ -159,7 +170,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
     if chosen is None and len(op_nodes(graph)) > THOROUGH_UP_TO:  # few flat plans were tried: try more
-        more = more_segments(graph)
+        simulated_already = {plan.segments for plan in tried}  # articulation may have fallen back to min-cut
+        more = [c for c in more_segments(graph) if c.segments not in simulated_already]
         chosen, more_tried = cheapest_fitting(graph, more, budget_bytes, None)
         flat, tried = [*flat, *more], [*tried, *more_tried]
     origin = ("the dynamic program's plan" if chosen is found else
@@ -276,7 +288,7 @@ def _unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
                        segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor,
-                       at_peak=peak_breakdown(graph, best.segments))
+                       cost_graph=graph, smallest_segments=best.segments)
 
 
 def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:

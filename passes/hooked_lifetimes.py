@@ -34,7 +34,7 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
     input, not its output), where it used to stay until the segment's backward ended.
     """
     sources = _sources(graph, segment)
-    reads = _remake_reads(graph, segment, sources)
+    reads = _remake_reads(graph, segment)
     if segment.remake_held:  # a handle keeps what the held values made before its own may read
         closure = remake_closures(graph, segment)
         reads = {name: set().union(*(reads[v] for v in closure[name])) for name in reads}
@@ -55,8 +55,11 @@ def _sources(graph: nx.DiGraph, segment: SegmentLike) -> dict[str, str]:
     return {storage_root(graph, v): v for v in (*segment.inputs, *segment.saved_inside)}
 
 
-def _remake_reads(graph: nx.DiGraph, segment: SegmentLike, sources: Mapping[str, str]) -> dict[str, set[str]]:
-    """For each marked value, the inputs and kept values (``sources``) its remake reads."""
+@per_segment
+def _remake_reads(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, set[str]]:
+    """For each marked value, the inputs and kept values (:func:`_sources`) its remake reads:
+    found once per segment, for :func:`last_needed` and :func:`held_in_forward` both."""
+    sources = _sources(graph, segment)
     reads: dict[str, set[str]] = {}
     for nodes, marked in remake_units(graph, segment):
         inside = set(nodes)
@@ -64,7 +67,7 @@ def _remake_reads(graph: nx.DiGraph, segment: SegmentLike, sources: Mapping[str,
                 if pred not in inside for root in (storage_root(graph, pred),) if root in sources}
         for name in marked:
             reads[name] = read
-    return reads
+    return MappingProxyType(reads)
 
 
 @per_segment
@@ -74,6 +77,6 @@ def held_in_forward(graph: nx.DiGraph, segment: SegmentLike) -> tuple[str, ...]:
     (:class:`graphckpt.hooked.HookedSegmentModule` gives each remake what it reads as forward
     makes it). A kept value no op saves and no remake reads goes at its last use in forward,
     as in eager code."""
-    read = set().union(*_remake_reads(graph, segment, _sources(graph, segment)).values())
+    read = set().union(*_remake_reads(graph, segment).values())
     needed = last_needed(graph, segment)
     return tuple(v for v in segment.saved_inside if v in needed or v in read)

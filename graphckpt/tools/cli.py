@@ -171,11 +171,9 @@ def inspect(
 def _print_smallest_peak(error: BudgetError, json_: bool) -> None:
     """What is alive at the peak of the smallest plan a missed budget reports
     (:attr:`passes.budget.BudgetError.at_peak`), before the error line itself."""
-    import networkx as nx
-
     from graphckpt.tools.report import peak_dict, peak_table
 
-    peak = peak_dict(nx.DiGraph(), error.at_peak)  # no graph: nodes by name alone
+    peak = peak_dict(error.cost_graph, error.at_peak)
     if json_:
         _print_json({"error": str(error), "at_peak": peak})
     else:

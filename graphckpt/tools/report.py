@@ -147,8 +147,7 @@ def peak_dict(graph: nx.DiGraph, breakdown: PeakBreakdown, rows: int = PEAK_ROWS
             "kind": storage.kind,
             "recompute_depth": storage.level,
             "label": graph.nodes[storage.name]["label"] if storage.name in graph else "",
-            "shape": graph.nodes[storage.name].get("shape", "") if storage.kind in VALUE_SHAPED and storage.name in graph
-            else "",
+            "shape": graph.nodes[storage.name].get("shape", "") if storage.kind in VALUE_SHAPED else "",
             "bytes": storage.bytes,
         } for storage in breakdown.storages[:rows]],
     }
