@@ -136,75 +136,90 @@ def _first_children(chain: Chain, unit: float, selective: bool) -> _FirstChild:
     return _FirstChild(as_int["stored"], as_int["own"], as_int["expensive"], boundary, recompute, cheap)
 
 
-def _windows(values: np.ndarray) -> np.ndarray:
-    """Every row of ``values`` seen through every shift: ``windows[r, s, m]`` is
-    ``values[r, m + s - width]``, ``inf`` left of the row. A view, no copy: what
-    :func:`_shifted` reads, made once for the several shifts of one array."""
-    rows, width = values.shape
-    padded = np.concatenate([np.full((rows, width), np.inf), values], axis=1)
-    return np.lib.stride_tricks.sliding_window_view(padded, width, axis=1)
+def _padded(shape: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A table of rows ``width`` long, all ``inf``, with ``width`` more ``inf`` left of each
+    row: the table (a view), and every row seen through every shift (:func:`_shifted` reads
+    it; a view, no copy), and the padded storage itself."""
+    storage = np.full((*shape, 2 * width), np.inf)
+    return storage[..., width:], np.lib.stride_tricks.sliding_window_view(storage, width, axis=-1), storage
 
 
-def _shifted(windows: np.ndarray, by: np.ndarray) -> np.ndarray:
-    """``out[r, m] = values[r, m - by[r]]`` of the array ``windows`` views (:func:`_windows`):
-    each row's sub-problem run with ``by[r]`` slots already taken (``inf`` where that is more
-    than ``m``). A row copied per row, not an element gathered per element: half the dynamic
-    program's time went to this on a 500-op graph.
+def _shifted(windows: np.ndarray, rows: tuple[np.ndarray, ...], by: np.ndarray) -> np.ndarray:
+    """``out[..., m] = table[rows][..., m - by]`` of the table ``windows`` views
+    (:func:`_padded`): each row's sub-problem run with ``by`` slots already taken (``inf``
+    where that is more than ``m``). A row copied per row, not an element gathered per
+    element: half the dynamic program's time went to this on a 500-op graph.
 
-    >>> _shifted(_windows(np.array([[1.0, 2.0, 3.0]])), np.array([1]))
+    >>> table, windows, _ = _padded((1,), 3)
+    >>> table[0] = [1.0, 2.0, 3.0]
+    >>> _shifted(windows, (np.array([0]),), np.array([1]))
     array([[inf,  1.,  2.]])
     """
-    rows, _, width = windows.shape
-    return windows[np.arange(rows), width - np.minimum(by, width)]
+    width = windows.shape[-1]
+    return windows[(*rows, width - np.minimum(by, width))]
 
 
 def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
           progress: Progress | None = None) -> Table:
-    """Fill the table for every range, shortest first (each range reads shorter ones), then
-    the whole forward, ``top[0]``, whose last child also holds the loss."""
-    n = chain.stages
-    memory = np.arange(slot_count + 1)
+    """Fill the table for every range, shortest first (each range reads shorter ones; all
+    ranges of one length at once), then the whole forward, ``top[0]``, whose last child also
+    holds the loss."""
+    n, width = chain.stages, slot_count + 1
+    memory = np.arange(width)
     first = _first_children(chain, unit, selective)
-    least, choice = np.full((n + 1, n + 1, slot_count + 1), np.inf), np.full((n + 1, n + 1, slot_count + 1), -1)
-    top, top_choice = np.full((n + 1, slot_count + 1), np.inf), np.full((n + 1, slot_count + 1), -1)
+    least, least_windows, _ = _padded((n + 1, n + 1), width)
+    top, top_windows, _ = _padded((n + 1,), width)
+    choice, top_choice = np.full((n + 1, n + 1, width), -1), np.full((n + 1, width), -1)
 
-    def fill(i: int, j: int, rest: np.ndarray, extra: float) -> tuple[np.ndarray, np.ndarray]:
-        """Least recompute of ``[i, j)`` and how, given the costs ``rest[k - i - 1]`` of
-        running ``[k, j)`` after a first child ``[i, k)``."""
-        one_kept = np.where(memory >= slots(chain.stored(i, j) + max(chain.working(i, j), extra), unit), 0.0, np.inf)
-        if j == i + 1:
-            return one_kept, np.full(slot_count + 1, -1)
-        options = _first_child_options(first, memory, least[i, i + 1:j], rest, i, j).reshape(-1, slot_count + 1)
-        best = options.argmin(axis=0)
-        cost = options[best, memory]
+    def fill(starts: np.ndarray, length: int, rest: tuple[np.ndarray, tuple], extra: float
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Least recompute of each range ``[i, i + length)`` (``i`` in ``starts``) and how;
+        ``rest`` gives the cost of running ``[k, i + length)`` after a first child ``[i, k)``
+        (the table's windows and the rows to read, ``(range, k - i - 1)``)."""
+        need = [slots(chain.stored(i, i + length) + max(chain.working(i, i + length), extra), unit) for i in starts]
+        one_kept = np.where(memory[None, :] >= np.array(need)[:, None], 0.0, np.inf)
+        if length == 1:
+            return one_kept, np.full(one_kept.shape, -1)
+        options = _first_child_options(first, memory, least_windows, rest, starts, length).reshape(len(starts), -1, width)
+        best = options.argmin(axis=1)
+        cost = np.take_along_axis(options, best[:, None, :], axis=1)[:, 0]
         better = cost < one_kept
-        return np.where(better, cost, one_kept), np.where(better, 3 * (i + 1) + best, -1)
+        return np.where(better, cost, one_kept), np.where(better, 3 * (starts[:, None] + 1) + best, -1)
 
     for length in range(1, n + 1):
-        for i in range(n - length + 1):
-            j = i + length
-            least[i, j], choice[i, j] = fill(i, j, least[i + 1:j, j], 0.0)
+        starts = np.arange(n - length + 1)
+        ends, k = starts + length, starts[:, None] + np.arange(1, length)[None, :]
+        least[starts, ends], choice[starts, ends] = fill(starts, length, (least_windows, (k, ends[:, None])), 0.0)
         if progress:
             progress(length, n + 1)
     for i in range(n - 1, -1, -1):
-        top[i], top_choice[i] = fill(i, n, top[i + 1:n], chain.finish)
+        rows = (np.arange(i + 1, n)[None, :],)
+        top[i], top_choice[i] = (row[0] for row in fill(np.array([i]), n - i, (top_windows, rows), chain.finish))
     if progress:
         progress(n + 1, n + 1)
     return Table(chain, unit, least, choice, top, top_choice)
 
 
-def _first_child_options(first: _FirstChild, memory: np.ndarray, inner: np.ndarray, rest: np.ndarray,
-                         i: int, j: int) -> np.ndarray:
-    """Cost over memory of each way to run a first child ``[i, k)`` (``k`` in ``i+1 .. j-1``)
-    then the rest, shaped ``(k - i - 1, kind, m)``: kept, recomputed with its own children
-    (whose costs are ``inner``), selective."""
-    k = np.arange(i + 1, j)
-    boundary, own_fits = first.boundary[k], memory[None, :] >= first.own_backward[i, k][:, None]
-    after = _windows(rest)
-    kept = np.where(own_fits, _shifted(after, first.stored[i, k]), np.inf)
-    recomputed = first.recompute[i, k][:, None] + _shifted(_windows(inner), boundary) + _shifted(after, boundary)
-    cheap = np.where(own_fits, first.selective[i, k][:, None] + _shifted(after, boundary + first.expensive[i, k]), np.inf)
-    return np.stack([kept, recomputed, cheap], axis=1)
+def _first_child_options(first: _FirstChild, memory: np.ndarray, least_windows: np.ndarray,
+                         rest: tuple[np.ndarray, tuple], starts: np.ndarray, length: int) -> np.ndarray:
+    """Cost over memory of each way to run a first child ``[i, k)`` of each range
+    ``[i, i + length)`` (``i`` in ``starts``; ``k`` in ``i+1 .. i + length - 1``) then the rest,
+    shaped ``(range, k - i - 1, kind, m)``: kept, recomputed with its own children (the
+    table's ``[i, k)``), selective. ``rest`` is the windows and rows of the rest's costs."""
+    i = starts[:, None]
+    k = i + np.arange(1, length)[None, :]
+    rest_windows, rest_rows = rest
+    boundary = first.boundary[k]
+    options = np.empty((*k.shape, 3, len(memory)))
+    kept, recomputed, cheap = options[:, :, KEPT], options[:, :, RECOMPUTED], options[:, :, SELECTIVE]
+    kept[...] = _shifted(rest_windows, rest_rows, first.stored[i, k])
+    np.add(first.recompute[i, k][..., None], _shifted(least_windows, (i, k), boundary), out=recomputed)
+    recomputed += _shifted(rest_windows, rest_rows, boundary)
+    np.add(first.selective[i, k][..., None], _shifted(rest_windows, rest_rows, boundary + first.expensive[i, k]),
+           out=cheap)
+    too_small = memory < first.own_backward[i, k][..., None]  # the child's own backward does not fit
+    kept[too_small], cheap[too_small] = np.inf, np.inf
+    return options
 
 
 def children(table: Table, i: int, j: int, m: int, top: bool = False) -> list[tuple[int, int, int, list]]:
