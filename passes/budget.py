@@ -15,7 +15,7 @@ import networkx as nx
 from passes.blocks import block_mixes
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
-from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest_fitting, more_segments, partially_recomputed
+from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
@@ -178,9 +178,13 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
     dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
     searched_later = len(op_nodes(graph)) <= SEARCH_MAX_OPS  # a dearer dropping plan is a search's start there
+    scanned = len(op_nodes(graph)) <= DROPS_MAX_OPS
+    built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
+    kept_first = (best_with_keeps(graph, [chosen, *built], budget_bytes)  # the bound the drop scan stops at
+                  if scanned and not searched_later and chosen is not None else None)
     on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes,
-                           None if searched_later or chosen is None else chosen.cost_key)
-              if len(op_nodes(graph)) <= DROPS_MAX_OPS else None)
+                           None if kept_first is None else min(chosen.cost_key, kept_first.cost_key))
+              if scanned else None)
     if on_top is not None and (dropping is None or on_top.cost_key < dropping.cost_key):
         dropping = on_top
     if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
@@ -199,8 +203,11 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                                    [*tried, program.smallest(), *([searched] if searched else [])],
                                    None if floor is None else floor.peak_bytes)
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
-    built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
-    kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
+    if kept_first is None:
+        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # the floor's search adds some
+        kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
+    else:  # filled before the drop scan; a dropping plan that won is filled too
+        kept = cheapest([kept_first, *([best_with_keeps(graph, [chosen], budget_bytes)] if chosen is dropping else [])])
     if kept is not None and kept.cost_key < chosen.cost_key:
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
             origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"

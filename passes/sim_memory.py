@@ -170,14 +170,17 @@ class LiveMemory:
             self.live[key] = nbytes
             self.current += nbytes
             if self.current > self.peak:
-                self._raise_peak(self.current)
+                self.raise_peak(self.current)
 
     def touch(self, nbytes: int) -> None:
         """``nbytes`` live for a moment only (temporaries freed right after they are made)."""
         if self.current + nbytes > self.peak:
-            self._raise_peak(self.current + nbytes)
+            self.raise_peak(self.current + nbytes)
 
-    def _raise_peak(self, peak: int) -> None:
+    def raise_peak(self, peak: int) -> None:
+        """A new running peak: recorded, or :class:`LimitExceeded` past ``limit``. The one
+        place a replay reaches a new peak, so a memory that watches the live set there
+        (:mod:`passes.sim_peak`) overrides it."""
         self.peak = peak
         if peak > self.limit:
             raise LimitExceeded(peak)

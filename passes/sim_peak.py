@@ -117,10 +117,10 @@ class _SnapshotMemory(LiveMemory):
             self.snapshot, self.temporary = dict(self.live), self.target - self.current
         super().touch(nbytes)
 
-    def _raise_peak(self, peak: int) -> None:
+    def raise_peak(self, peak: int) -> None:
         if self.snapshot is None and peak >= self.target and self.current >= self.target:
             self.snapshot, self.reached_by = dict(self.live), self.allocating
-        super()._raise_peak(peak)
+        super().raise_peak(peak)
 
 
 def peak_breakdown(graph: nx.DiGraph, segments: Sequence[Segment]) -> PeakBreakdown:
