@@ -179,9 +179,10 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
     searched_later = len(op_nodes(graph)) <= SEARCH_MAX_OPS  # a dearer dropping plan is a search's start there
     scanned = len(op_nodes(graph)) <= DROPS_MAX_OPS
-    built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
-    kept_first = (best_with_keeps(graph, [chosen, *built], budget_bytes)  # the bound the drop scan stops at
-                  if scanned and not searched_later and chosen is not None else None)
+    kept_first: Plan | None = None
+    if scanned and not searched_later and chosen is not None:  # filled first: the bound the drop scan stops at
+        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
+        kept_first = best_with_keeps(graph, [chosen, *built], budget_bytes)
     on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes,
                            None if kept_first is None else min(chosen.cost_key, kept_first.cost_key))
               if scanned else None)
@@ -203,8 +204,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                                    [*tried, program.smallest(), *([searched] if searched else [])],
                                    None if floor is None else floor.peak_bytes)
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
-    if kept_first is None:
-        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # the floor's search adds some
+    if kept_first is None:  # not filled yet (a search toward the floor may have added plans)
+        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
         kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
     else:  # filled before the drop scan; a dropping plan that won is filled too
         kept = cheapest([kept_first, *([best_with_keeps(graph, [chosen], budget_bytes)] if chosen is dropping else [])])

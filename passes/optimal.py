@@ -136,12 +136,12 @@ def _first_children(chain: Chain, unit: float, selective: bool) -> _FirstChild:
     return _FirstChild(as_int["stored"], as_int["own"], as_int["expensive"], boundary, recompute, cheap)
 
 
-def _padded(shape: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A table of rows ``width`` long, all ``inf``, with ``width`` more ``inf`` left of each
-    row: the table (a view), and every row seen through every shift (:func:`_shifted` reads
-    it; a view, no copy), and the padded storage itself."""
+def _padded(shape: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A table of rows ``width`` long, all ``inf``, stored with ``width`` more ``inf`` left of
+    each row: the table, and every row seen through every shift (what :func:`_shifted`
+    reads). Both are views of one array, so what is written to the table is in the windows."""
     storage = np.full((*shape, 2 * width), np.inf)
-    return storage[..., width:], np.lib.stride_tricks.sliding_window_view(storage, width, axis=-1), storage
+    return storage[..., width:], np.lib.stride_tricks.sliding_window_view(storage, width, axis=-1)
 
 
 def _shifted(windows: np.ndarray, rows: tuple[np.ndarray, ...], by: np.ndarray) -> np.ndarray:
@@ -150,7 +150,7 @@ def _shifted(windows: np.ndarray, rows: tuple[np.ndarray, ...], by: np.ndarray) 
     where that is more than ``m``). A row copied per row, not an element gathered per
     element: half the dynamic program's time went to this on a 500-op graph.
 
-    >>> table, windows, _ = _padded((1,), 3)
+    >>> table, windows = _padded((1,), 3)
     >>> table[0] = [1.0, 2.0, 3.0]
     >>> _shifted(windows, (np.array([0]),), np.array([1]))
     array([[inf,  1.,  2.]])
@@ -167,8 +167,8 @@ def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = 
     n, width = chain.stages, slot_count + 1
     memory = np.arange(width)
     first = _first_children(chain, unit, selective)
-    least, least_windows, _ = _padded((n + 1, n + 1), width)
-    top, top_windows, _ = _padded((n + 1,), width)
+    least, least_windows = _padded((n + 1, n + 1), width)
+    top, top_windows = _padded((n + 1,), width)
     choice, top_choice = np.full((n + 1, n + 1, width), -1), np.full((n + 1, width), -1)
 
     def fill(starts: np.ndarray, length: int, rest: tuple[np.ndarray, tuple], extra: float
