@@ -1,7 +1,7 @@
 """Flat plans: every heuristic strategy's segments over a range of counts, their partly
 recomputed and selective variants, and the cheapest of them that fits a budget.
 
-They are the budget planner's (:func:`passes.budget.fit_budget`) second source beside the
+They are the budget planner's (:func:`passes.budget_search.fit_budget`) second source beside the
 dynamic program, and where it looks when the program's estimates lead it astray. Pricing
 a plan is cheap and simulating it is not, so :func:`cheapest_fitting` simulates them
 cheapest first, only while one could still win.

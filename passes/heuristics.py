@@ -12,7 +12,7 @@
 * :func:`auto_plan` — runs sqrt, articulation and mincut and keeps the lowest simulated peak.
 
 Each ``*_candidate`` function returns segments not yet simulated (the budget search prices
-many of them, :mod:`passes.budget`); each ``*_plan`` function is a
+many of them, :mod:`passes.budget_search`); each ``*_plan`` function is a
 :class:`passes.strategies.Strategy` of the registry there, next to ``optimal``.
 
 Every segment except the last is recomputed: the last one's backward runs right after

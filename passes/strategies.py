@@ -6,10 +6,10 @@ holds each one by name:
 * ``sqrt``, ``articulation``, ``mincut``, ``blocks``, ``auto``: the heuristics of
   :mod:`passes.heuristics` (``blocks``: per-block checkpointing from the module tree);
 * ``optimal``: least recompute at auto's peak, nested segments allowed
-  (:func:`passes.budget.optimal_plan`).
+  (:func:`passes.budget_search.optimal_plan`).
 
 :func:`plan_graph` is what the torch side calls: a strategy by name, or with a ``budget``
-the optimal pass within it (:func:`passes.budget.fit_budget`); both are checked by
+the optimal pass within it (:func:`passes.budget_search.fit_budget`); both are checked by
 :func:`check_request` first.
 """
 
@@ -19,7 +19,8 @@ from typing import Protocol
 
 import networkx as nx
 
-from passes.budget import Budget, fit_budget, optimal_plan, parse_budget
+from passes.budget import Budget, parse_budget
+from passes.budget_search import fit_budget, optimal_plan
 from passes.heuristics import articulation_plan, auto_plan, blocks_plan, mincut_plan, sqrt_plan
 from passes.plan import Plan, Progress
 from passes.simulate import eager_peak

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import networkx as nx
 
-from passes.budget import BudgetError, fit_budget
+from passes.budget import BudgetError
+from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
 from passes.costgraph import add_value
 from passes.flat_plans import candidate_plans

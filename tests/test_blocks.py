@@ -13,7 +13,7 @@ from graphckpt.api import cost_model, plan_cost_graph
 from graphckpt.capture import CaptureError, block_paths
 from graphckpt.tools import zoo
 from passes.blocks import block_names, block_runs
-from passes.budget import BLOCKS_MARGIN, blocks_within_margin
+from passes.budget_search import BLOCKS_MARGIN, blocks_within_margin
 from passes.keeps import add_keeps, ranked_keeps
 from passes.plan import plan_of_segments
 from passes.recompute import cost_key
@@ -124,7 +124,8 @@ def test_a_plan_rated_within_the_margin_gives_way_to_per_block() -> None:
 
 def test_block_plans_recompute_whole_blocks_and_as_few_as_a_budget_needs() -> None:
     from passes.blocks import recomputed_blocks
-    from passes.budget import BudgetError, block_plan
+    from passes.budget import BudgetError
+    from passes.budget_search import block_plan
     from passes.simulate import eager_peak
 
     model, inputs = zoo.make("gpt", layers=6, batch=4)

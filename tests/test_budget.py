@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import graphckpt
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.budget import BudgetError, fit_budget, parse_budget
+from passes.budget import BudgetError, parse_budget
+from passes.budget_search import fit_budget
 from passes.costgraph import add_value
 from passes.flat_plans import candidate_plans, candidates, cheapest_fitting
 from passes.graph_facts import op_nodes
@@ -232,7 +233,7 @@ def test_on_a_graph_past_the_local_search_the_drop_scan_stops_at_the_filled_plan
     500-op DAGs' 24 budgets)."""
     import random
 
-    import passes.budget as budget_module
+    import passes.budget_search as budget_module
     from passes.search import SEARCH_MAX_OPS
     from scripts.planner_gap import random_cost_graph
 

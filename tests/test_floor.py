@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from passes.budget import BudgetError, fit_budget
+from passes.budget import BudgetError
+from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
 from passes.floor import FLOOR_MAX_OPS, true_floor
 from passes.optimal import DynamicProgram

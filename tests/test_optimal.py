@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
-from passes.budget import BudgetError, fit_budget
+from passes.budget import BudgetError
+from passes.budget_search import fit_budget
 from passes.chain import Chain, build_chain
 from passes.graph_facts import op_nodes
 from passes.optimal import (

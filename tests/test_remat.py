@@ -19,7 +19,7 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.budget import fit_budget
+from passes.budget_search import fit_budget
 from passes.drops import drop_plan
 from passes.graph_facts import op_nodes
 from passes.optimal import DynamicProgram

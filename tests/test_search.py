@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from passes.budget import BudgetError, fit_budget
+from passes.budget import BudgetError
+from passes.budget_search import fit_budget
 from passes.optimal import DynamicProgram
 from passes.search import SEARCH_MAX_OPS, build, layout_of, search
 from passes.segments import validate_plan

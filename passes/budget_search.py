@@ -1,0 +1,200 @@
+"""The cheapest plan that fits a memory budget (:func:`fit_budget`, what ``budget=`` and
+the ``optimal`` strategy run), and per-block checkpointing at a budget (:func:`block_plan`).
+How a budget is read and what a refusal says are :mod:`passes.budget`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import networkx as nx
+
+from passes.blocks import block_mixes
+from passes.budget import unreachable
+from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
+from passes.drops import drop_plan
+from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
+from passes.floor import true_floor
+from passes.graph_facts import op_nodes
+from passes.heuristics import auto_plan, blocks_candidate
+from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
+from passes.optimal import DynamicProgram, plan_for_budget
+from passes.plan import Plan, Progress, build_plan, simulated
+from passes.recompute import cost_key
+from passes.relaxed import Rounded, relaxed_plans, remakes_of
+from passes.search import SEARCH_MAX_OPS, search
+from passes.segments import PlanError, Segment
+from passes.simulate import eager_peak, forward_floor
+from passes.units import format_bytes
+
+
+def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
+    """The plan that recomputes nothing, for a budget eager's peak already fits."""
+    note = f"{strategy}: eager fits {format_bytes(budget_bytes, 'MiB')}; nothing is recomputed"
+    return build_plan(graph, strategy, [(op_nodes(graph), False)], [note])
+
+
+def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
+    """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
+    program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
+    the best of the flat :func:`passes.flat_plans.candidates`; then the spare memory filled with values its
+    recomputed segments keep, chosen one by one, or a plan nearly fitting brought under by
+    giving up some of what it keeps (:mod:`passes.keeps`), and on small graphs a
+    local search from there (:mod:`passes.search`), which also looks below the program's
+    floor. Its ``strategy`` is ``"optimal"``; a note says which plan won.
+
+    Raises :class:`BudgetError` naming the smallest peak any plan reaches, the values its
+    plan still keeps and, on small graphs, the true floor (:mod:`passes.floor`) when none fits.
+    """
+    if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
+        return _eager_fits(graph, "optimal", budget_bytes)
+    program = DynamicProgram(graph, progress=progress)
+    found = plan_for_budget(program, budget_bytes)
+    flat = candidates(graph)
+    chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
+    if chosen is None and len(op_nodes(graph)) > THOROUGH_UP_TO:  # few flat plans were tried: try more
+        simulated_already = {plan.segments for plan in tried}  # articulation may have fallen back to min-cut
+        more = [c for c in more_segments(graph) if c.segments not in simulated_already]
+        chosen, more_tried = cheapest_fitting(graph, more, budget_bytes, None)
+        flat, tried = [*flat, *more], [*tried, *more_tried]
+    origin = ("the dynamic program's plan" if chosen is found else
+              f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
+    dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
+    searched_later = len(op_nodes(graph)) <= SEARCH_MAX_OPS  # a dearer dropping plan is a search's start there
+    scanned = len(op_nodes(graph)) <= DROPS_MAX_OPS
+    kept_first: Plan | None = None
+    if scanned and not searched_later and chosen is not None:  # filled first: the bound the drop scan stops at
+        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
+        kept_first = best_with_keeps(graph, [chosen, *built], budget_bytes)
+    on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes,
+                           None if kept_first is None else min(chosen.cost_key, kept_first.cost_key))
+              if scanned else None)
+    if on_top is not None and (dropping is None or on_top.cost_key < dropping.cost_key):
+        dropping = on_top
+    if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
+        chosen, origin = dropping, "a plan dropping values cheap to make again (passes.drops)"
+    rounded: Rounded | None = None  # the relaxation is solved at most once
+    if chosen is None:  # below the floor of the program and the flat plans: search toward it
+        smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
+        searched = search(graph, smallest, budget_bytes)
+        if searched is not None and searched.peak_bytes <= budget_bytes:
+            chosen, origin = searched, "a searched plan below the dynamic program's floor"
+        else:  # values made more than once reach lower (passes.relaxed)
+            rounded = relaxed_plans(graph, budget_bytes)
+            if rounded.searchable is None:
+                floor = true_floor(graph)
+                raise unreachable(graph, budget_bytes,
+                                   [*tried, program.smallest(), *([searched] if searched else [])],
+                                   None if floor is None else floor.peak_bytes)
+            chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
+    if kept_first is None:  # not filled yet (a search toward the floor may have added plans)
+        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
+        kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
+    else:  # filled before the drop scan; a dropping plan that won is filled too
+        kept = cheapest([kept_first, *([best_with_keeps(graph, [chosen], budget_bytes)] if chosen is dropping else [])])
+    if kept is not None and kept.cost_key < chosen.cost_key:
+        if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
+            origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
+        chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
+    trimmed = best_without_keeps(graph, built, budget_bytes)
+    if trimmed is not None and trimmed.cost_key < chosen.cost_key:
+        chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
+                                   f"by one, {_kept_count(trimmed)} left")
+    rounded = rounded if rounded is not None else relaxed_plans(graph, budget_bytes)  # solved at most once
+    unrounded = chosen
+    if rounded.searchable is not None and rounded.searchable.cost_key < chosen.cost_key:
+        chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
+    others = [plan for plan in (dropping, unrounded) if plan is not None and plan is not chosen]
+    searched = search(graph, [chosen, *others], budget_bytes)  # from the plan dropping values too
+    if searched is not None and searched.peak_bytes <= budget_bytes and searched.cost_key < chosen.cost_key:
+        chosen, origin = searched, (f"{origin}, then bettered by a local search over segments and kept values "
+                                    "from it and the plans before it")
+    if rounded.plan is not None and rounded.plan.cost_key < chosen.cost_key:  # values held once made again
+        chosen, origin = rounded.plan, _relaxed_origin(rounded.plan)
+    blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)
+    if blocks is not None:
+        chosen, origin = blocks, (f"per-block checkpointing: {origin} was rated less than {BLOCKS_MARGIN:.0%} "
+                                  "cheaper, within what the cost model gets wrong")
+    note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
+            f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
+    return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
+
+
+def _relaxed_origin(plan: Plan) -> str:
+    """How a plan of :func:`passes.relaxed.relaxed_plan` came about, for the plan's note."""
+    each = remakes_of(plan)
+    return (f"one segment run by hooks keeping {_kept_count(plan)} values rounded from the exact schedule's LP "
+            f"relaxation (passes.relaxed){f', {each}' if each else ''}")
+
+
+BLOCKS_MARGIN = 0.02
+
+
+def blocks_within_margin(graph: nx.DiGraph, chosen: Plan, budget_bytes: int,
+                         simulated_already: Sequence[Plan] = ()) -> Plan | None:
+    """Per-block checkpointing (:func:`passes.heuristics.blocks_candidate`) in place of
+    ``chosen`` when it fits the budget and ``chosen`` is rated less than :data:`BLOCKS_MARGIN`
+    cheaper; else ``None``. Per-block's plan is taken from ``simulated_already`` when it is
+    there (the flat candidates a budget search simulated).
+
+    Near per-block's memory the planner's other plans differ from it by a percent or two of
+    predicted recompute, less than the cost model's error there: on Hugging Face LLaMA at
+    per-block's peak a plan rated 1.9% cheaper in FLOPs stepped 1.014x per-block's, one
+    rated cheaper in measured op time 1.058x, while graphckpt's ``blocks`` stepped 0.996x
+    (docs/per_block.md). Per-block checkpointing is the plan whose step is known.
+    """
+    candidate = blocks_candidate(graph)
+    if candidate is None:
+        return None
+    rated = cost_key(graph, candidate.segments)  # priced before simulating: simulating is what costs
+    if chosen.cost_key >= rated or chosen.cost_key[0] < (1 - BLOCKS_MARGIN) * rated[0]:
+        return None
+    if forward_floor(graph, candidate.segments) > budget_bytes:
+        return None
+    layout = _layout(candidate.segments)
+    plan = next((p for p in simulated_already if _layout(p.segments) == layout), None) or simulated(graph, candidate)
+    return plan if plan.peak_bytes <= budget_bytes else None
+
+
+def _layout(segments: Sequence[Segment]) -> list[tuple]:
+    """What a plan runs: each segment's nodes, whether it is recomputed, what it keeps and
+    its nested segments (a selective variant of a plan is another plan)."""
+    return [(s.nodes, s.recompute, s.saved_inside, _layout(s.children)) for s in segments]
+
+
+def _kept_count(plan: Plan) -> int:
+    return sum(len(segment.saved_inside) for _, segment in leaf_segments(plan.segments))
+
+
+def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
+    """Per-block checkpointing that a module tree can carry out in place: every block
+    recomputed, or for ``budget_bytes`` the plan of least recompute that fits it among
+    recomputing the first r blocks whole and the next s selectively
+    (:func:`passes.blocks.block_mixes`; eager when eager fits). Each recomputed segment is
+    one block's run, so ``graphckpt.enable`` can checkpoint the block's own ``forward``.
+
+    Raises :class:`passes.segments.PlanError` when the graph names no blocks, and
+    :class:`BudgetError` naming the smallest peak when no such plan fits.
+    """
+    every = blocks_candidate(graph)
+    if every is None:
+        raise PlanError("no blocks to checkpoint in place: the model has no repeated child modules "
+                        "(a ModuleList or Sequential of same-class layers); name them with blocks=[...]")
+    if budget_bytes is None:
+        return simulated(graph, every)
+    if eager_peak(graph) <= budget_bytes:
+        return _eager_fits(graph, "blocks", budget_bytes)
+    flat = [every, *partially_recomputed(graph, every), *block_mixes(graph, every)]
+    chosen, tried = cheapest_fitting(graph, flat, budget_bytes, None)
+    if chosen is None:
+        raise unreachable(graph, budget_bytes, tried)
+    return chosen
+
+
+def optimal_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+    """Least recompute for the peak :func:`passes.heuristics.auto_plan` reaches (without a
+    budget, "optimal" keeps auto's memory and cuts its recompute): the ``"optimal"``
+    :class:`passes.strategies.Strategy`. ``segments`` is ignored: the program chooses
+    segments itself."""
+    return fit_budget(graph, auto_plan(graph).peak_bytes, progress)
