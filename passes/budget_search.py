@@ -60,12 +60,12 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         flat, tried = [*flat, *more], [*tried, *more_tried]
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
-    dropping = drop_plan(graph, budget_bytes) if len(op_nodes(graph)) <= SEARCH_MAX_OPS else None
     searched_later = len(op_nodes(graph)) <= SEARCH_MAX_OPS  # a dearer dropping plan is a search's start there
+    dropping = drop_plan(graph, budget_bytes) if searched_later else None
     scanned = len(op_nodes(graph)) <= DROPS_MAX_OPS
     kept_first: Plan | None = None
     if scanned and not searched_later and chosen is not None:  # filled first: the bound the drop scan stops at
-        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]  # plans to fill or trim
+        built = _to_fill(graph, program, tried, budget_bytes)
         kept_first = best_with_keeps(graph, [chosen, *built], budget_bytes)
     on_top = (drops_on_top(graph, drop_bases(graph, [*program.plans(), *tried], budget_bytes, chosen), budget_bytes,
                            None if kept_first is None else min(chosen.cost_key, kept_first.cost_key))
@@ -89,7 +89,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                                    None if floor is None else floor.peak_bytes)
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     if kept_first is None:  # not filled yet (a search toward the floor may have added plans)
-        built = [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
+        built = _to_fill(graph, program, tried, budget_bytes)
         kept = best_with_keeps(graph, [chosen, *built], budget_bytes)
     else:  # filled before the drop scan; a dropping plan that won is filled too
         kept = cheapest([kept_first, *([best_with_keeps(graph, [chosen], budget_bytes)] if chosen is dropping else [])])
@@ -119,6 +119,12 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
+
+
+def _to_fill(graph: nx.DiGraph, program: DynamicProgram, tried: Sequence[Plan], budget_bytes: int) -> list[Plan]:
+    """The plans to fill with kept values or trim of them: the program's plans built so far,
+    the flat plans simulated, and the selective starts for this budget."""
+    return [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
 
 
 def _relaxed_origin(plan: Plan) -> str:
