@@ -46,6 +46,7 @@ class GraphIndex:
     owns: list[bool]  # the node owns its storage (not an alias)
     nbytes: list[int]
     roots: list[int]  # the id owning each node's storage
+    value_keys: list[int]  # the key of each node's storage in forward (:meth:`LiveMemory.key` with no recompute open)
     readers: list[tuple[int, ...]]
     activation_reads: list[tuple[int, ...]]  # reads that are not parameters: what a read releases
     saved: list[tuple[int, ...]]
@@ -106,6 +107,7 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         owns=[alias is None for alias in columns["alias_of"]],
         nbytes=columns["bytes"],
         roots=roots,
+        value_keys=[slot(root, VALUE) for root in roots],
         readers=[tuple(ids[r] for r in succ[name]) for name in names],
         activation_reads=[tuple(v for v in read if not is_param[v]) for read in reads],
         saved=[tuple(map(ids.__getitem__, saved)) for saved in columns["saved"]],
@@ -159,6 +161,8 @@ class LiveMemory:
         """The key of ``node``'s storage: forward's, or the innermost recompute's copy."""
         root = self.index.roots[node]
         fresh = self.fresh
+        if not fresh:  # forward, and kept segments' backward: forward's storage
+            return self.index.value_keys[node]
         for level in range(len(fresh) - 1, -1, -1):
             if root in fresh[level]:
                 return ((level + 1) * self.size + root) * SLOT_KINDS + VALUE

@@ -27,26 +27,30 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
     index = memory.index
     owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
     reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
+    saved_extra = index.saved_extra
     kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
     taken = frozenset(consumed)
+    keys = None if memory.fresh else index.value_keys  # no recompute open: forward's storages, looked up
     for node in nodes:
-        key = memory.key(node)
+        key = memory.key(node) if keys is None else keys[node]
         if owns[node]:
             memory.allocate(key, nbytes[node])
         here = readers[node] if within is None else [r for r in readers[node] if r in within]
         memory.hold(node, len(here) + (node in kept), key)
         if save:
             for value in saved[node]:
-                memory.hold(value)
-            memory.allocate(slot(node, EXTRA), index.saved_extra[node])
-        memory.touch(forward_extra[node])
+                memory.hold(value, 1, None if keys is None else keys[value])
+            if saved_extra[node]:
+                memory.allocate(slot(node, EXTRA), saved_extra[node])
+        if forward_extra[node]:
+            memory.touch(forward_extra[node])
         for value in reads[node]:
             if within is None or value in within:
-                memory.release(value)
+                memory.release(value, 1, None if keys is None else keys[value])
         memory.release(node, 1 if node in taken else 0, key)
         # A selective segment keeps the matmul outputs inside a kept node until its recompute
         # reruns the node (the cache is consumed there).
-        if not selective:
+        if not selective or not selective_extra[node]:  # (nothing is cached for it then)
             continue
         if node in kept:
             memory.allocate(slot(node, SELECTIVE_EXTRA), selective_extra[node])
@@ -61,6 +65,7 @@ def run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> N
     (those added into existing buffers too), for a moment after its gradients are made.
     """
     index = memory.index
+    keys = None if memory.fresh else index.value_keys  # as in :func:`run_forward`
     for node in reversed(nodes):
         early = index.released_early[node] if node in grads else ()  # let go by its first functions
         if node in grads:
@@ -68,8 +73,9 @@ def run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> N
             grads.discard(node)
         for value in index.saved[node]:
             if value not in early:
-                memory.release(value)
-        memory.free(slot(node, EXTRA))
+                memory.release(value, 1, None if keys is None else keys[value])
+        if index.saved_extra[node]:  # (never allocated otherwise)
+            memory.free(slot(node, EXTRA))
 
 
 def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> None:
@@ -95,14 +101,17 @@ def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> None:
             own -= nbytes
         else:  # a later one is made beside it, and their sum (out of place) replaces it
             own += nbytes
-    memory.allocate(slot(node, PARAM_GRAD), max(0, own))
+    if own > 0:
+        memory.allocate(slot(node, PARAM_GRAD), own)
     for value in index.released_early[node]:
         memory.release(value)
     # Kernel scratch lives while every gradient the node returns exists: the new
     # buffers and parameter gradients above and those still to be added into a buffer.
     extra = index.backward_extra[node]
-    memory.touch(extra and extra + partial)
-    memory.free(slot(node, PARAM_GRAD))
+    if extra:
+        memory.touch(extra + partial)
+    if own > 0:
+        memory.free(slot(node, PARAM_GRAD))
     for param, _ in shared:
         memory.pending_readers[param] -= 1
         if memory.pending_readers[param] == 0:
