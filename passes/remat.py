@@ -28,7 +28,7 @@ inside its parent's, where its inputs are recomputed values anyway).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import networkx as nx
@@ -67,7 +67,7 @@ def remat_chain(graph: nx.DiGraph, value: str, keep: Iterable[str], limit: int |
     that start at a value of ``keep``, a model input or a parameter (the sources are the ones
     of those that are not parameters and that the chain reads). :class:`ChainTooLong` as soon
     as the chain has more than ``limit`` ops."""
-    stop = keep if isinstance(keep, (set, frozenset)) else set(keep)
+    stop = keep if isinstance(keep, (set, frozenset, HeldAt)) else set(keep)
     last = _last_chains(graph).get(value)
     if last is not None and _same_chain(graph, last, stop) and (limit is None or len(last.nodes) <= limit):
         return last
@@ -98,7 +98,7 @@ def _last_chains(graph: nx.DiGraph) -> dict[str, Remat]:
     return {}
 
 
-def _same_chain(graph: nx.DiGraph, remat: Remat, stop: set[str] | frozenset[str]) -> bool:
+def _same_chain(graph: nx.DiGraph, remat: Remat, stop: Container[str]) -> bool:
     """Whether tracing ``remat.value`` back to ``stop`` gives ``remat`` again: the trace
     looks only at the nodes it visits, and it visits the same ones when each source is still
     a stop (or a model input) and no op of the chain but the value itself is one."""
@@ -123,7 +123,27 @@ def runs_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     return attributes["saves_from"] != "outputs" or (name in segment.saved_inside and not attributes["expensive"])
 
 
-def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set[str]]:
+class HeldAt(Container[str]):
+    """The activations :func:`held_at_each` finds alive at one segment's recompute: the
+    graph's outputs, what the segments before it hold for later ones, and its own kept
+    inputs. A view of what the whole plan holds, by the segment each value is first held
+    after, not a copy per segment: a plan dropping hundreds of values has hundreds of
+    segments, and copying the growing set for each was a quarter of building one."""
+
+    __slots__ = ("always", "first_held", "index", "own")
+
+    def __init__(self, always: set[str], first_held: dict[str, int], index: int, own: set[str]) -> None:
+        self.always, self.first_held, self.index, self.own = always, first_held, index, own
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.own or value in self.always or self.first_held.get(value, self.index) < self.index
+
+    def __iter__(self) -> Iterator[str]:
+        earlier = (value for value, after in self.first_held.items() if after < self.index)
+        return iter({*self.always, *earlier, *self.own})
+
+
+def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[HeldAt]:
     """For each top-level segment, the activations certainly alive when backward recomputes it
     (its backward comes before the segments before it): the graph's outputs; the inputs the
     recomputed segments up to it keep from forward (not counting inputs they rematerialize,
@@ -135,23 +155,27 @@ def held_at_each(graph: nx.DiGraph, segments: Sequence[SegmentLike]) -> list[set
     own backward needs it (:func:`passes.hooked_lifetimes.last_needed`), so only those count for it.
     One pass over the plan."""
     returned = set(graph_outputs(graph))
-    earlier: set[str] = set()  # what the segments before the current one hold for it
+    saved = node_attribute(graph, "saved")
+    first_held: dict[str, int] = {}  # value -> the segment after which it is held for later ones
     result = []
-    for segment in segments:
+    for index, segment in enumerate(segments):
         own: set[str] = set()
         if segment.recompute and not leaves_nothing(graph, segment):  # such a call holds nothing
             dropped = {r.value for r in segment.remat}
             own = {v for v in segment.inputs if v not in dropped}
-        result.append(returned | earlier | own)
+        result.append(HeldAt(returned, first_held, index, own))
         if not segment.recompute:
-            earlier |= {v for name in segment.nodes for v in graph.nodes[name]["saved"]}
+            for name in segment.nodes:
+                for value in saved[name]:
+                    first_held.setdefault(value, index)
             continue
         held = own
         if not segment.children:  # forward's value: only an output reaches later calls
             held = own | (set(segment.saved_inside) & set(segment.outputs))
         if keeps_by_hooks(graph, segment):  # let go at their last use, in forward for some
             held = held & last_needed(graph, segment).keys()
-        earlier |= held
+        for value in held:
+            first_held.setdefault(value, index)
     return result
 
 
@@ -166,7 +190,7 @@ def validate_remat(graph: nx.DiGraph, segments: Sequence[SegmentLike], error: ty
     _validate_held(graph, segments, alive, error, check_chains=not chains_built)
 
 
-def _validate_held(graph: nx.DiGraph, segments: Sequence[SegmentLike], alive: Sequence[set[str]],
+def _validate_held(graph: nx.DiGraph, segments: Sequence[SegmentLike], alive: Sequence[Container[str]],
                    error: type[Exception], check_chains: bool) -> None:
     """:func:`validate_remat` given what is alive at each segment's recompute (``alive``)."""
     for index, segment in enumerate(segments):
@@ -186,7 +210,7 @@ def _validate_held(graph: nx.DiGraph, segments: Sequence[SegmentLike], alive: Se
                           check_chain=check_chains)
 
 
-def _validate_one(graph: nx.DiGraph, remat: Remat, segment: SegmentLike, held: set[str], where: str,
+def _validate_one(graph: nx.DiGraph, remat: Remat, segment: SegmentLike, held: Container[str], where: str,
                   error: type[Exception], check_chain: bool = True) -> None:
     """Check one :class:`Remat` of ``segment`` (see :func:`validate_remat`)."""
     value = remat.value
