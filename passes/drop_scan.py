@@ -47,7 +47,7 @@ def drops_on_top(graph: nx.DiGraph, bases: Sequence[Plan], budget_bytes: float,
         if bound is not None and base.cost_key >= bound:
             continue
         trial = _memo_trials(graph, base.segments)
-        options = droppable_values(graph, base.segments, dearer_than=bound, trial=trial)
+        options = droppable_runs(graph, base.segments, dearer_than=bound, trial=trial)
         fitting = _shortest_fitting_prefix(graph, trial, options, budget_bytes, bound)
         if fitting is not None:
             chosen, segments = fitting
@@ -84,6 +84,13 @@ DROP_REFUSALS = 16  # values refused before the scan for more to drop gives up
 
 def droppable_values(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16,
                      dearer_than: tuple[int, int, int] | None = None, trial: Trials | None = None) -> Iterator[str]:
+    """:func:`droppable_runs`, value by value."""
+    for run in droppable_runs(graph, segments, chunk, dearer_than, trial):
+        yield from run
+
+
+def droppable_runs(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int = 16,
+                   dearer_than: tuple[int, int, int] | None = None, trial: Trials | None = None) -> Iterator[list[str]]:
     """The values of :func:`passes.drops.drop_order` that ``segments`` can drop together, in that order,
     as they are found: made and saved only by ops of kept segments, each taken with those
     before it only when the plan stays valid, until :data:`DROP_REFUSALS` values have been
@@ -97,7 +104,8 @@ def droppable_values(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int 
     plan, and the values late in the order are the ones worth least. With ``dearer_than``
     the scan stops at the first plan it builds that costs that much
     (:func:`passes.recompute.cost_key`): dropping more only adds recompute. ``trial`` builds
-    the plans (default: :func:`_memo_trials` of ``segments``)."""
+    the plans (default: :func:`_memo_trials` of ``segments``). Yields the values a check
+    took at a time: the plan dropping every value yielded so far has just been built."""
     kept = {name for s in segments if not s.recompute for name in s.nodes}
     savers: dict[str, list[str]] = {}
     for name in op_nodes(graph):
@@ -117,7 +125,8 @@ def droppable_values(graph: nx.DiGraph, segments: Sequence[Segment], chunk: int 
         block, todo = todo[:size], todo[size:]
         taken, plan = _longest_valid_prefix(trial, chosen, block, too_dear)
         chosen += block[:taken]
-        yield from block[:taken]
+        if taken:
+            yield block[:taken]
         if plan is not None and too_dear(plan):
             return
         size = 2 * size if taken == len(block) else chunk  # a run of valid values: check more at once
@@ -207,17 +216,19 @@ def _memo_trials(graph: nx.DiGraph, base: Sequence[Segment]) -> Trials:
 FIRST_FIT_TEST = 16  # dropped values after which the scan first asks whether the plan fits
 
 
-def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, options: Iterable[str], budget_bytes: float,
+def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[list[str]], budget_bytes: float,
                              dearer_than: tuple[int, int, int] | None = None,
                              ) -> tuple[list[str], tuple[Segment, ...]] | None:
-    """The shortest prefix of ``options`` whose plan fits ``budget_bytes`` and, with
-    ``dearer_than``, costs less than it (:func:`passes.recompute.cost_key`), with that plan's
-    segments (``trial`` builds each plan); ``None`` when there is none. ``options`` is taken lazily: the plan of the values
-    taken so far is tried after :data:`FIRST_FIT_TEST` values, then each time their count
-    doubles, and once one fits (or costs ``dearer_than``: a longer prefix costs more) no more
-    are scanned; the shortest fitting prefix is then found by bisection since the last that
-    did not fit (dropping more lowers the peak, all but always). A budget near the base's peak
-    needs a few values, where checking every value droppable was most of the plan's time."""
+    """The shortest prefix of the values in ``runs`` whose plan fits ``budget_bytes`` and,
+    with ``dearer_than``, costs less than it (:func:`passes.recompute.cost_key`), with that
+    plan's segments (``trial`` builds each plan); ``None`` when there is none. ``runs`` is
+    taken lazily (:func:`droppable_runs`): the plan of the values taken so far is tried once
+    :data:`FIRST_FIT_TEST` values are taken, then each time their count has doubled, at the
+    end of a run (whose plan the scan has just built), and once one fits (or costs
+    ``dearer_than``: a longer prefix costs more) no more are scanned; the shortest fitting
+    prefix is then found by bisection since the last that did not fit (dropping more lowers
+    the peak, all but always). A budget near the base's peak needs a few values, where
+    checking every value droppable was most of the plan's time."""
     fitting: dict[int, tuple[Segment, ...]] = {}
     chosen: list[str] = []
 
@@ -234,12 +245,12 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, options: Iterable
         return True
 
     low, test_at = 0, FIRST_FIT_TEST  # low: the longest prefix known not to fit (0: not known to)
-    for value in options:
-        chosen.append(value)
-        if len(chosen) == test_at:
-            if enough(test_at):
+    for run in runs:
+        chosen += run
+        if len(chosen) >= test_at:
+            if enough(len(chosen)):
                 break
-            low, test_at = test_at, 2 * test_at
+            low, test_at = len(chosen), 2 * len(chosen)
     else:  # every option taken: the plan dropping all of them is the last to try
         if len(chosen) == low or not enough(len(chosen)):
             return None
