@@ -161,3 +161,43 @@ def test_a_value_only_remade_through_a_random_op_is_never_tried(monkeypatch: pyt
     found = list(drops.droppable_values(graph, base.segments))
     assert "view" not in found and "lin" in found
     assert not any("view" in dropped for dropped in built)
+
+
+def test_the_drop_scan_finds_the_shortest_fitting_prefix_asking_fit_of_plans_it_built() -> None:
+    """On a 200-op random DAG the scan's answer is the shortest prefix of the droppable values
+    whose plan fits (found here value by value), and on its way up it asks whether a plan
+    fits only at the end of a checked run, whose plan the validity scan has just built: a fit
+    test at a count of its own was a rebuild of the whole plan."""
+    import random
+    from itertools import accumulate
+
+    import passes.drop_scan as drops
+    from passes.drops import dropped_or_none
+    from passes.simulate import eager_segments, peak_within
+    from scripts.planner_gap import random_cost_graph
+
+    graph = random_cost_graph(random.Random(4), 200)
+    base = eager_segments(graph)
+    runs = list(drops.droppable_runs(graph, base))
+    values = [value for run in runs for value in run]
+    ends = set(accumulate(len(run) for run in runs))
+    assert len(runs) >= 3
+    budget = int(0.7 * eager_peak(graph))
+
+    def fits(count: int) -> bool:
+        segments = dropped_or_none(graph, values[:count], base)
+        return segments is not None and peak_within(graph, segments, budget) is not None
+
+    shortest = next(count for count in range(1, len(values) + 1) if fits(count))
+    assert shortest > drops.FIRST_FIT_TEST
+    asked: list[int] = []
+    built = drops._memo_trials(graph, base)
+
+    def trial(dropped: list[str]) -> object:
+        asked.append(len(dropped))
+        return built(dropped)
+
+    found = drops._shortest_fitting_prefix(graph, trial, iter(runs), budget)
+    assert found is not None and len(found[0]) == shortest
+    upward = asked[:next(i for i, count in enumerate(asked) if count >= shortest) + 1]
+    assert upward and set(upward) <= ends
