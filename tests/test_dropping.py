@@ -201,3 +201,34 @@ def test_the_drop_scan_finds_the_shortest_fitting_prefix_asking_fit_of_plans_it_
     assert found is not None and len(found[0]) == shortest
     upward = asked[:next(i for i, count in enumerate(asked) if count >= shortest) + 1]
     assert upward and set(upward) <= ends
+
+
+def test_a_prefix_too_dear_that_does_not_fit_ends_the_drop_scan() -> None:
+    """With a bound on the cost, the scan simulates a prefix that costs too much: when it
+    does not fit, no shorter prefix fits either, so the answer is no plan, without the
+    bisection below it that could only confirm that."""
+    import random
+
+    import passes.drop_scan as drops
+    from passes.drops import dropped_or_none
+    from passes.recompute import cost_key
+    from passes.simulate import eager_segments, peak_within
+    from scripts.planner_gap import random_cost_graph
+
+    graph = random_cost_graph(random.Random(4), 200)
+    base = eager_segments(graph)
+    runs = list(drops.droppable_runs(graph, base))
+    values = [value for run in runs for value in run]
+    budget = int(0.7 * eager_peak(graph))
+    first_end = len(runs[0]) + len(runs[1])  # the second fit test's count
+    bound = cost_key(graph, dropped_or_none(graph, values[:first_end], base))
+    assert peak_within(graph, dropped_or_none(graph, values[:first_end], base), budget) is None
+    asked: list[int] = []
+    built = drops._memo_trials(graph, base)
+
+    def trial(dropped: list[str]) -> object:
+        asked.append(len(dropped))
+        return built(dropped)
+
+    assert drops._shortest_fitting_prefix(graph, trial, iter(runs), budget, bound) is None
+    assert max(asked) == first_end and len(asked) == 2  # the two fit tests, no bisection
