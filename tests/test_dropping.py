@@ -232,3 +232,24 @@ def test_a_prefix_too_dear_that_does_not_fit_ends_the_drop_scan() -> None:
 
     assert drops._shortest_fitting_prefix(graph, trial, iter(runs), budget, bound) is None
     assert max(asked) == first_end and len(asked) == 2  # the two fit tests, no bisection
+
+
+@pytest.mark.parametrize("refused_at", [0, 1, 5, 37, 63])
+def test_a_block_bisected_or_galloped_takes_the_values_before_the_refused_one(refused_at: int) -> None:
+    """The longest droppable prefix of a block is the same found either way (a plan dropping a
+    refused value is no plan, whatever else it drops); bisecting a grown block, where the
+    refused value is anywhere, builds at most 1 + log2(size) plans."""
+    import passes.drop_scan as drops
+
+    block = [f"v{i}" for i in range(64)]
+    for gallop in (True, False):
+        built: list[int] = []
+
+        def trial(dropped: list[str], built: list[int] = built) -> tuple | None:
+            built.append(len(dropped))
+            return None if block[refused_at] in dropped else ()
+
+        taken, _ = drops._longest_valid_prefix(trial, [], block, lambda plan: False, gallop=gallop)
+        assert taken == refused_at
+        if not gallop:
+            assert len(built) <= 1 + 6
