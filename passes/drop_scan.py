@@ -220,6 +220,10 @@ def _memo_trials(graph: nx.DiGraph, base: Sequence[Segment]) -> Trials:
 FIRST_FIT_TEST = 16  # dropped values after which the scan first asks whether the plan fits
 
 
+class _Hopeless(Exception):
+    """A prefix of dropped values costs too much and still does not fit: no shorter one fits."""
+
+
 def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[list[str]], budget_bytes: float,
                              dearer_than: tuple[int, int, int] | None = None,
                              ) -> tuple[list[str], tuple[Segment, ...]] | None:
@@ -239,9 +243,6 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[li
     fitting: dict[int, tuple[Segment, ...]] = {}
     chosen: list[str] = []
 
-    class Hopeless(Exception):
-        """A prefix costs too much and still does not fit: no shorter one fits either."""
-
     def enough(count: int) -> bool:
         """Whether no longer prefix than ``count`` is worth trying: it fits, or costs too much."""
         plan = trial(chosen[:count])
@@ -252,7 +253,7 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[li
             fitting[count] = plan
         if dearer_than is not None and cost_key(graph, plan) >= dearer_than:
             if not fits:
-                raise Hopeless
+                raise _Hopeless
             return True
         return fits
 
@@ -264,7 +265,7 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[li
                 if enough(len(chosen)):
                     break
                 low, test_at = len(chosen), 2 * len(chosen)
-        else:  # every option taken: the plan dropping all of them is the last to try
+        else:  # every run taken: the plan dropping all of them is the last to try
             if len(chosen) == low or not enough(len(chosen)):
                 return None
         high = len(chosen)  # enough
@@ -274,6 +275,6 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[li
                 high = middle
             else:
                 low = middle
-    except Hopeless:
+    except _Hopeless:
         return None
     return (chosen[:high], fitting[high]) if high in fitting else None
