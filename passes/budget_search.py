@@ -85,8 +85,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
             if rounded.searchable is None:
                 floor = true_floor(graph)
                 raise unreachable(graph, budget_bytes,
-                                   [*tried, program.smallest(), *([searched] if searched else [])],
-                                   None if floor is None else floor.peak_bytes)
+                                  [*tried, program.smallest(), *([searched] if searched else [])],
+                                  None if floor is None else floor.peak_bytes)
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     if kept_first is None:  # not filled yet (a search toward the floor may have added plans)
         built = _to_fill(graph, program, tried, budget_bytes)

@@ -249,12 +249,12 @@ def _shortest_fitting_prefix(graph: nx.DiGraph, trial: Trials, runs: Iterable[li
         if plan is None:
             return False
         fits = peak_within(graph, plan, budget_bytes) is not None
-        if fits:
-            fitting[count] = plan
         if dearer_than is not None and cost_key(graph, plan) >= dearer_than:
             if not fits:
                 raise _Hopeless
-            return True
+            return True  # and never the answer: it costs too much
+        if fits:
+            fitting[count] = plan
         return fits
 
     low, test_at = 0, FIRST_FIT_TEST  # low: the longest prefix known not to fit (0: not known to)

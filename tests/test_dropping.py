@@ -6,6 +6,10 @@ the planner drops values on top of any plan (:func:`passes.drop_scan.drops_on_to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
+import networkx as nx
 import pytest
 import torch
 from torch import nn
@@ -163,33 +167,30 @@ def test_a_value_only_remade_through_a_random_op_is_never_tried(monkeypatch: pyt
     assert not any("view" in dropped for dropped in built)
 
 
-def test_the_drop_scan_finds_the_shortest_fitting_prefix_asking_fit_of_plans_it_built() -> None:
-    """On a 200-op random DAG the scan's answer is the shortest prefix of the droppable values
-    whose plan fits (found here value by value), and on its way up it asks whether a plan
-    fits only at the end of a checked run, whose plan the validity scan has just built: a fit
-    test at a count of its own was a rebuild of the whole plan."""
+class _ScanOfADag(NamedTuple):
+    """The drop scan's setting on a 200-op random DAG at 0.7 of eager: the everything-kept
+    base, the runs of values its validity scan takes, and a plan builder that records the
+    count of values of every plan asked of it."""
+
+    graph: nx.DiGraph
+    base: tuple
+    runs: list[list[str]]
+    values: list[str]
+    budget: int
+    asked: list[int]
+    trial: Callable[[list[str]], object]
+
+
+def _scan_of_a_dag() -> _ScanOfADag:
     import random
-    from itertools import accumulate
 
     import passes.drop_scan as drops
-    from passes.drops import dropped_or_none
-    from passes.simulate import eager_segments, peak_within
+    from passes.simulate import eager_segments
     from scripts.planner_gap import random_cost_graph
 
     graph = random_cost_graph(random.Random(4), 200)
     base = eager_segments(graph)
     runs = list(drops.droppable_runs(graph, base))
-    values = [value for run in runs for value in run]
-    ends = set(accumulate(len(run) for run in runs))
-    assert len(runs) >= 3
-    budget = int(0.7 * eager_peak(graph))
-
-    def fits(count: int) -> bool:
-        segments = dropped_or_none(graph, values[:count], base)
-        return segments is not None and peak_within(graph, segments, budget) is not None
-
-    shortest = next(count for count in range(1, len(values) + 1) if fits(count))
-    assert shortest > drops.FIRST_FIT_TEST
     asked: list[int] = []
     built = drops._memo_trials(graph, base)
 
@@ -197,9 +198,34 @@ def test_the_drop_scan_finds_the_shortest_fitting_prefix_asking_fit_of_plans_it_
         asked.append(len(dropped))
         return built(dropped)
 
-    found = drops._shortest_fitting_prefix(graph, trial, iter(runs), budget)
+    return _ScanOfADag(graph, base, runs, [value for run in runs for value in run], int(0.7 * eager_peak(graph)),
+                       asked, trial)
+
+
+def test_the_drop_scan_finds_the_shortest_fitting_prefix_asking_fit_of_plans_it_built() -> None:
+    """On a 200-op random DAG the scan's answer is the shortest prefix of the droppable values
+    whose plan fits (found here value by value), and on its way up it asks whether a plan
+    fits only at the end of a checked run, whose plan the validity scan has just built: a fit
+    test at a count of its own was a rebuild of the whole plan."""
+    from itertools import accumulate
+
+    import passes.drop_scan as drops
+    from passes.drops import dropped_or_none
+    from passes.simulate import peak_within
+
+    scan = _scan_of_a_dag()
+    ends = set(accumulate(len(run) for run in scan.runs))
+    assert len(scan.runs) >= 3
+
+    def fits(count: int) -> bool:
+        segments = dropped_or_none(scan.graph, scan.values[:count], scan.base)
+        return segments is not None and peak_within(scan.graph, segments, scan.budget) is not None
+
+    shortest = next(count for count in range(1, len(scan.values) + 1) if fits(count))
+    assert shortest > drops.FIRST_FIT_TEST
+    found = drops._shortest_fitting_prefix(scan.graph, scan.trial, iter(scan.runs), scan.budget)
     assert found is not None and len(found[0]) == shortest
-    upward = asked[:next(i for i, count in enumerate(asked) if count >= shortest) + 1]
+    upward = scan.asked[:next(i for i, count in enumerate(scan.asked) if count >= shortest) + 1]
     assert upward and set(upward) <= ends
 
 
@@ -207,31 +233,18 @@ def test_a_prefix_too_dear_that_does_not_fit_ends_the_drop_scan() -> None:
     """With a bound on the cost, the scan simulates a prefix that costs too much: when it
     does not fit, no shorter prefix fits either, so the answer is no plan, without the
     bisection below it that could only confirm that."""
-    import random
-
     import passes.drop_scan as drops
     from passes.drops import dropped_or_none
     from passes.recompute import cost_key
-    from passes.simulate import eager_segments, peak_within
-    from scripts.planner_gap import random_cost_graph
+    from passes.simulate import peak_within
 
-    graph = random_cost_graph(random.Random(4), 200)
-    base = eager_segments(graph)
-    runs = list(drops.droppable_runs(graph, base))
-    values = [value for run in runs for value in run]
-    budget = int(0.7 * eager_peak(graph))
-    first_end = len(runs[0]) + len(runs[1])  # the second fit test's count
-    bound = cost_key(graph, dropped_or_none(graph, values[:first_end], base))
-    assert peak_within(graph, dropped_or_none(graph, values[:first_end], base), budget) is None
-    asked: list[int] = []
-    built = drops._memo_trials(graph, base)
-
-    def trial(dropped: list[str]) -> object:
-        asked.append(len(dropped))
-        return built(dropped)
-
-    assert drops._shortest_fitting_prefix(graph, trial, iter(runs), budget, bound) is None
-    assert max(asked) == first_end and len(asked) == 2  # the two fit tests, no bisection
+    scan = _scan_of_a_dag()
+    first_end = len(scan.runs[0]) + len(scan.runs[1])  # the second fit test's count
+    plan = dropped_or_none(scan.graph, scan.values[:first_end], scan.base)
+    bound = cost_key(scan.graph, plan)
+    assert peak_within(scan.graph, plan, scan.budget) is None
+    assert drops._shortest_fitting_prefix(scan.graph, scan.trial, iter(scan.runs), scan.budget, bound) is None
+    assert max(scan.asked) == first_end and len(scan.asked) == 2  # the two fit tests, no bisection
 
 
 @pytest.mark.parametrize("refused_at", [0, 1, 5, 37, 63])
