@@ -49,7 +49,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     """
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
         return _eager_fits(graph, "optimal", budget_bytes)
-    program = DynamicProgram(graph, progress=progress)
+    program = DynamicProgram(graph, progress=progress, within_bytes=budget_bytes)
     found = plan_for_budget(program, budget_bytes)
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)

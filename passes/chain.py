@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import networkx as nx
+import numpy as np
 
 from passes.cuts import INF, op_positions, op_weights, prefix_costs
 from passes.kept_bytes import gradient_bytes
@@ -99,6 +100,70 @@ class Chain:
     def working(self, i: int, j: int) -> float:
         return max(self.stage_working[i:j])
 
+
+
+class ChainRanges:
+    """The numbers :class:`Chain`'s methods give for one range, for arrays of ranges ``[i,
+    j)`` at once (numpy broadcasting; ``i < j``): the dynamic program prices every pair of
+    boundaries before it starts (:func:`passes.optimal.recompute_cost` reads either), a
+    few thousand calls of Chain's methods otherwise. Same sums, in the same order, so the
+    same floats.
+
+    >>> chain = Chain(ops=("a", "b"), ends=(0, 1), boundaries=(4.0, 0.0), prefix_stored=(0.0, 4.0, 6.0),
+    ...               prefix_expensive_bytes=(0.0, 4.0, 4.0), prefix_unrecomputable=(0, 0, 0), rerun_stops=(1, 2),
+    ...               op_prefix={"flops": (0.0, 8.0, 9.0)}, stage_working=(3.0, 5.0), finish=0.0)
+    >>> ranges = ChainRanges(chain)
+    >>> ranges.stored(np.array([0, 0, 1]), np.array([1, 2, 2])).tolist(), chain.stored(0, 2)
+    ([4.0, 6.0, 2.0], 6.0)
+    >>> ranges.rerun_flops(np.array([0, 1]), np.array([2, 2])).tolist(), ranges.working(np.array([0]), np.array([2]))
+    ([9.0, 1.0], array([5.]))
+    """
+
+    def __init__(self, chain: Chain) -> None:
+        self.call_cost, self.selective_op_cost = chain.call_cost, chain.selective_op_cost
+        self._ends, self._stops = np.array(chain.ends), np.array(chain.rerun_stops)
+        self._stored, self._expensive = np.array(chain.prefix_stored), np.array(chain.prefix_expensive_bytes)
+        self._unrecomputable = np.array(chain.prefix_unrecomputable)
+        self._op_prefix = {key: np.array(values, dtype=float) for key, values in chain.op_prefix.items()}
+        n = chain.stages
+        self._working = np.zeros((n + 1, n + 1))  # [i, j]: max(stage_working[i:j])
+        for i in range(n):
+            self._working[i, i + 1:] = np.maximum.accumulate(chain.stage_working[i:])
+
+    def _start(self, i: np.ndarray) -> np.ndarray:
+        return np.where(i > 0, self._ends[i - 1] + 1, 0)
+
+    def _rerun_sum(self, key: str, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        start = self._start(i)
+        stop = np.maximum(start, self._stops[j - 1])
+        return self._op_prefix[key][stop] - self._op_prefix[key][start]
+
+    def rerun_flops(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._rerun_sum("flops", i, j)
+
+    def rerun_written(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._rerun_sum("written", i, j)
+
+    def rerun_expensive_flops(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._rerun_sum("exp_flops", i, j)
+
+    def rerun_expensive_bytes(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._rerun_sum("exp_bytes", i, j)
+
+    def stored(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._stored[j] - self._stored[i]
+
+    def expensive_bytes(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._expensive[j] - self._expensive[i]
+
+    def recomputable(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._unrecomputable[j] == self._unrecomputable[i]
+
+    def op_count(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._ends[j - 1] + 1 - self._start(i)
+
+    def working(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self._working[i, j]
 
 def candidate_ends(graph: nx.DiGraph, max_stages: int) -> list[int]:
     """Positions after which the order may be cut, at most ``max_stages - 1`` of them plus

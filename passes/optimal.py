@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 import numpy as np
 
-from passes.chain import Chain, build_chain
+from passes.chain import Chain, ChainRanges, build_chain
 from passes.plan import Plan, Progress, plan_of_segments
 from passes.segments import Segment, make_segments, merge_kept, nested
 from passes.simulate import eager_peak
@@ -42,23 +42,11 @@ KEPT, RECOMPUTED, SELECTIVE = 0, 1, 2
 SLOTS = 160
 
 
-@dataclass(frozen=True)
-class Table:
-    """The program's answers over free memory ``m``: ``least[i, j, m]`` for ranges inside the
-    forward and ``top[i, m]`` for ranges ``[i, stages)`` that end it, and how it got each
-    (``choice`` and ``top_choice``; ``-1``: one kept child, else ``3 * k + kind`` for a
-    first child ``[i, k)`` of that kind)."""
-
-    chain: Chain
-    unit: float
-    least: np.ndarray
-    choice: np.ndarray
-    top: np.ndarray
-    top_choice: np.ndarray
-
-
-def slots(nbytes: float, unit: float) -> int:
-    """Memory slots ``nbytes`` needs (rounded up: a plan never gets less than it needs)."""
+def slots(nbytes: float | np.ndarray, unit: float) -> int | np.ndarray:
+    """Memory slots ``nbytes`` needs (rounded up: a plan never gets less than it needs);
+    elementwise for an array."""
+    if isinstance(nbytes, np.ndarray):
+        return np.ceil(nbytes / unit - 1e-9).astype(np.int64)
     return math.ceil(nbytes / unit - 1e-9)
 
 
@@ -87,16 +75,18 @@ BYTE_WEIGHT = 1e-3  # FLOPs a recomputed byte costs: a tie-break among plans of 
 SEGMENT_COST = 1.0  # a recomputed segment's own cost: a tie-break, so none is made that saves nothing
 
 
-def recompute_cost(chain: Chain, i: int, j: int) -> float:
+def recompute_cost(chain: Chain | ChainRanges, i: int | np.ndarray, j: int | np.ndarray) -> float | np.ndarray:
     """What recomputing stages ``i..j-1`` costs: FLOPs, plus a little per byte written so
     pointwise work (which the FLOP counter calls free) is not free, plus the checkpoint
-    call's own cost where it was measured."""
+    call's own cost where it was measured. For arrays of ranges through a
+    :class:`passes.chain.ChainRanges`."""
     return chain.rerun_flops(i, j) + BYTE_WEIGHT * chain.rerun_written(i, j) + max(SEGMENT_COST, chain.call_cost)
 
 
-def selective_cost(chain: Chain, i: int, j: int) -> float:
+def selective_cost(chain: Chain | ChainRanges, i: int | np.ndarray, j: int | np.ndarray) -> float | np.ndarray:
     """What recomputing stages ``i..j-1`` costs when their matmul/convolution outputs are
-    kept from forward: the pointwise work, and the selective policy's cost per op."""
+    kept from forward: the pointwise work, and the selective policy's cost per op (arrays
+    of ranges as :func:`recompute_cost`)."""
     kept = chain.rerun_expensive_flops(i, j) + BYTE_WEIGHT * chain.rerun_expensive_bytes(i, j)
     return recompute_cost(chain, i, j) - kept + chain.selective_op_cost * chain.op_count(i, j)
 
@@ -116,107 +106,149 @@ class _FirstChild:
     selective: np.ndarray
 
 
-def _first_children(chain: Chain, unit: float, selective: bool) -> _FirstChild:
-    """The :class:`_FirstChild` arrays of ``chain`` in slots of ``unit`` bytes."""
+def _first_children(chain: Chain, ranges: ChainRanges, unit: float, selective: bool) -> _FirstChild:
+    """The :class:`_FirstChild` arrays of ``chain`` (read through its ``ranges``) in slots
+    of ``unit`` bytes."""
     n = chain.stages
-    pairs = {name: np.zeros((n + 1, n + 1)) for name in ("stored", "own", "expensive")}
-    recompute, cheap = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
+    i, k = np.triu_indices(n + 1, 1)  # every first child [i, k)
     never = 2**40  # the forward's last "boundary" is not one (it may be uncuttable): no first child ends there
     boundary = np.array([0, *(slots(b, unit) for b in chain.boundaries[:-1]), never], dtype=np.int64)
-    for i in range(n):
-        for k in range(i + 1, n + 1):
-            pairs["stored"][i, k] = slots(chain.stored(i, k), unit)
-            pairs["own"][i, k] = slots(chain.stored(i, k) + chain.working(i, k), unit) + boundary[k]
-            pairs["expensive"][i, k] = slots(chain.expensive_bytes(i, k), unit)
-            if chain.recomputable(i, k):
-                recompute[i, k] = recompute_cost(chain, i, k)
-                if selective and chain.expensive_bytes(i, k):
-                    cheap[i, k] = selective_cost(chain, i, k)
-    as_int = {name: values.astype(np.int64) for name, values in pairs.items()}
-    return _FirstChild(as_int["stored"], as_int["own"], as_int["expensive"], boundary, recompute, cheap)
+    stored, own, expensive = (np.zeros((n + 1, n + 1), dtype=np.int64) for _ in range(3))
+    recompute, cheap = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
+    stored_bytes, expensive_bytes = ranges.stored(i, k), ranges.expensive_bytes(i, k)
+    stored[i, k] = slots(stored_bytes, unit)
+    own[i, k] = slots(stored_bytes + ranges.working(i, k), unit) + boundary[k]
+    expensive[i, k] = slots(expensive_bytes, unit)
+    allowed = ranges.recomputable(i, k)
+    recompute[i[allowed], k[allowed]] = recompute_cost(ranges, i[allowed], k[allowed])
+    if selective:
+        allowed &= expensive_bytes != 0
+        cheap[i[allowed], k[allowed]] = selective_cost(ranges, i[allowed], k[allowed])
+    return _FirstChild(stored, own, expensive, boundary, recompute, cheap)
 
 
 def _padded(shape: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
     """A table of rows ``width`` long, all ``inf``, stored with ``width`` more ``inf`` left of
-    each row: the table, and every row seen through every shift (what :func:`_shifted`
-    reads). Both are views of one array, so what is written to the table is in the windows."""
+    each row: the table, and its storage (what :func:`_shifted` reads). The table is a view
+    of the storage, so what is written to it is read back shifted."""
     storage = np.full((*shape, 2 * width), np.inf)
-    return storage[..., width:], np.lib.stride_tricks.sliding_window_view(storage, width, axis=-1)
+    return storage[..., width:], storage
 
 
-def _shifted(windows: np.ndarray, rows: tuple[np.ndarray, ...], by: np.ndarray) -> np.ndarray:
-    """``out[..., m] = table[rows][..., m - by]`` of the table ``windows`` views
-    (:func:`_padded`): each row's sub-problem run with ``by`` slots already taken (``inf``
-    where that is more than ``m``). A row copied per row, not an element gathered per
-    element: half the dynamic program's time went to this on a 500-op graph.
+def _windows(storage: np.ndarray, columns: range) -> np.ndarray:
+    """Every run of ``len(columns)`` entries of each row of a :func:`_padded` storage: what
+    :func:`_shifted` picks from for those columns."""
+    return np.lib.stride_tricks.sliding_window_view(storage, len(columns), axis=-1)
 
-    >>> table, windows = _padded((1,), 3)
+
+def _shifted(windows: np.ndarray, rows: tuple[np.ndarray, ...], by: np.ndarray, low: int) -> np.ndarray:
+    """``out[..., m - low] = table[rows][..., m - by]`` for the columns ``m`` from ``low`` on
+    that ``windows`` spans (:func:`_windows`): each row's sub-problem run with ``by`` slots
+    already taken (``inf`` where that is more than ``m``). A row copied per row, not an
+    element gathered per element: half the dynamic program's time went to this on a 500-op
+    graph.
+
+    >>> table, storage = _padded((1,), 3)
     >>> table[0] = [1.0, 2.0, 3.0]
-    >>> _shifted(windows, (np.array([0]),), np.array([1]))
+    >>> _shifted(_windows(storage, range(3)), (np.array([0]),), np.array([1]), 0)
     array([[inf,  1.,  2.]])
+    >>> _shifted(_windows(storage, range(2, 3)), (np.array([0]),), np.array([1]), 2)
+    array([[2.]])
     """
-    width = windows.shape[-1]
-    return windows[(*rows, width - np.minimum(by, width))]
+    width = (windows.shape[-2] + windows.shape[-1] - 1) // 2  # the table's: its storage is twice as long
+    return windows[(*rows, width + low - np.minimum(by, width + low))]
 
 
-def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
-          progress: Progress | None = None) -> Table:
-    """Fill the table for every range, shortest first (each range reads shorter ones; all
-    ranges of one length at once), then the whole forward, ``top[0]``, whose last child also
-    holds the loss."""
-    n, width = chain.stages, slot_count + 1
-    memory = np.arange(width)
-    first = _first_children(chain, unit, selective)
-    least, least_windows = _padded((n + 1, n + 1), width)
-    top, top_windows = _padded((n + 1,), width)
-    choice, top_choice = np.full((n + 1, n + 1, width), -1), np.full((n + 1, width), -1)
+class Table:
+    """The program's answers over free memory ``m``: ``least[i, j, m]`` for ranges inside the
+    forward and ``top[i, m]`` for ranges ``[i, stages)`` that end it, and how it got each
+    (``choice`` and ``top_choice``; ``-1``: one kept child, else ``3 * k + kind`` for a
+    first child ``[i, k)`` of that kind).
 
-    def fill(starts: np.ndarray, length: int, rest: tuple[np.ndarray, tuple], extra: float
-             ) -> tuple[np.ndarray, np.ndarray]:
-        """Least recompute of each range ``[i, i + length)`` (``i`` in ``starts``) and how;
-        ``rest`` gives the cost of running ``[k, i + length)`` after a first child ``[i, k)``
-        (the table's windows and the rows to read, ``(range, k - i - 1)``)."""
-        need = [slots(chain.stored(i, i + length) + max(chain.working(i, i + length), extra), unit) for i in starts]
-        one_kept = np.where(memory[None, :] >= np.array(need)[:, None], 0.0, np.inf)
+    Solved for ``m`` below :attr:`solved` and grown on demand (:meth:`extend`): an answer
+    at ``m`` reads only answers at ``m`` or less, so a budget's plans need the table only
+    up to about the budget, a third of it at 0.3 of eager."""
+
+    def __init__(self, chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True) -> None:
+        n, width = chain.stages, slot_count + 1
+        self.chain, self.unit, self.slot_count = chain, unit, slot_count
+        self.ranges = ChainRanges(chain)
+        self.first = _first_children(chain, self.ranges, unit, selective)
+        self.least, self._least_storage = _padded((n + 1, n + 1), width)
+        self.top, self._top_storage = _padded((n + 1,), width)
+        self.choice, self.top_choice = np.full((n + 1, n + 1, width), -1), np.full((n + 1, width), -1)
+        self.solved = 0
+
+    def extend(self, m: int, progress: Progress | None = None) -> None:
+        """Solve every ``m`` up to ``m`` (at most :attr:`slot_count`): every range, shortest
+        first (each range reads shorter ones; all ranges of one length at once), then the
+        whole forward, ``top[0]``, whose last child also holds the loss."""
+        columns = range(self.solved, min(m, self.slot_count) + 1)
+        if not columns:
+            return
+        chain, n = self.chain, self.chain.stages
+        least_windows, top_windows = _windows(self._least_storage, columns), _windows(self._top_storage, columns)
+        for length in range(1, n + 1):
+            starts = np.arange(n - length + 1)
+            ends, k = starts + length, starts[:, None] + np.arange(1, length)[None, :]
+            rest = (least_windows, (k, ends[:, None]))
+            self.least[starts, ends, columns.start:columns.stop], self.choice[starts, ends, columns.start:columns.stop] = (
+                self._fill(starts, length, rest, 0.0, least_windows, columns))
+            if progress:
+                progress(length, n + 1)
+        for i in range(n - 1, -1, -1):
+            rest = (top_windows, (np.arange(i + 1, n)[None, :],))
+            cost, how = self._fill(np.array([i]), n - i, rest, chain.finish, least_windows, columns)
+            self.top[i, columns.start:columns.stop], self.top_choice[i, columns.start:columns.stop] = cost[0], how[0]
+        self.solved = columns.stop
+        if progress:
+            progress(n + 1, n + 1)
+
+    def _fill(self, starts: np.ndarray, length: int, rest: tuple[np.ndarray, tuple], extra: float,
+              least_windows: np.ndarray, columns: range) -> tuple[np.ndarray, np.ndarray]:
+        """Least recompute of each range ``[i, i + length)`` (``i`` in ``starts``) over
+        ``columns`` and how; ``rest`` gives the cost of running ``[k, i + length)`` after a
+        first child ``[i, k)`` (the windows and the rows to read, ``(range, k - i - 1)``)."""
+        memory = np.arange(columns.start, columns.stop)
+        ends = starts + length
+        need = slots(self.ranges.stored(starts, ends) + np.maximum(self.ranges.working(starts, ends), extra), self.unit)
+        one_kept = np.where(memory[None, :] >= need[:, None], 0.0, np.inf)
         if length == 1:
             return one_kept, np.full(one_kept.shape, -1)
-        options = _first_child_options(first, memory, least_windows, rest, starts, length).reshape(len(starts), -1, width)
+        options = _first_child_options(self.first, columns, least_windows, rest, starts, length)
+        options = options.reshape(len(starts), -1, len(memory))
         best = options.argmin(axis=1)
         cost = np.take_along_axis(options, best[:, None, :], axis=1)[:, 0]
         better = cost < one_kept
         return np.where(better, cost, one_kept), np.where(better, 3 * (starts[:, None] + 1) + best, -1)
 
-    for length in range(1, n + 1):
-        starts = np.arange(n - length + 1)
-        ends, k = starts + length, starts[:, None] + np.arange(1, length)[None, :]
-        least[starts, ends], choice[starts, ends] = fill(starts, length, (least_windows, (k, ends[:, None])), 0.0)
-        if progress:
-            progress(length, n + 1)
-    for i in range(n - 1, -1, -1):
-        rows = (np.arange(i + 1, n)[None, :],)
-        top[i], top_choice[i] = (row[0] for row in fill(np.array([i]), n - i, (top_windows, rows), chain.finish))
-    if progress:
-        progress(n + 1, n + 1)
-    return Table(chain, unit, least, choice, top, top_choice)
+
+def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
+          progress: Progress | None = None) -> Table:
+    """The whole :class:`Table`, every ``m`` up to ``slot_count``."""
+    table = Table(chain, unit, slot_count, selective)
+    table.extend(slot_count, progress)
+    return table
 
 
-def _first_child_options(first: _FirstChild, memory: np.ndarray, least_windows: np.ndarray,
+def _first_child_options(first: _FirstChild, columns: range, least_windows: np.ndarray,
                          rest: tuple[np.ndarray, tuple], starts: np.ndarray, length: int) -> np.ndarray:
-    """Cost over memory of each way to run a first child ``[i, k)`` of each range
-    ``[i, i + length)`` (``i`` in ``starts``; ``k`` in ``i+1 .. i + length - 1``) then the rest,
-    shaped ``(range, k - i - 1, kind, m)``: kept, recomputed with its own children (the
-    table's ``[i, k)``), selective. ``rest`` is the windows and rows of the rest's costs."""
-    i = starts[:, None]
+    """Cost over the free memory ``m`` in ``columns`` of each way to run a first child ``[i, k)`` of
+    each range ``[i, i + length)`` (``i`` in ``starts``; ``k`` in ``i+1 .. i + length - 1``)
+    then the rest, shaped ``(range, k - i - 1, kind, m)``: kept, recomputed with its own
+    children (the table's ``[i, k)``), selective. ``rest`` is the windows and rows of the
+    rest's costs."""
+    i, memory = starts[:, None], np.arange(columns.start, columns.stop)
     k = i + np.arange(1, length)[None, :]
     rest_windows, rest_rows = rest
     boundary = first.boundary[k]
     options = np.empty((*k.shape, 3, len(memory)))
     kept, recomputed, cheap = options[:, :, KEPT], options[:, :, RECOMPUTED], options[:, :, SELECTIVE]
-    kept[...] = _shifted(rest_windows, rest_rows, first.stored[i, k])
-    np.add(first.recompute[i, k][..., None], _shifted(least_windows, (i, k), boundary), out=recomputed)
-    recomputed += _shifted(rest_windows, rest_rows, boundary)
-    np.add(first.selective[i, k][..., None], _shifted(rest_windows, rest_rows, boundary + first.expensive[i, k]),
-           out=cheap)
+    kept[...] = _shifted(rest_windows, rest_rows, first.stored[i, k], columns.start)
+    np.add(first.recompute[i, k][..., None], _shifted(least_windows, (i, k), boundary, columns.start), out=recomputed)
+    recomputed += _shifted(rest_windows, rest_rows, boundary, columns.start)
+    np.add(first.selective[i, k][..., None],
+           _shifted(rest_windows, rest_rows, boundary + first.expensive[i, k], columns.start), out=cheap)
     too_small = memory < first.own_backward[i, k][..., None]  # the child's own backward does not fit
     kept[too_small], cheap[too_small] = np.inf, np.inf
     return options
@@ -274,23 +306,40 @@ class DynamicProgram:
     """The solved table of one cost graph, turned into plans for any amount of memory.
 
     ``slot_count`` is a resolution: the table has between that many and twice as many
-    slots (:func:`memory_unit`), ``self.slot_count`` of them."""
+    slots (:func:`memory_unit`), ``self.slot_count`` of them. ``within_bytes``: the memory
+    the caller will ask plans for (a budget); the table is solved up to it first and grown
+    only as far as plans are asked beyond it (:meth:`Table.extend`), instead of up to all
+    of eager's memory."""
 
     def __init__(self, graph: nx.DiGraph, max_stages: int = 64, slot_count: int = SLOTS,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, within_bytes: float | None = None) -> None:
         self.graph = graph
         self.chain = build_chain(graph, max_stages)
         unit = memory_unit(self.chain, eager_peak(graph), slot_count, common_value_bytes(graph))
         self.slot_count = slots(memory_span(self.chain, eager_peak(graph)), unit)
-        self.table = solve(self.chain, unit, self.slot_count, selective=True, progress=progress)
+        self.table = Table(self.chain, unit, self.slot_count, selective=True)
+        self._progress = progress
+        self.table.extend(self.slot_count if within_bytes is None else slots(within_bytes, unit), progress)
         self._plans: dict[int, Plan] = {}
 
+    def _solved_to(self, m: int) -> None:
+        """The table solved up to ``m`` at least, grown by a quarter at a time so a walk
+        up the slots does not re-enter the solver at every step."""
+        if m >= self.table.solved:
+            self.table.extend(max(m, self.table.solved + self.table.solved // 4), self._progress)
+
     def feasible(self, m: int) -> bool:
+        self._solved_to(m)
         return bool(np.isfinite(self.table.top[0, m]))
+
+    def lowest_feasible(self) -> int | None:
+        """The fewest free slots any plan of the program runs in (``None``: none does)."""
+        return next((m for m in range(self.slot_count + 1) if self.feasible(m)), None)
 
     def plan(self, m: int) -> Plan:
         """The program's plan with ``m`` free slots for the whole forward (memoised)."""
         if m not in self._plans:
+            self._solved_to(m)
             chosen = children(self.table, 0, self.chain.stages, m, top=True)
             top = merge_kept(self.graph, segments_of(self.graph, self.chain, chosen))
             same = next((p for p in self._plans.values() if p.segments == top), None)  # more memory, same plan
@@ -303,7 +352,10 @@ class DynamicProgram:
 
     def smallest(self) -> Plan:
         """The plan of least memory the program can build."""
-        return self.plan(next(m for m in range(self.slot_count + 1) if self.feasible(m)))
+        lowest = self.lowest_feasible()
+        if lowest is None:  # memory_span makes storing everything an answer: this is a bug, not a budget
+            raise RuntimeError("the dynamic program has no plan even with all of eager's memory")
+        return self.plan(lowest)
 
 
 def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8) -> Plan | None:
@@ -314,10 +366,10 @@ def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8
     budget; each simulation then moves the free memory by what the estimate missed.
     """
     unit, top = program.table.unit, program.slot_count
-    feasible = [m for m in range(top + 1) if program.feasible(m)]
-    if not feasible:
+    lowest = program.lowest_feasible()
+    if lowest is None:
         return None
-    m = max(feasible[0], min(top, math.floor(budget_bytes / unit)))
+    m = max(lowest, min(top, math.floor(budget_bytes / unit)))
     best: Plan | None = None
     tried: set[int] = set()
     while m not in tried and len(tried) < tries:
@@ -330,7 +382,7 @@ def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8
             m = min(top, m + step)
         else:
             step = max(1, math.ceil((plan.peak_bytes - budget_bytes) / unit))
-            m = max(feasible[0], m - step)
+            m = max(lowest, m - step)
     return best
 
 

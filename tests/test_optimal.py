@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -29,8 +30,10 @@ from passes.optimal import (
     SELECTIVE,
     SLOTS,
     DynamicProgram,
+    Table,
     children,
     memory_unit,
+    plan_for_budget,
     recompute_cost,
     selective_cost,
     slots,
@@ -108,6 +111,36 @@ def test_program_equals_brute_force_over_its_plan_space(graph) -> None:
             need, cost = price(chain, unit, children(table, 0, chain.stages, m, top=True), chain.finish)
             assert need <= m and cost == pytest.approx(top[m], rel=1e-9, abs=1e-6), "rebuilt plan differs from its price"
 
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs_with_matmuls(max_ops=12), st.lists(st.integers(0, BRUTE_FORCE_SLOTS), max_size=4))
+def test_a_table_grown_in_steps_is_the_table_solved_at_once(graph, steps: list[int]) -> None:
+    """A budget's program solves its table only up to the memory its plans ask for
+    (:meth:`Table.extend`); an answer at ``m`` reads only answers at ``m`` or less, so growing
+    the table in any steps gives every answer and choice of the whole table."""
+    chain = build_chain(graph)
+    unit = memory_unit(chain, eager_peak(graph), BRUTE_FORCE_SLOTS)
+    whole, grown = solve(chain, unit, BRUTE_FORCE_SLOTS), Table(chain, unit, BRUTE_FORCE_SLOTS)
+    for index, m in enumerate(steps):
+        grown.extend(m)
+        assert grown.solved == max(steps[: index + 1]) + 1
+        np.testing.assert_array_equal(grown.top[:, :m + 1], whole.top[:, :m + 1])
+    grown.extend(BRUTE_FORCE_SLOTS)
+    for name in ("least", "choice", "top", "top_choice"):
+        np.testing.assert_array_equal(getattr(grown, name), getattr(whole, name), err_msg=name)
+
+
+def test_a_budget_plans_from_part_of_the_table() -> None:
+    """At a third of eager's memory on a 64-op chain, the program asked for that budget
+    solves less than the whole table and returns the plan the whole table gives."""
+    from tests.test_budget import chain as chain_graph
+
+    graph = chain_graph(64, [100])
+    budget = eager_peak(graph) / 3
+    whole, within = DynamicProgram(graph), DynamicProgram(graph, within_bytes=budget)
+    assert within.table.solved < whole.table.solved == whole.slot_count + 1
+    assert plan_for_budget(within, budget).segments == plan_for_budget(whole, budget).segments
 
 # --- plans judged by the simulator ---------------------------------------------------------
 
