@@ -101,7 +101,6 @@ class Chain:
         return max(self.stage_working[i:j])
 
 
-
 class ChainRanges:
     """The numbers :class:`Chain`'s methods give for one range, for arrays of ranges ``[i,
     j)`` at once (numpy broadcasting; ``i < j``): the dynamic program prices every pair of
@@ -164,6 +163,7 @@ class ChainRanges:
 
     def working(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         return self._working[i, j]
+
 
 def candidate_ends(graph: nx.DiGraph, max_stages: int) -> list[int]:
     """Positions after which the order may be cut, at most ``max_stages - 1`` of them plus

@@ -167,7 +167,7 @@ class Table:
 
     Solved for ``m`` below :attr:`solved` and grown on demand (:meth:`extend`): an answer
     at ``m`` reads only answers at ``m`` or less, so a budget's plans need the table only
-    up to about the budget, a third of it at 0.3 of eager."""
+    up to about the budget (62-78 of 161 slots at 0.3 of eager on 500-op random DAGs)."""
 
     def __init__(self, chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True) -> None:
         n, width = chain.stages, slot_count + 1

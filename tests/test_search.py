@@ -56,3 +56,63 @@ def test_no_search_on_large_graphs() -> None:
     assert search(graph, [plan], plan.peak_bytes) is None
     with pytest.raises(BudgetError):
         fit_budget(graph, int(0.05 * eager_peak(graph)))
+
+
+def _scored_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the plans the search scores (one entry per call of score_if_no_worse)."""
+    import passes.search as searching
+
+    calls: list[int] = []
+    score = searching.score_if_no_worse
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(searching, "score_if_no_worse", counted)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_larger_share_never_finds_a_worse_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each climb draws from a generator of its own, so a search given more plans to score
+    repeats the smaller search's climbs and goes on: its plan is no worse. What it is given
+    is plans scored, the cost of a move, not moves (most of which flip a flag nothing reads)."""
+    import passes.search as searching
+
+    graph = random_cost_graph(random.Random(seed), 24)
+    start = DynamicProgram(graph).smallest()
+    budget = int(0.9 * start.peak_bytes)
+    found = []
+    for plans in (40, 160):
+        monkeypatch.setattr(searching, "SEARCHED_PLANS", plans)
+        calls = _scored_plans(monkeypatch)
+        plan = search(graph, [start], budget)
+        assert len(calls) <= plans
+        found.append((max(0, plan.peak_bytes - budget), *plan.cost_key))
+        monkeypatch.undo()
+    assert found[1] <= found[0]
+
+
+@pytest.mark.parametrize("ops", [4, 6, 8])
+def test_a_stuck_climb_gives_its_share_to_a_new_one(ops: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a graph of a few ops a climb soon stops finding anything (every flag it may flip
+    tried and found worse): the rest of the start's share goes to new climbs from the same
+    start, drawing other moves, and the search returns the best any climb ended at."""
+    import passes.search as searching
+
+    graph = random_cost_graph(random.Random(0), ops)
+    start = DynamicProgram(graph).smallest()
+    budget = int(0.8 * start.peak_bytes)
+    climbs: list[tuple] = []
+    climb = searching._climb
+
+    def recorded(*args, **kwargs):
+        climbs.append(found := climb(*args, **kwargs))
+        return found
+
+    monkeypatch.setattr(searching, "_climb", recorded)
+    plan = search(graph, [start], budget)
+    assert len(climbs) > 1
+    assert sum(scored for _, _, scored in climbs) <= searching.SEARCHED_PLANS
+    assert (max(0, plan.peak_bytes - budget), *plan.cost_key) == min(score for score, _, _ in climbs)
