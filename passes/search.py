@@ -35,9 +35,7 @@ from passes.segments import PlanError, Segment, make_segments, nested
 from passes.simulate import peak_within, simulate
 
 SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there
-SEARCHED_OPS = 24000  # ops x plans one search may score: 375 at 64 ops
-SEARCHED_PLANS = 600  # plans one search may score on smaller graphs
-STUCK_AFTER = 2  # moves in a row that find nothing better, per flag a move may flip, after which a climb is stuck
+SEARCHED_OPS = 24000  # ops x simulations one search may replay: 1500 moves at 16 ops, 375 at 64
 
 
 @dataclass
@@ -145,104 +143,50 @@ def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_byt
     return trial if trial <= bar else None
 
 
-@dataclass(frozen=True)
-class _Moves:
-    """Where a search's moves may flip a flag: every position, but for keeps and
-    rematerialized inputs only where the graph allows one (``choices``, by flag index)."""
-
-    ops: int
-    choices: dict[int, list[int]]
-
-    @classmethod
-    def of(cls, graph: nx.DiGraph, remat: bool = True) -> _Moves:
-        """The moves of ``graph``'s plans (``remat=False``: none that rematerializes an input)."""
-        ops = op_nodes(graph)
-        keepable_at = [p for p, name in enumerate(ops) if keepable(graph, name)]
-        remat_at = [p for p, name in enumerate(ops) if remat and rematerializable(graph, name)]
-        return cls(len(ops), {4: keepable_at, 5: remat_at})
-
-    @property
-    def count(self) -> int:
-        """How many flags a move may flip."""
-        return 4 * self.ops - 2 + sum(len(at) for at in self.choices.values())
-
-    def draw(self, rng: random.Random) -> tuple[int, int] | None:
-        """A flag ``(kind, position)`` drawn at random; ``None`` for a kind with nowhere to flip."""
-        kind = rng.randrange(6)
-        if kind in self.choices:
-            return (kind, rng.choice(self.choices[kind])) if self.choices[kind] else None
-        return kind, rng.randrange(1 if kind in (0, 2) else 0, self.ops)
-
-
-def _climb(graph: nx.DiGraph, start: Plan, budget_bytes: float, moves: _Moves, rng: random.Random,
-           trials: int, memo: dict) -> tuple[tuple, tuple[Segment, ...], int]:
-    """One hill climb from ``start``: each move flips one flag and is kept when the plan is no
-    worse (:func:`score_if_no_worse`). Ends after ``trials`` plans scored, or once stuck:
-    :data:`STUCK_AFTER` times as many moves in a row as there are flags found nothing better
-    (a local optimum, where more moves of this climb are wasted). Returns the score and
-    segments it ends at and the plans it scored."""
-    layout = layout_of(graph, start.segments)
-    current = (score(graph, start.segments, budget_bytes), start.segments)
-    rejected: set[tuple] = set()  # layouts found no better than the current plan (most moves
-    scored = in_a_row = 0  # are rejected, and the next move from the same plan often repeats one)
-    while scored < trials and in_a_row < STUCK_AFTER * moves.count:
-        in_a_row += 1
-        drawn = moves.draw(rng)
-        if drawn is None:
-            continue
-        flags, position = layout.flags()[drawn[0]], drawn[1]
-        flags[position] = not flags[position]
-        state = layout.state()
-        if state in rejected:
-            flags[position] = not flags[position]
-            continue
-        try:
-            segments = build(graph, layout, memo)
-        except PlanError:
-            segments = current[1]  # rejected below, like a flag nothing reads
-        trial = None
-        if segments != current[1]:  # (a flag nothing reads here, or a layout that is no plan: rejected)
-            scored += 1
-            trial = score_if_no_worse(graph, segments, budget_bytes, current[0])
-        if trial is not None:
-            current, in_a_row = (trial, segments), 0
-            rejected.clear()
-        else:
-            rejected.add(state)
-            flags[position] = not flags[position]
-    return current[0], current[1], scored
-
-
 def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed: int = 0,
            remat: bool = True) -> Plan | None:
-    """The best plan hill climbs from each of ``starts`` find: the least over ``budget_bytes``,
+    """The best plan a hill climb from each of ``starts`` finds: the least over ``budget_bytes``,
     then the least recompute (it may not fit; ``None`` for graphs over :data:`SEARCH_MAX_OPS`
-    ops). The plans a search may score (:data:`SEARCHED_OPS`) are split evenly among the
-    starts; a climb that is stuck in a local optimum gives the rest of its start's share to
-    a new climb from the same start, drawing other moves (one seeded generator per climb, so
-    the same graph and budget give the same plan, and a larger share never a worse one).
-    ``remat=False`` leaves out the moves that rematerialize segment inputs (the plan space
-    before them).
-
-    On the 10-op random DAG of seed 1, one climb from the smallest plan ends at 1152, 1216
-    or 1280 bytes as the seed goes, at the true floor (1152) on half of the seeds."""
+    ops). The moves are split evenly among the starts; ``remat=False`` leaves out the moves that
+    rematerialize segment inputs (the plan space before them)."""
     ops = op_nodes(graph)
     if len(ops) > SEARCH_MAX_OPS or not starts or len(ops) < 2:
         return None
-    moves = _Moves.of(graph, remat)
-    share = min(SEARCHED_PLANS, SEARCHED_OPS // len(ops)) // len(starts)
+    rng = random.Random(seed)
+    keepable_at = [p for p, name in enumerate(ops) if keepable(graph, name)]
+    remat_at = [p for p, name in enumerate(ops) if remat and rematerializable(graph, name)]
+    choices = {4: keepable_at, 5: remat_at}
+    moves = SEARCHED_OPS // len(ops) // len(starts)
     best: tuple | None = None
     memo: dict = {}
-    for index, start in enumerate(starts):
-        left, climb = share, 0
-        while left > 0:
-            found, segments, scored = _climb(graph, start, budget_bytes, moves,
-                                             random.Random(f"{seed}/{index}/{climb}"), left, memo)
-            if best is None or found < best[0]:
-                best = (found, segments)
-            if scored == 0:  # nothing left to try from this start
-                break
-            left, climb = left - scored, climb + 1
+    for start in starts:
+        layout = layout_of(graph, start.segments)
+        current = (score(graph, start.segments, budget_bytes), start.segments)
+        rejected: set[tuple] = set()  # layouts found no better than the current plan (most moves
+        for _ in range(moves):  # are rejected, and the next move from the same plan often repeats one)
+            kind = rng.randrange(6)
+            if kind in choices and not choices[kind]:
+                continue
+            position = rng.choice(choices[kind]) if kind in choices else rng.randrange(1 if kind in (0, 2) else 0, len(ops))
+            flags = layout.flags()[kind]
+            flags[position] = not flags[position]
+            state = layout.state()
+            if state in rejected:
+                flags[position] = not flags[position]
+                continue
+            try:
+                segments = build(graph, layout, memo)
+            except PlanError:
+                segments = current[1]  # rejected below, like a flag nothing reads
+            trial = None if segments == current[1] else score_if_no_worse(graph, segments, budget_bytes, current[0])
+            if trial is not None:  # (a flag nothing reads here, or a layout that is no plan: rejected)
+                current = (trial, segments)
+                rejected.clear()
+            else:
+                rejected.add(state)
+                flags[position] = not flags[position]
+        if best is None or current[0] < best[0]:
+            best = current
     if best is None:
         return None
     return plan_of_segments(graph, starts[0].strategy, best[1], starts[0].notes)
