@@ -35,7 +35,8 @@ from passes.segments import PlanError, Segment, make_segments, nested
 from passes.simulate import peak_within, simulate
 
 SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there
-SEARCHED_OPS = 24000  # ops x simulations one search may replay: 1500 moves at 16 ops, 375 at 64
+SEARCHED_OPS = 24000  # ops x moves of a search's first climbs: 1500 moves at 16 ops, 375 at 64
+FURTHER_PLANS = 600  # plans scored as the climbs go on (fewer over 40 ops: SEARCHED_OPS // ops)
 
 
 @dataclass
@@ -143,12 +144,60 @@ def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_byt
     return trial if trial <= bar else None
 
 
+def _climb(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float, rng: random.Random,
+           choices: dict[int, list[int]], *, moves: int, plans: int, memo: dict) -> tuple[tuple, tuple[Segment, ...]]:
+    """One hill climb from ``segments``: each move flips one flag (positions of keeps and
+    rematerialized inputs from ``choices``) and is kept when the plan is no worse
+    (:func:`score_if_no_worse`). Ends after ``moves`` moves or ``plans`` plans scored,
+    whichever comes first. Returns the score and segments it ends at."""
+    ops = op_nodes(graph)
+    layout = layout_of(graph, segments)
+    current = (score(graph, segments, budget_bytes), segments)
+    rejected: set[tuple] = set()  # layouts found no better than the current plan (most moves
+    scored = 0  # are rejected, and the next move from the same plan often repeats one)
+    for _ in range(moves):
+        if scored >= plans:
+            break
+        kind = rng.randrange(6)
+        if kind in choices and not choices[kind]:
+            continue
+        position = rng.choice(choices[kind]) if kind in choices else rng.randrange(1 if kind in (0, 2) else 0, len(ops))
+        flags = layout.flags()[kind]
+        flags[position] = not flags[position]
+        state = layout.state()
+        if state in rejected:
+            flags[position] = not flags[position]
+            continue
+        try:
+            found = build(graph, layout, memo)
+        except PlanError:
+            found = current[1]  # rejected below, like a flag nothing reads
+        trial = None
+        if found != current[1]:  # (a flag nothing reads here, or a layout that is no plan: rejected)
+            scored += 1
+            trial = score_if_no_worse(graph, found, budget_bytes, current[0])
+        if trial is not None:
+            current = (trial, found)
+            rejected.clear()
+        else:
+            rejected.add(state)
+            flags[position] = not flags[position]
+    return current
+
+
 def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed: int = 0,
            remat: bool = True) -> Plan | None:
-    """The best plan a hill climb from each of ``starts`` finds: the least over ``budget_bytes``,
+    """The best plan hill climbs from each of ``starts`` find: the least over ``budget_bytes``,
     then the least recompute (it may not fit; ``None`` for graphs over :data:`SEARCH_MAX_OPS`
-    ops). The moves are split evenly among the starts; ``remat=False`` leaves out the moves that
-    rematerialize segment inputs (the plan space before them)."""
+    ops). ``remat=False`` leaves out the moves that rematerialize segment inputs (the plan
+    space before them).
+
+    Each start gets an even part of :data:`SEARCHED_OPS` in moves, drawn from one seeded
+    generator (the same graph and budget give the same plan); then the climb goes on from
+    where it ended with a generator of its own for :data:`FURTHER_PLANS` plans scored. It
+    only ever takes a plan no worse, so the search never returns worse than the first climbs
+    alone, and a seeded hill climb stopped early is often on a plateau with better plans
+    further on: on 40-op random DAGs at 0.3 of eager, 8x as many moves recomputed 22-30% less."""
     ops = op_nodes(graph)
     if len(ops) > SEARCH_MAX_OPS or not starts or len(ops) < 2:
         return None
@@ -157,34 +206,13 @@ def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed:
     remat_at = [p for p, name in enumerate(ops) if remat and rematerializable(graph, name)]
     choices = {4: keepable_at, 5: remat_at}
     moves = SEARCHED_OPS // len(ops) // len(starts)
+    further = min(FURTHER_PLANS, SEARCHED_OPS // len(ops)) // len(starts)
     best: tuple | None = None
     memo: dict = {}
-    for start in starts:
-        layout = layout_of(graph, start.segments)
-        current = (score(graph, start.segments, budget_bytes), start.segments)
-        rejected: set[tuple] = set()  # layouts found no better than the current plan (most moves
-        for _ in range(moves):  # are rejected, and the next move from the same plan often repeats one)
-            kind = rng.randrange(6)
-            if kind in choices and not choices[kind]:
-                continue
-            position = rng.choice(choices[kind]) if kind in choices else rng.randrange(1 if kind in (0, 2) else 0, len(ops))
-            flags = layout.flags()[kind]
-            flags[position] = not flags[position]
-            state = layout.state()
-            if state in rejected:
-                flags[position] = not flags[position]
-                continue
-            try:
-                segments = build(graph, layout, memo)
-            except PlanError:
-                segments = current[1]  # rejected below, like a flag nothing reads
-            trial = None if segments == current[1] else score_if_no_worse(graph, segments, budget_bytes, current[0])
-            if trial is not None:  # (a flag nothing reads here, or a layout that is no plan: rejected)
-                current = (trial, segments)
-                rejected.clear()
-            else:
-                rejected.add(state)
-                flags[position] = not flags[position]
+    for index, start in enumerate(starts):
+        current = _climb(graph, start.segments, budget_bytes, rng, choices, moves=moves, plans=moves, memo=memo)
+        onward = random.Random(f"{seed}/{index}")
+        current = _climb(graph, current[1], budget_bytes, onward, choices, moves=4 * further, plans=further, memo=memo)
         if best is None or current[0] < best[0]:
             best = current
     if best is None:

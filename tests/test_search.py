@@ -56,3 +56,20 @@ def test_no_search_on_large_graphs() -> None:
     assert search(graph, [plan], plan.peak_bytes) is None
     with pytest.raises(BudgetError):
         fit_budget(graph, int(0.05 * eager_peak(graph)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_climbs_going_on_never_end_worse(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its first climbs the search goes on from where each ended (FURTHER_PLANS plans
+    scored) taking only plans no worse: its plan is never worse than the first climbs' alone."""
+    import passes.search as searching
+
+    graph = random_cost_graph(random.Random(seed), 40)
+    starts = [DynamicProgram(graph).smallest()]
+    budget = int(0.3 * eager_peak(graph))
+    found = {}
+    for further in (0, searching.FURTHER_PLANS):
+        monkeypatch.setattr(searching, "FURTHER_PLANS", further)
+        plan = search(graph, starts, budget)
+        found[further] = (max(0, plan.peak_bytes - budget), *plan.cost_key)
+    assert found[searching.FURTHER_PLANS] <= found[0]
