@@ -25,8 +25,8 @@ from dataclasses import replace
 
 import networkx as nx
 
+from passes.dp_table import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.graph_facts import op_nodes
-from passes.optimal import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.plan import Candidate, Plan, plan_of_segments, selective
 from passes.recompute import cost_key, rerun_nodes
 from passes.remat import validate_remat

@@ -37,6 +37,7 @@ from passes.simulate import peak_within, simulate
 SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there
 SEARCHED_OPS = 24000  # ops x moves of a search's first climbs: 1500 moves at 16 ops, 375 at 64
 FURTHER_PLANS = 600  # plans scored as the climbs go on (fewer over 40 ops: SEARCHED_OPS // ops)
+FURTHER_MOVES_PER_PLAN = 4  # moves the climbs going on may make per plan scored (most flip a flag nothing reads)
 
 
 @dataclass
@@ -212,7 +213,8 @@ def search(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float, seed:
     for index, start in enumerate(starts):
         current = _climb(graph, start.segments, budget_bytes, rng, choices, moves=moves, plans=moves, memo=memo)
         onward = random.Random(f"{seed}/{index}")
-        current = _climb(graph, current[1], budget_bytes, onward, choices, moves=4 * further, plans=further, memo=memo)
+        current = _climb(graph, current[1], budget_bytes, onward, choices,
+                         moves=FURTHER_MOVES_PER_PLAN * further, plans=further, memo=memo)
         if best is None or current[0] < best[0]:
             best = current
     if best is None:

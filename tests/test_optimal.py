@@ -23,22 +23,9 @@ from graphckpt.tools import zoo
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.chain import Chain, build_chain
+from passes.dp_table import KEPT, RECOMPUTED, SELECTIVE, SLOTS, Table, recompute_cost, selective_cost, slots, solve
 from passes.graph_facts import op_nodes
-from passes.optimal import (
-    KEPT,
-    RECOMPUTED,
-    SELECTIVE,
-    SLOTS,
-    DynamicProgram,
-    Table,
-    children,
-    memory_unit,
-    plan_for_budget,
-    recompute_cost,
-    selective_cost,
-    slots,
-    solve,
-)
+from passes.optimal import DynamicProgram, children, memory_unit, plan_for_budget
 from passes.simulate import eager_peak
 from passes.strategies import choose_plan
 from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair, zoo_pair
