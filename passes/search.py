@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.graph_facts import op_nodes
+from passes.graph_facts import op_nodes, per_graph_value
 from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments
@@ -107,7 +107,7 @@ def build(graph: nx.DiGraph, layout: PlanLayout, memo: dict | None = None) -> tu
 
 def layout_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanLayout:
     """The layout nearest ``segments``: children of children are read as one child."""
-    position = {name: p for p, name in enumerate(op_nodes(graph))}
+    position = _positions(graph)
     n = len(position)
     layout = PlanLayout(*([False] * n for _ in range(6)))
     for segment in segments:
@@ -145,6 +145,53 @@ def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_byt
     return trial if trial <= bar else None
 
 
+def _top_start(layout: PlanLayout, position: int) -> int:
+    """Where the top-level segment holding ``position`` starts."""
+    while position > 0 and not layout.top_start[position]:
+        position -= 1
+    return position
+
+
+def unread(graph: nx.DiGraph, layout: PlanLayout, kind: int, position: int) -> bool:
+    """Whether :func:`build` certainly ignores flag ``kind`` at ``position`` of ``layout``
+    (the flags of :meth:`PlanLayout.flags`): a flip there gives the same plan, so a search
+    need not build it. Conservative: ``False`` says only that the flag may be read.
+
+    >>> g = nx.DiGraph([("a", "b"), ("b", "c")])
+    >>> nx.set_node_attributes(g, "op", "kind")
+    >>> nx.set_node_attributes(g, {"a": 0, "b": 1, "c": 2}, "order")
+    >>> kept = PlanLayout([True, False, False], *([False] * 3 for _ in range(5)))
+    >>> unread(g, kept, 1, 0), unread(g, kept, 1, 1), unread(g, kept, 2, 1), unread(g, kept, 5, 0)
+    (False, True, True, True)
+    """
+    if kind == 0:
+        return False
+    start = _top_start(layout, position)
+    if kind == 1:
+        return start != position
+    if kind == 5:  # read when a consumer sits in a recomputed top segment
+        at = _positions(graph)
+        users = (at[user] for user in graph.successors(op_nodes(graph)[position]) if user in at)
+        return not any(layout.top_recompute[_top_start(layout, user)] for user in users)
+    if not layout.top_recompute[start]:
+        return True
+    if kind == 2:
+        return position == start
+    if kind == 3:
+        end = position + 1
+        while end < len(layout.top_start) and not layout.top_start[end]:
+            end += 1
+        only_child = not any(layout.child_start[start + 1:end])
+        return only_child or not (position == start or layout.child_start[position])
+    return False
+
+
+@per_graph_value
+def _positions(graph: nx.DiGraph) -> dict[str, int]:
+    """Each op's position in :func:`passes.graph_facts.op_nodes`."""
+    return {name: p for p, name in enumerate(op_nodes(graph))}
+
+
 def _climb(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float, rng: random.Random,
            choices: dict[int, list[int]], *, moves: int, plans: int, memo: dict) -> tuple[tuple, tuple[Segment, ...]]:
     """One hill climb from ``segments``: each move flips one flag (positions of keeps and
@@ -154,6 +201,10 @@ def _climb(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float
     ops = op_nodes(graph)
     layout = layout_of(graph, segments)
     current = (score(graph, segments, budget_bytes), segments)
+    try:  # whether the layout builds the current plan, so a flag nothing reads changes nothing
+        built = build(graph, layout, memo) == segments
+    except PlanError:
+        built = False
     rejected: set[tuple] = set()  # layouts found no better than the current plan (most moves
     scored = 0  # are rejected, and the next move from the same plan often repeats one)
     for _ in range(moves):
@@ -166,7 +217,8 @@ def _climb(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float
         flags = layout.flags()[kind]
         flags[position] = not flags[position]
         state = layout.state()
-        if state in rejected:
+        if state in rejected or (built and unread(graph, layout, kind, position)):
+            rejected.add(state)  # (no plan but the current one: see below)
             flags[position] = not flags[position]
             continue
         try:
@@ -178,7 +230,7 @@ def _climb(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float
             scored += 1
             trial = score_if_no_worse(graph, found, budget_bytes, current[0])
         if trial is not None:
-            current = (trial, found)
+            current, built = (trial, found), True
             rejected.clear()
         else:
             rejected.add(state)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.optimal import DynamicProgram
-from passes.search import SEARCH_MAX_OPS, build, layout_of, search
-from passes.segments import validate_plan
+from passes.search import SEARCH_MAX_OPS, PlanLayout, build, layout_of, search, unread
+from passes.segments import PlanError, validate_plan
 from passes.simulate import eager_peak
 from scripts.planner_gap import random_cost_graph
 
@@ -73,3 +75,32 @@ def test_climbs_going_on_never_end_worse(seed: int, monkeypatch: pytest.MonkeyPa
         plan = search(graph, starts, budget)
         found[further] = (max(0, plan.peak_bytes - budget), *plan.cost_key)
     assert found[searching.FURTHER_PLANS] <= found[0]
+
+
+def _built(graph, layout: PlanLayout) -> tuple | None:
+    try:
+        return build(graph, layout)
+    except PlanError:
+        return None
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), data=st.data())
+def test_a_flag_called_unread_changes_no_plan(seed: int, data: st.DataObject) -> None:
+    """The search skips building a flip :func:`passes.search.unread` calls unread, as if the
+    build had given the current plan: on random layouts of random DAGs, the flip builds the
+    same segments (or is no plan either way)."""
+    graph = random_cost_graph(random.Random(seed), 12)
+    n = 12
+    flags = data.draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=6, max_size=6))
+    flags[0][0] = True
+    layout = PlanLayout(*flags)
+    before = _built(graph, layout)
+    for kind in range(6):
+        for position in range(1 if kind in (0, 2) else 0, n):
+            if not unread(graph, layout, kind, position):
+                continue
+            flipped = layout.flags()[kind]
+            flipped[position] = not flipped[position]
+            assert _built(graph, layout) == before, (kind, position)
+            flipped[position] = not flipped[position]
