@@ -187,12 +187,9 @@ class BudgetRow:
 def measure(graph: nx.DiGraph, fraction: float, row: BudgetRow, time_limit: float) -> None:
     """Plan ``graph`` at ``fraction`` of eager's peak, solve the MILP there, add to ``row``."""
     budget = int(fraction * eager_peak(graph))
-    started = time.perf_counter()
-    try:
-        ours: int | None = fit_budget(graph, budget).recompute_flops
-    except BudgetError:
-        ours = None
-    row.seconds.append(time.perf_counter() - started)
+    took, plan = planning_seconds(graph, budget, rounds=1)
+    row.seconds.append(took)
+    ours = None if plan is None else plan.recompute_flops
     try:
         best = checkmate_schedule(graph, budget, time_limit=time_limit)
     except TimeoutError:
@@ -257,10 +254,27 @@ def budget_table(options: argparse.Namespace, sizes: dict[str, dict[str, object]
     return "\n".join(lines)
 
 
-def timing_table(sizes: Sequence[int], graphs: int, seed: int) -> str:
+def planning_seconds(graph: nx.DiGraph, budget_bytes: int, rounds: int) -> tuple[float, Plan | None]:
+    """The median wall time of ``rounds`` runs of ``fit_budget`` on fresh copies of ``graph``
+    (no fact cached from an earlier run), and its plan (``None`` when it refuses): one run's
+    time on a shared VM varied 2x between runs of the same fit."""
+    seconds, plan = [], None
+    for _ in range(rounds):
+        fresh = graph.copy()
+        started = time.perf_counter()
+        try:
+            plan = fit_budget(fresh, budget_bytes)
+        except BudgetError:
+            plan = None
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds), plan
+
+
+def timing_table(sizes: Sequence[int], graphs: int, seed: int, rounds: int = 1) -> str:
     """Planning time alone (no MILP: it does not solve graphs this large) of ``fit_budget`` at
-    0.3, 0.5 and 0.7 of eager on ``graphs`` random DAGs of each size, with the plan's recompute
-    over the forward's FLOPs; a budget no plan meets is counted."""
+    0.3, 0.5 and 0.7 of eager on ``graphs`` random DAGs of each size (each graph's time the
+    median of ``rounds`` runs, :func:`planning_seconds`), with the plan's recompute over the
+    forward's FLOPs; a budget no plan meets is counted."""
     lines = ["| graphs | budget (× eager) | planning s (median / max) | recompute / forward FLOPs "
              "(median / max) | refused |", "|---|---:|---:|---:|---:|"]
     for ops in sizes:
@@ -270,12 +284,12 @@ def timing_table(sizes: Sequence[int], graphs: int, seed: int) -> str:
             seconds, ratios, refused = [], [], 0
             for graph in family:
                 forward = sum(f for _, f in graph.nodes(data="flops"))
-                started = time.perf_counter()
-                try:
-                    ratios.append(fit_budget(graph, int(fraction * eager_peak(graph))).recompute_flops / forward)
-                except BudgetError:
+                took, plan = planning_seconds(graph, int(fraction * eager_peak(graph)), rounds)
+                seconds.append(took)
+                if plan is None:
                     refused += 1
-                seconds.append(time.perf_counter() - started)
+                else:
+                    ratios.append(plan.recompute_flops / forward)
             spread = f"{statistics.median(ratios):.2f} / {max(ratios):.2f}" if ratios else "—"
             lines.append(f"| {graphs} random DAGs of {ops} ops | {fraction:g} | {statistics.median(seconds):.2f} / "
                          f"{max(seconds):.2f} | {spread} | {refused} |")
@@ -292,7 +306,7 @@ def report(options: argparse.Namespace, command: str) -> str:
     random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit)
     zoo_part, notes = zoo_table(sizes, options.zoo_time_limit)
     budget_part = budget_table(options, sizes)
-    timing_part = timing_table(options.timing_ops, options.budget_graphs, options.seed)
+    timing_part = timing_table(options.timing_ops, options.budget_graphs, options.seed, options.timing_rounds)
     return (
         "Each strategy's total forward compute (forward + recompute) over the least any schedule "
         "needs at the same simulated peak, found by the Checkmate-style MILP (`passes/checkmate.py`, "
@@ -315,7 +329,8 @@ def report(options: argparse.Namespace, command: str) -> str:
         f"MILP, `passes/floor.py`); time limit {options.budget_time_limit:g} s a solve:\n\n"
         f"{budget_part}\n\n"
         "Planning time on larger random DAGs (the same family), where the MILP is not solved: "
-        "`fit_budget`'s wall time per graph on this machine, and the plan's recompute over the "
+        f"`fit_budget`'s wall time per graph on this machine (the median of {options.timing_rounds} runs on "
+        "fresh copies of the graph), and the plan's recompute over the "
         f"forward's FLOPs:\n\n{timing_part}\n"
     )
 
@@ -334,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-time-limit", type=float, default=20.0, help="seconds a budget-table solve")
     parser.add_argument("--timing-ops", type=int, nargs="+", default=[500],
                         help="random DAG sizes planned for time alone (no MILP)")
+    parser.add_argument("--timing-rounds", type=int, default=3, help="runs of each timed fit (the median is shown)")
     parser.add_argument("--budget-only", action="store_true", help="only the budget table (e.g. to run an older planner)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: few small graphs, short limits")
     parser.add_argument("--out", type=Path, help="write the markdown here instead of printing it")
@@ -344,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         options.budget_graphs, options.budget_ops = min(options.budget_graphs, 2), [min(options.ops, 8)]
         options.time_limit, options.zoo_time_limit = min(options.time_limit, 5), min(options.zoo_time_limit, 5)
         options.budget_time_limit = min(options.budget_time_limit, 5)
-        options.timing_ops = [min(options.timing_ops[0], 80)]
+        options.timing_ops, options.timing_rounds = [min(options.timing_ops[0], 80)], 1
     text = report(options, " ".join(["python scripts/planner_gap.py", *argv]))
     if options.out is None:
         print(text, end="")
