@@ -46,8 +46,6 @@ def slots(nbytes: float | np.ndarray, unit: float) -> int | np.ndarray:
     return math.ceil(nbytes / unit - 1e-9)
 
 
-
-
 BYTE_WEIGHT = 1e-3  # FLOPs a recomputed byte costs: a tie-break among plans of equal FLOPs
 SEGMENT_COST = 1.0  # a recomputed segment's own cost: a tie-break, so none is made that saves nothing
 
@@ -229,5 +227,3 @@ def _first_child_options(first: _FirstChild, columns: range, least_windows: np.n
     too_small = memory < first.own_backward[i, k][..., None]  # the child's own backward does not fit
     kept[too_small], cheap[too_small] = np.inf, np.inf
     return options
-
-

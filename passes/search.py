@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.graph_facts import op_nodes, per_graph_value
+from passes.cuts import op_layout
+from passes.graph_facts import op_nodes
 from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
 from passes.plan import Plan, plan_of_segments
@@ -107,8 +108,7 @@ def build(graph: nx.DiGraph, layout: PlanLayout, memo: dict | None = None) -> tu
 
 def layout_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanLayout:
     """The layout nearest ``segments``: children of children are read as one child."""
-    position = _positions(graph)
-    n = len(position)
+    position, n = op_layout(graph).position, len(op_nodes(graph))
     layout = PlanLayout(*([False] * n for _ in range(6)))
     for segment in segments:
         first = position[segment.nodes[0]]
@@ -157,9 +157,11 @@ def unread(graph: nx.DiGraph, layout: PlanLayout, kind: int, position: int) -> b
     (the flags of :meth:`PlanLayout.flags`): a flip there gives the same plan, so a search
     need not build it. Conservative: ``False`` says only that the flag may be read.
 
-    >>> g = nx.DiGraph([("a", "b"), ("b", "c")])
-    >>> nx.set_node_attributes(g, "op", "kind")
-    >>> nx.set_node_attributes(g, {"a": 0, "b": 1, "c": 2}, "order")
+    >>> from passes.costgraph import add_value
+    >>> g = nx.DiGraph()
+    >>> add_value(g, "a", kind="op", order=0, bytes=8)
+    >>> add_value(g, "b", kind="op", order=1, bytes=8, reads=["a"])
+    >>> add_value(g, "c", kind="op", order=2, bytes=8, reads=["b"])
     >>> kept = PlanLayout([True, False, False], *([False] * 3 for _ in range(5)))
     >>> unread(g, kept, 1, 0), unread(g, kept, 1, 1), unread(g, kept, 2, 1), unread(g, kept, 5, 0)
     (False, True, True, True)
@@ -170,8 +172,8 @@ def unread(graph: nx.DiGraph, layout: PlanLayout, kind: int, position: int) -> b
     if kind == 1:
         return start != position
     if kind == 5:  # read when a consumer sits in a recomputed top segment
-        at = _positions(graph)
-        users = (at[user] for user in graph.successors(op_nodes(graph)[position]) if user in at)
+        at, ops = op_layout(graph).position, op_nodes(graph)
+        users = (at[user] for user in graph.successors(ops[position]) if 0 <= at.get(user, -1) < len(ops))
         return not any(layout.top_recompute[_top_start(layout, user)] for user in users)
     if not layout.top_recompute[start]:
         return True
@@ -184,12 +186,6 @@ def unread(graph: nx.DiGraph, layout: PlanLayout, kind: int, position: int) -> b
         only_child = not any(layout.child_start[start + 1:end])
         return only_child or not (position == start or layout.child_start[position])
     return False
-
-
-@per_graph_value
-def _positions(graph: nx.DiGraph) -> dict[str, int]:
-    """Each op's position in :func:`passes.graph_facts.op_nodes`."""
-    return {name: p for p, name in enumerate(op_nodes(graph))}
 
 
 def _climb(graph: nx.DiGraph, segments: tuple[Segment, ...], budget_bytes: float, rng: random.Random,
