@@ -15,28 +15,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from graphckpt.tools.anchors import Variant, block_anchor
 from graphckpt.tools.bench import measured_peak, model_costs, planned_variant
 from graphckpt.tools.bench_report import machine_line
 from graphckpt.tools.console import quiet_profiler
-from graphckpt.tools.hf_zoo import hf_gpt2, hf_llama
+from graphckpt.tools.hf_zoo import BENCHMARK_MODELS as MODELS
 from graphckpt.tools.measure import on_device, training_step
 from graphckpt.tools.pairs import allocator_retains, head_to_head, rerun_with_retaining_allocator
-
-MODELS: dict[str, tuple[str, Callable[[], tuple]]] = {
-    "gpt2": ("HF GPT-2, 12 layers, d=256, seq 256, batch 8, vocab 8192",
-             lambda: hf_gpt2(layers=12, d=256, seq=256, batch=8, vocab=8192)),
-    "llama": ("HF LLaMA, 8 layers, d=256, GQA 8/4, seq 256, batch 8, vocab 8192",
-              lambda: hf_llama(layers=8, d=256, seq=256, batch=8)),
-    # GPU sizes: at d=256 a GPU step waits on Python, not on kernels.
-    "gpt2-small": ("HF GPT-2 small, 12 layers, d=768, seq 1024, batch 8, vocab 50257",
-                   lambda: hf_gpt2(layers=12, d=768, seq=1024, batch=8)),
-    "llama-1k": ("HF LLaMA, 8 layers, d=1024, GQA 16/4, seq 1024, batch 4, vocab 32000",
-                 lambda: hf_llama(layers=8, d=1024, seq=1024, batch=4, heads=16, kv_heads=4, vocab=32000)),
-}
 
 
 def _say(message: str) -> None:

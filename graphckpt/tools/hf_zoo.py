@@ -60,3 +60,21 @@ def hf_llama(layers: int, d: int, seq: int, batch: int, heads: int = 8, kv_heads
                                       pad_token_id=0)
     torch.manual_seed(0)
     return _wrapped(transformers.LlamaForCausalLM(config), vocab, seq, batch)
+
+
+BENCHMARK_MODELS: dict[str, tuple[str, Callable[[], tuple[nn.Module, tuple, Loss]]]] = {
+    "gpt2": ("HF GPT-2, 12 layers, d=256, seq 256, batch 8, vocab 8192",
+             lambda: hf_gpt2(layers=12, d=256, seq=256, batch=8, vocab=8192)),
+    "llama": ("HF LLaMA, 8 layers, d=256, GQA 8/4, seq 256, batch 8, vocab 8192",
+              lambda: hf_llama(layers=8, d=256, seq=256, batch=8)),
+    # GPU sizes: at d=256 a GPU step waits on Python, not on kernels.
+    "gpt2-small": ("HF GPT-2 small, 12 layers, d=768, seq 1024, batch 8, vocab 50257",
+                   lambda: hf_gpt2(layers=12, d=768, seq=1024, batch=8)),
+    "llama-1k": ("HF LLaMA, 8 layers, d=1024, GQA 16/4, seq 1024, batch 4, vocab 32000",
+                 lambda: hf_llama(layers=8, d=1024, seq=1024, batch=4, heads=16, kv_heads=4, vocab=32000)),
+    # Seconds: the scripts' smoke tests.
+    "llama-tiny": ("HF LLaMA, 2 layers, d=64, GQA 4/2, seq 32, batch 2, vocab 256",
+                   lambda: hf_llama(layers=2, d=64, seq=32, batch=2, heads=4, kv_heads=2, vocab=256)),
+}
+"""The Hugging Face models the per-block and step-breakdown benchmarks measure: name ->
+(description, builder)."""
