@@ -5,10 +5,10 @@
 For each model, in one process with a retaining allocator: eager; torch.compile (aot_eager)
 with ``activation_memory_budget`` 0.5 and 0.35 and per-block checkpointing, each measured;
 graphckpt planned at each anchor's measured peak with FLOPs and with measured op times.
-Every variant's step is profiled once (:func:`graphckpt.tools.step_profile.profile_step`):
-kernel time, GPU idle time, kernels launched, ATen calls; each graphckpt plan is timed head
-to head against its anchor (paired rounds, order alternating, median with a 95% bootstrap
-interval). On a CPU the kernel columns are empty.
+Every variant's step is profiled (:func:`graphckpt.tools.step_profile.profile_step`, the
+median of three profiled steps): kernel time, GPU idle time, kernels launched, ATen calls;
+each graphckpt plan is timed head to head against its anchor (paired rounds, order
+alternating, median with a 95% bootstrap interval). On a CPU the kernel columns are empty.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
         for name in options.models.split(","):
             rows += breakdown(name, options.rounds, options.device)
     text = "\n".join([f"{machine_line(options.device)}; retaining allocator; {options.rounds} paired rounds per "
-                      "graphckpt row; one profiled step per row", "", *rows])
+                      "graphckpt row; each row's profile the median of three profiled steps", "", *rows])
     print(text)
     if options.out:
         options.out.write_text(text + "\n")

@@ -3,7 +3,7 @@
 A plan can lose to another at equal memory in two ways: it gives the GPU more work (it
 recomputes costlier kernels) or it leaves the GPU waiting on the host (Python of checkpoint
 calls, saved-tensor hooks, selective dispatch). :func:`profile_step` tells them apart from
-one profiled step: the kernels' summed time and the wall time they leave uncovered.
+profiled steps: the time kernels cover and the wall time they leave uncovered.
 ``scripts/step_breakdown.py`` prints it for each plan beside the anchors.
 """
 
