@@ -60,7 +60,13 @@ def assert_trains_like(reference: nn.Module, model: nn.Module, rewritten: nn.Mod
 
 
 def fresh_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """``(reference, model)``: a deep copy to compare against, and the model itself."""
+    """``(reference, model)``: a deep copy to compare against, and the model itself.
+
+    The model must have no gradients yet: ``nn.Parameter``'s deep copy leaves ``.grad``
+    behind, so the reference would start from none while the model adds to its own, and
+    gradients would differ for no fault of the rewrite."""
+    stale = [name for name, parameter in model.named_parameters() if parameter.grad is not None]
+    assert not stale, f"fresh_pair: {len(stale)} parameters already have gradients ({stale[0]}, ...); build a fresh model"
     return copy.deepcopy(model), model
 
 
