@@ -195,6 +195,7 @@ def _emit_segments(target_graph: fx.Graph, source: Source,
             target = f"{prefix}{made[SegmentModule]}"
             modules[target] = _segment_module(source, planned, target)
         made[type(modules[target])] += 1
+        modules[target].label = target  # its name in a profiler's trace
         _emit_call(target_graph, target, planned, env, source)
     return modules
 

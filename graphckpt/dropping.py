@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase, storage_key
+from graphckpt.torch_compat import NormBase, profiled_range, storage_key
 
 _NOTHING = contextlib.nullcontext()  # reusable: enters and exits as often as asked
 
@@ -95,8 +95,11 @@ class DropModule(nn.Module):
     Called with the op's inputs, then the sources of the dropped ones that are not inputs.
     ``remat`` computes the dropped inputs (at positions ``remat_inputs``) from the arguments
     at ``remat_sources``; the body and ``remat`` are plain attributes, not submodules, so
-    parameters and ``state_dict`` keys stay those of the original model.
+    parameters and ``state_dict`` keys stay those of the original model. A profiler's trace
+    names its forward ``graphckpt drop_0`` (its ``label``) and its remakes ``graphckpt drop_0 remake``.
     """
+
+    label = "drop"
 
     def __init__(self, body: fx.GraphModule, remat: fx.GraphModule, *, nodes: Sequence[str],
                  inputs: Sequence[str], outputs: Sequence[str], remat_inputs: Sequence[int],
@@ -126,7 +129,7 @@ class DropModule(nn.Module):
             return _Handle(remade, hit[0], saved)
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), profiled_range(f"graphckpt {self.label}"):
                 return self.body.forward(*inputs)  # not fx's call wrapper: ~10 us a call
         finally:
             dropped.clear()  # the hooks may outlive the call: hold no storage of forward's
@@ -134,7 +137,8 @@ class DropModule(nn.Module):
     def remake(self, sources: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         """The dropped inputs made again from ``sources``, without gradients."""
         self.__dict__["remakes"] += 1  # not nn.Module's __setattr__: a few microseconds a call
-        with torch.no_grad(), frozen_running_stats(self.remat_norms) if self.remat_norms else _NOTHING:
+        norms = frozen_running_stats(self.remat_norms) if self.remat_norms else _NOTHING
+        with torch.no_grad(), norms, profiled_range(f"graphckpt {self.label} remake"):
             made = self.remat.forward(*sources)
         return made if isinstance(made, tuple) else (made,)
 

@@ -35,7 +35,7 @@ from torch import fx, nn
 from graphckpt.dropout import generator_state, restored_generators
 from graphckpt.dropping import autocast_now
 from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase, storage_alive, storage_key, storage_ref
+from graphckpt.torch_compat import NormBase, profiled_range, storage_alive, storage_key, storage_ref
 
 _NOTHING = contextlib.nullcontext()
 STATES = "generator_states"
@@ -215,7 +215,11 @@ class HookedSegmentModule(nn.Module):
     too, made before a remake reading them when not alive and then held until no unpack
     left may need them (:attr:`passes.segments.Segment.remake_held`), counted against each
     group's ``closures`` (:func:`passes.hooked.remake_closures`). The graph modules are
-    plain attributes, not submodules, so parameters and ``state_dict`` keys stay the model's."""
+    plain attributes, not submodules, so parameters and ``state_dict`` keys stay the model's.
+    A profiler's trace names its forward ``graphckpt hooked_0`` (its ``label``) and each
+    remake ``graphckpt hooked_0 remake 2`` (the group)."""
+
+    label = "hooked"
 
     def __init__(self, body: fx.GraphModule, remakes: Sequence[fx.GraphModule], *, nodes: Sequence[str],
                  inputs: Sequence[str], outputs: Sequence[str], groups: Sequence[Sequence[str]],
@@ -255,7 +259,7 @@ class HookedSegmentModule(nn.Module):
             return self.body.forward(*args, None)
         call = _HookedCall(self, args)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), profiled_range(f"graphckpt {self.label}"):
                 return self.body.forward(*args, call)  # not fx's call wrapper: ~10 us a call
         finally:
             call.finish()
@@ -266,12 +270,13 @@ class HookedSegmentModule(nn.Module):
         self.__dict__["recomputations"] += 1  # not nn.Module's __setattr__: a few microseconds
         group = self.group_of[wanted]
         norms = frozen_running_stats(self.remake_norms) if self.remake_norms else _NOTHING
+        labelled = profiled_range(f"graphckpt {self.label} remake {group}")
         if self.draws[group]:
             devices = (device for device, _ in call.generator_states.values())
-            with torch.no_grad(), call.autocast, norms, restored_generators(devices):
+            with torch.no_grad(), call.autocast, norms, restored_generators(devices), labelled:
                 made = self.remakes[group].forward(*reads, call.generator_states)
         else:
-            with torch.no_grad(), call.autocast, norms:
+            with torch.no_grad(), call.autocast, norms, labelled:
                 made = self.remakes[group].forward(*reads)
         made = made if isinstance(made, tuple) else (made,)
         return {name: value for name, value in zip(self.groups[group], made, strict=True)

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import (
 
 from graphckpt.op_kinds import kept_by_selective
 from graphckpt.state import StateInput, frozen_running_stats, scratch_state, unwrap_state
-from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema
+from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema, profiled_range
 
 
 class _Dropped:
@@ -71,8 +71,12 @@ class SegmentModule(nn.Module):
 
     The body (an fx ``GraphModule``) is held as a plain attribute, not a submodule: its
     modules belong to the rewritten module, so parameters and ``state_dict`` keys stay
-    those of the original model.
+    those of the original model. ``label`` (its name in ``print(gm.code)``) names its
+    forward and its recomputes in a profiler's trace: ``graphckpt segment_1``,
+    ``graphckpt segment_1 recompute``.
     """
+
+    label = "segment"
 
     def __init__(self, body: fx.GraphModule, *, nodes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], kept_bytes: float, saved_inside: Sequence[str] = (),
@@ -144,7 +148,7 @@ class SegmentModule(nn.Module):
         # the body's generated forward is called directly: fx's call wrapper would format
         # a traceback for that exception on every recompute (~0.2 ms each).
         body = self._run_body if self.state_inputs or self.remat_inputs else self.body.forward
-        with set_checkpoint_early_stop(True):
+        with set_checkpoint_early_stop(True), profiled_range(f"graphckpt {self.label}"):
             outputs = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
                                  context_fn=contexts)
         for dropped in args:
@@ -306,6 +310,7 @@ class _Recomputing(_Running):
         self.segment.recomputations += 1
         self.nested_seen = 0
         super().__enter__()
+        self.stack.enter_context(profiled_range(f"graphckpt {self.segment.label} recompute"))
         self.stack.enter_context(frozen_running_stats(self.segment.norms()))
         self.stack.enter_context(scratch_state(self.call.state))
         if self.call.remake is not None:  # before the selective cache: see SegmentModule._remake

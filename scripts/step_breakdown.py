@@ -6,9 +6,10 @@ For each model, in one process with a retaining allocator: eager; torch.compile 
 with ``activation_memory_budget`` 0.5 and 0.35 and per-block checkpointing, each measured;
 graphckpt planned at each anchor's measured peak with FLOPs and with measured op times.
 Every variant's step is profiled (:func:`graphckpt.tools.step_profile.profile_step`, the
-median of three profiled steps): kernel time, GPU idle time, kernels launched, ATen calls;
-each graphckpt plan is timed head to head against its anchor (paired rounds, order
-alternating, median with a 95% bootstrap interval). On a CPU the kernel columns are empty.
+median of three profiled steps): kernel time, GPU idle time, kernels launched, ATen calls,
+host time inside graphckpt's recomputes and remakes; each graphckpt plan is timed head to
+head against its anchor (paired rounds, order alternating, median with a 95% bootstrap
+interval). On a CPU the kernel columns are empty.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from graphckpt.tools.pairs import head_to_head, rerun_with_retaining_allocator
 from graphckpt.tools.step_profile import StepProfile, profile_step
 
 HEADER = ["| model | variant | peak / eager's | step / anchor's (median, 95% CI) | kernel time | GPU idle | kernels "
-          "| ATen calls | extra over eager: predicted / kernel |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+          "| ATen calls | host in recomputes | extra over eager: predicted / kernel |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
 def _ms(seconds: float) -> str:
@@ -36,8 +38,9 @@ def _ms(seconds: float) -> str:
 
 def _row(model: str, variant: str, peak_ratio: float, versus: str, profile: StepProfile, extra: str) -> str:
     kernel = (_ms(profile.kernel_seconds), _ms(profile.idle_seconds)) if profile.kernels else ("", "")
+    recomputing = _ms(profile.recompute_host_seconds) if profile.recompute_host_seconds else ""
     return (f"| {model} | {variant} | {peak_ratio:.3f} | {versus} | {kernel[0]} | {kernel[1]} | {profile.kernels} "
-            f"| {profile.aten_calls} | {extra} |")
+            f"| {profile.aten_calls} | {recomputing} | {extra} |")
 
 
 def breakdown(name: str, rounds: int, device: str, costs: tuple[str, ...] = ("flops", "time")) -> list[str]:
@@ -52,7 +55,7 @@ def breakdown(name: str, rounds: int, device: str, costs: tuple[str, ...] = ("fl
     modelled = {cost: model_costs(model, inputs, cost) for cost in costs}
     for anchor in anchors:
         if not isinstance(anchor, Variant):
-            rows.append(f"| {name} | {anchor.name} | not measured: {anchor.reason} | | | | | | |")
+            rows.append(f"| {name} | {anchor.name} | not measured: {anchor.reason} | | | | | | | |")
             continue
         anchor_step = training_step(anchor.module, inputs, loss)
         anchor_peak = measured_peak(anchor.module, inputs, loss)
@@ -62,7 +65,7 @@ def breakdown(name: str, rounds: int, device: str, costs: tuple[str, ...] = ("fl
             print(f"  {time.strftime('%H:%M:%S')} {name}: {label}", flush=True)
             ours = planned_variant(costed, budget=anchor_peak, name=label)
             if not isinstance(ours, Variant):
-                rows.append(f"| {name} | {label} | not measured: {ours.reason} | | | | | | |")
+                rows.append(f"| {name} | {label} | not measured: {ours.reason} | | | | | | | |")
                 continue
             step = training_step(ours.module, inputs, loss)
             profile = profile_step(step, where)

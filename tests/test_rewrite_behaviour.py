@@ -90,6 +90,25 @@ def test_recompute_happens_in_backward() -> None:
     assert counts and all(count == 1 for count in counts)
 
 
+def test_a_profiler_trace_names_each_segment_and_its_recompute() -> None:
+    """What graphckpt runs shows in a user's profile under the names ``print(gm.code)`` uses:
+    each segment's forward, its recompute in backward, and the remakes of segments run by
+    hooks (a budget plan of the zoo GPT has all three, and a nested segment)."""
+    from graphckpt.tools import zoo
+
+    model, inputs = zoo.make("gpt")
+    rewritten = graphckpt.rewrite(model, inputs, budget=0.4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        zoo.scalar_loss(rewritten(*inputs)).backward()
+    ranges = {event.name for event in profiler.events() if event.name.startswith("graphckpt ")}
+    labels = [name for name, module in rewritten.named_modules() if hasattr(module, "label") and name]
+    assert labels
+    for name in labels:
+        label = name.rsplit(".", 1)[-1]
+        assert f"graphckpt {label}" in ranges, (label, sorted(ranges))
+    assert any(r.endswith(" recompute") for r in ranges) and any(" remake " in r for r in ranges), sorted(ranges)
+
+
 def test_code_shows_segments_and_what_they_keep() -> None:
     model = InPlaceChain()
     rewritten = graphckpt.rewrite(model, (torch.randn(4, 16),), strategy="mincut", segments=3)

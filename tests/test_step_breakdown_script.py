@@ -4,9 +4,13 @@ kernels, so these check the host side and the table; a GPU session checks the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
+import graphckpt
+from graphckpt.tools import zoo
 from graphckpt.tools.step_profile import StepProfile, covered_seconds, profile_step
 from tests.scripts import load_script
 
@@ -18,6 +22,18 @@ def test_a_cpu_step_has_host_calls_and_no_kernels() -> None:
     assert profile.wall_seconds > 0
     assert profile.kernels == 0 and profile.kernel_seconds == 0 and profile.idle_seconds == 0
     assert profile.aten_calls >= 3  # addmm forward, its backward's mm, the sum
+
+
+def test_host_time_in_recomputes_is_counted_for_a_rewrite_only() -> None:
+    model, inputs = zoo.make("mlp")
+    rewritten = graphckpt.rewrite(model, inputs, strategy="sqrt")
+
+    def step(module: torch.nn.Module) -> Callable[[], None]:
+        return lambda: zoo.scalar_loss(module(*inputs)).backward()
+
+    ours, eager = (profile_step(step(m), torch.device("cpu")) for m in (rewritten, model))
+    assert 0 < ours.recompute_host_seconds < ours.wall_seconds
+    assert eager.recompute_host_seconds == 0
 
 
 def test_idle_is_wall_time_no_kernel_covers() -> None:

@@ -21,12 +21,15 @@ class StepProfile:
     """One profiled step: ``wall_seconds`` as the caller saw it (the step waits for the GPU),
     ``kernel_seconds`` the union of the device's kernel intervals, ``kernels`` how many ran,
     ``aten_calls`` the ATen ops the host dispatched, nested ones included (each a host cost,
-    recomputed ones too)."""
+    recomputed ones too); ``recompute_host_seconds`` the host's time inside graphckpt's
+    recomputes and remakes (the ``graphckpt ... recompute`` and ``... remake`` ranges a
+    rewritten module marks in a profiler's trace), 0 for a model graphckpt did not rewrite."""
 
     wall_seconds: float
     kernel_seconds: float
     kernels: int
     aten_calls: int
+    recompute_host_seconds: float = 0.0
 
     @property
     def idle_seconds(self) -> float:
@@ -72,4 +75,12 @@ def _profiled(step: Callable[[], object], device: torch.device) -> StepProfile:
     on_device = [(e.time_range.start, e.time_range.end) for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
     aten = sum(1 for e in events if e.name.startswith("aten::") and e.device_type == torch.autograd.DeviceType.CPU)
-    return StepProfile(wall, covered_seconds(on_device) * 1e-6, len(on_device), aten)
+    recomputing = [(e.time_range.start, e.time_range.end) for e in events if _is_recompute_range(e.name)]
+    return StepProfile(wall, covered_seconds(on_device) * 1e-6, len(on_device), aten,
+                       covered_seconds(recomputing) * 1e-6)
+
+
+def _is_recompute_range(name: str) -> bool:
+    """A range graphckpt's runtime marks around a recompute or a remake (nested ones fall
+    inside their parent's, so a union counts them once)."""
+    return name.startswith("graphckpt ") and (name.endswith(" recompute") or " remake" in name)
