@@ -129,7 +129,7 @@ class DropModule(nn.Module):
             return _Handle(remade, hit[0], saved)
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), profiled_range(f"graphckpt {self.label}"):
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), profiled_range(self.label):
                 return self.body.forward(*inputs)  # not fx's call wrapper: ~10 us a call
         finally:
             dropped.clear()  # the hooks may outlive the call: hold no storage of forward's
@@ -138,7 +138,7 @@ class DropModule(nn.Module):
         """The dropped inputs made again from ``sources``, without gradients."""
         self.__dict__["remakes"] += 1  # not nn.Module's __setattr__: a few microseconds a call
         norms = frozen_running_stats(self.remat_norms) if self.remat_norms else _NOTHING
-        with torch.no_grad(), norms, profiled_range(f"graphckpt {self.label} remake"):
+        with torch.no_grad(), norms, profiled_range(self.label, "remake"):
             made = self.remat.forward(*sources)
         return made if isinstance(made, tuple) else (made,)
 

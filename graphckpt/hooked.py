@@ -259,7 +259,7 @@ class HookedSegmentModule(nn.Module):
             return self.body.forward(*args, None)
         call = _HookedCall(self, args)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), profiled_range(f"graphckpt {self.label}"):
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), profiled_range(self.label):
                 return self.body.forward(*args, call)  # not fx's call wrapper: ~10 us a call
         finally:
             call.finish()
@@ -270,7 +270,7 @@ class HookedSegmentModule(nn.Module):
         self.__dict__["recomputations"] += 1  # not nn.Module's __setattr__: a few microseconds
         group = self.group_of[wanted]
         norms = frozen_running_stats(self.remake_norms) if self.remake_norms else _NOTHING
-        labelled = profiled_range(f"graphckpt {self.label} remake {group}")
+        labelled = profiled_range(self.label, "remake", group)
         if self.draws[group]:
             devices = (device for device, _ in call.generator_states.values())
             with torch.no_grad(), call.autocast, norms, restored_generators(devices), labelled:

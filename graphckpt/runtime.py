@@ -148,7 +148,7 @@ class SegmentModule(nn.Module):
         # the body's generated forward is called directly: fx's call wrapper would format
         # a traceback for that exception on every recompute (~0.2 ms each).
         body = self._run_body if self.state_inputs or self.remat_inputs else self.body.forward
-        with set_checkpoint_early_stop(True), profiled_range(f"graphckpt {self.label}"):
+        with set_checkpoint_early_stop(True), profiled_range(self.label):
             outputs = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
                                  context_fn=contexts)
         for dropped in args:
@@ -310,7 +310,7 @@ class _Recomputing(_Running):
         self.segment.recomputations += 1
         self.nested_seen = 0
         super().__enter__()
-        self.stack.enter_context(profiled_range(f"graphckpt {self.segment.label} recompute"))
+        self.stack.enter_context(profiled_range(self.segment.label, "recompute"))
         self.stack.enter_context(frozen_running_stats(self.segment.norms()))
         self.stack.enter_context(scratch_state(self.call.state))
         if self.call.remake is not None:  # before the selective cache: see SegmentModule._remake

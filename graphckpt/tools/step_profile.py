@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphckpt.torch_compat import RANGE_PREFIX
+
 
 @dataclass(frozen=True)
 class StepProfile:
@@ -83,4 +85,4 @@ def _profiled(step: Callable[[], object], device: torch.device) -> StepProfile:
 def _is_recompute_range(name: str) -> bool:
     """A range graphckpt's runtime marks around a recompute or a remake (nested ones fall
     inside their parent's, so a union counts them once)."""
-    return name.startswith("graphckpt ") and (name.endswith(" recompute") or " remake" in name)
+    return name.startswith(RANGE_PREFIX) and (name.endswith(" recompute") or " remake" in name)
