@@ -1,7 +1,8 @@
 """The fx graphs a rewritten module's segments run, copied from the captured graph: a
 segment's ops, what makes its rematerialized inputs again (:mod:`passes.remat`), and for a
 segment run by hooks, its body with each value reported as it is made and the recipes that
-make its dropped values again (:mod:`passes.hooked`). :mod:`graphckpt.codegen` wires them
+make its dropped values again (:mod:`passes.hooked`), and for an exact schedule, its body and
+steps (:mod:`passes.exact`). :mod:`graphckpt.codegen` wires them
 into the rewritten module.
 """
 
@@ -16,8 +17,10 @@ from torch import fx, nn
 
 from graphckpt.dropout import draw, dropout_call, redraw
 from graphckpt.dropping import DropModule
+from graphckpt.exact import ScheduledModule, made
 from graphckpt.hooked import STATES, HookedSegmentModule, keep, mark
 from passes.remat import remat_sources
+from passes.schedule import ScheduleStep
 from passes.segments import RecomputeFacts
 from passes.segments import Segment as PlannedSegment
 
@@ -190,3 +193,45 @@ def _dropout(graph: fx.Graph, source: Source, original: fx.Node, function: Any, 
     return graph.call_function(function, (first, original.name, env[call.input.name], p, training),
                                name=f"{function.__name__}_{original.name}")
 
+
+
+def scheduled_module(source: Source, planned: PlannedSegment) -> ScheduledModule:
+    """The runtime module of a segment run by an exact schedule: every op, each value
+    reported as it is made, and one module a step (:func:`_step_module`)."""
+    schedule, originals = planned.schedule, source.nodes
+    body = fx.Graph()
+    env = {name: body.placeholder(name) for name in planned.inputs}
+    hooks = body.placeholder("hooks")
+    for name in planned.nodes:
+        env[name] = body.node_copy(originals[name], lambda n: env[n.name])
+        env[name] = body.call_function(made, (hooks, env[name], name), name=f"made_{name}")
+    return_values(body, [env[name] for name in planned.outputs])
+    return ScheduledModule(fx.GraphModule(attribute_table(body, source.module), body, "ScheduledBody"),
+                           {step.op: _step_module(source, step) for step in schedule.steps},
+                           nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, kept=schedule.kept,
+                           storage_of=dict(schedule.storages))
+
+
+def _step_module(source: Source, step: ScheduleStep) -> fx.GraphModule:
+    """What runs just before the backward of ``step.op``: let go of ``cache`` entries,
+    make values again from what it holds (reads ``cache[...]``, writes them back), and let
+    go of what is needed no more right after each is made."""
+    graph = fx.Graph()
+    cache = graph.placeholder("cache")
+    local: dict[str, fx.Node] = {}
+
+    def read(node: fx.Node) -> fx.Node:
+        if node.name not in local:
+            local[node.name] = (graph.node_copy(node) if node.op == "get_attr"
+                                else graph.call_function(operator.getitem, (cache, node.name), name=node.name))
+        return local[node.name]
+
+    for name in step.release:
+        graph.create_node("call_method", "pop", (cache, name), name=f"let_go_{name}")
+    for name, gone in zip(step.make, step.free, strict=True):
+        local[name] = graph.node_copy(source.nodes[name], read)
+        graph.call_function(operator.setitem, (cache, name, local[name]), name=f"hold_{name}")
+        for value in gone:
+            graph.create_node("call_method", "pop", (cache, value), name=f"let_go_{value}")
+    graph.output(None)
+    return fx.GraphModule(attribute_table(graph, source.module), graph, "ScheduleStep")

@@ -36,8 +36,10 @@ from graphckpt.bodies import (
     remat_module,
     resolve,
     return_values,
+    scheduled_module,
 )
 from graphckpt.dropping import DropModule
+from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule, keep_begin, keep_end
@@ -75,9 +77,20 @@ class RewrittenModule(fx.GraphModule):
         return [(name, child) for name, child in self.named_children() if isinstance(child, HookedSegmentModule)]
 
     @property
+    def scheduled(self) -> list[tuple[str, ScheduledModule]]:
+        """Every segment run by an exact schedule (:class:`graphckpt.exact.ScheduledModule`) by name."""
+        return [(name, child) for name, child in self.named_children() if isinstance(child, ScheduledModule)]
+
+    @property
     def code(self) -> str:
         header = self.meta.get("graphckpt_header", "")
         bodies = []
+        for name, scheduled in self.scheduled:
+            body = scheduled.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
+            bodies.append(f"# {name}: {scheduled.extra_repr()}{body}")
+            for op, step in scheduled.steps.items():
+                code = step.code.replace("def forward(self, ", f"def {name}_step_{op}(self, ", 1)
+                bodies.append(f"# {name}_step_{op}: runs without gradients just before the backward of {op}{code}")
         for name, segment in [*self.segments, *self.drops, *self.hooked]:
             body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
             bodies.append(f"# {name}: {segment.extra_repr()}{body}")
@@ -173,7 +186,7 @@ def _emit_segments(target_graph: fx.Graph, source: Source,
     :class:`DropModule` or :class:`HookedSegmentModule` (returned by name, each kind
     numbered on its own)."""
     modules: dict[str, nn.Module] = {}
-    made = {DropModule: 0, HookedSegmentModule: 0, SegmentModule: 0}
+    made = {DropModule: 0, HookedSegmentModule: 0, SegmentModule: 0, ScheduledModule: 0}
     for planned in segments:
         if not planned.recompute:
             for name in planned.nodes:
@@ -185,7 +198,10 @@ def _emit_segments(target_graph: fx.Graph, source: Source,
                              f"{unmade}, which no earlier code returns: the plan is invalid (passes.remat.held_at_each)")
         for name in planned.inputs:
             copy_node(name)
-        if facts_of(planned).by_hooks:
+        if planned.schedule is not None:
+            target = f"exact_{made[ScheduledModule]}"
+            modules[target] = scheduled_module(source, planned)
+        elif facts_of(planned).by_hooks:
             target = f"drop_{made[DropModule]}"
             modules[target] = drop_module(source, planned)
         elif facts_of(planned).keeps_by_hooks:
@@ -219,6 +235,8 @@ def _header(plan: Plan, method: str) -> str:
     dropping = f"; {hooked} of them ops run with dropped inputs (drop_i)" if hooked else ""
     selective = sum(1 for s in plan.recomputed_segments if s.facts is not None and s.facts.keeps_by_hooks)
     dropping += f"; {selective} selective ones run by saved-tensor hooks (hooked_i)" if selective else ""
+    scheduled = sum(1 for s in plan.segments if s.schedule is not None)
+    dropping += "; run by the exact solver's schedule (exact_0, its steps exact_0_step_<op>)" if scheduled else ""
     lines = [f"# graphckpt: strategy {plan.strategy}, captured with {method}; "
              f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}{dropping}"]
     for kept in plan.checkpoint_details:

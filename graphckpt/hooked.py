@@ -73,7 +73,7 @@ def _unpack(packed: Any) -> Any:
     return packed.unpack() if isinstance(packed, _Saved) else packed
 
 
-def _tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
+def tensors_of(value: Any) -> list[tuple[int | None, torch.Tensor]]:
     """``value``'s tensors with their position (``None`` for a lone tensor)."""
     if isinstance(value, torch.Tensor):
         return [(None, value)]
@@ -82,7 +82,7 @@ def _tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
     return []
 
 
-def _detached(value: Any) -> Any:
+def detached(value: Any) -> Any:
     """``value`` with its tensors detached: the remake runs without gradients anyway."""
     if isinstance(value, torch.Tensor):
         return value.detach()
@@ -136,7 +136,7 @@ class _HookedCall:
         return True
 
     def mark(self, value: Any, name: str) -> None:
-        for element, tensor in _tensors(value):
+        for element, tensor in tensors_of(value):
             self.storages[storage_key(tensor)] = (name, element, tensor.dtype, storage_ref(tensor))
         for saved in self.recent:
             self._match(saved, storage_key(saved.tensor))
@@ -159,8 +159,8 @@ class _HookedCall:
             self.reads[group][position] = value
 
     def keep(self, value: Any, name: str) -> None:
-        self._fill(name, _detached(value))  # its grad_fn may hold handles to this call: no cycle
-        self.known.update((storage_key(t), storage_ref(t)) for _, t in _tensors(value))
+        self._fill(name, detached(value))  # its grad_fn may hold handles to this call: no cycle
+        self.known.update((storage_key(t), storage_ref(t)) for _, t in tensors_of(value))
         self.recent.clear()
 
     def _made(self, name: str, reads: dict[str, list[Any]]) -> Any:

@@ -14,6 +14,7 @@ from passes.blocks import block_mixes
 from passes.budget import unreachable
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
+from passes.exact import exact_plan
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
@@ -83,6 +84,9 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         else:  # values made more than once reach lower (passes.relaxed)
             rounded = relaxed_plans(graph, budget_bytes)
             if rounded.searchable is None:
+                exact = exact_plan(graph, budget_bytes)  # the solver's schedule may reach lower still
+                if exact is not None:
+                    return _chosen(exact, budget_bytes, flat, tried, "the exact solver's schedule (passes.exact)")
                 floor = true_floor(graph)
                 raise unreachable(graph, budget_bytes,
                                   [*tried, program.smallest(), *([searched] if searched else [])],
@@ -112,10 +116,18 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                                     "from it and the plans before it")
     if rounded.plan is not None and rounded.plan.cost_key < chosen.cost_key:  # values held once made again
         chosen, origin = rounded.plan, _relaxed_origin(rounded.plan)
+    exact = exact_plan(graph, budget_bytes, beat=chosen.cost_key[0])
+    if exact is not None and exact.cost_key < chosen.cost_key:
+        chosen, origin = exact, f"the exact solver's schedule (passes.exact), recomputing less than {origin}"
     blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)
     if blocks is not None:
         chosen, origin = blocks, (f"per-block checkpointing: {origin} was rated less than {BLOCKS_MARGIN:.0%} "
                                   "cheaper, within what the cost model gets wrong")
+    return _chosen(chosen, budget_bytes, flat, tried, origin)
+
+
+def _chosen(chosen: Plan, budget_bytes: int, flat: Sequence, tried: Sequence[Plan], origin: str) -> Plan:
+    """``chosen`` as :func:`fit_budget`'s answer: strategy ``optimal``, a note saying why."""
     note = (f"optimal: least recompute for {format_bytes(budget_bytes, 'MiB')} among the dynamic program's "
             f"plan and {len(flat)} flat plans ({len(tried)} simulated): {origin}")
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))

@@ -29,6 +29,15 @@ kept after :func:`last_use`; what stage ``t`` recomputes (ops with an extra asid
 (kept nodes aside) is read in ``t`` or kept into ``t+1``; ``R[t,i] + S[t,i] <= 1`` for
 ``i < t`` (no recompute of a value in memory, but for an extra or a fresh uncuttable copy).
 
+**Executable schedules** (``executable=True``, what :mod:`passes.exact` runs): recompute
+only where the runtime can act, just before an op's backward (a hook on its ``grad_fn``),
+and only of pure ops: ``R[t,i] = 0`` for ``t != home(i)`` unless ``t`` is the first backward
+node of an op the runtime hooks (:func:`passes.schedule.hooked_ops`) and ``i`` a pure
+forward op (no recompute in forward, at a
+seed, or between the gradient buffers one backward node makes). What such a schedule lets
+go where no hook fires the runtime lets go at the next hook: :func:`passes.exact.schedule_of`
+prices it so.
+
 **Objective.** Minimise ``Σ_t Σ_i R[t,i]·flops_i`` over forward ops (backward nodes run once:
 a constant). ``recompute_flops`` is that minus the forward's flops.
 """
@@ -48,7 +57,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from passes.graph_facts import op_nodes
+from passes.graph_facts import op_nodes, pure_ops
+from passes.schedule import hooked_ops
 from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
 MAX_OPS = 60
@@ -182,6 +192,16 @@ def _schedule_rows(model: _Model, training: TrainingGraph, readers: list[list[in
             model.row([(("S", t, i), 1.0), *used], inf, 0.0)
 
 
+def _pin_executable(model: _Model, training: TrainingGraph, graph: nx.DiGraph) -> None:
+    """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring)."""
+    names, home = training.names, training.home
+    hooks = {f"backward:{k}" for k in hooked_ops(graph)}
+    remakeable = {i for i in range(training.n_forward) if home[i] == i and names[i] in pure_ops(graph)}
+    for (kind, t, i, *_), column in model.columns.items():
+        if kind == "R" and t != home[i] and not (names[t] in hooks and i in remakeable):
+            model.bounds[column] = (0.0, 0.0, model.bounds[column][2])
+
+
 def _matrix(model: _Model, x: np.ndarray, name: str, T: int) -> Matrix:
     """Rounded 0/1 values of the ``R`` or ``S`` variables as a ``T x T`` matrix."""
     def value(t: int, i: int) -> int:
@@ -190,13 +210,17 @@ def _matrix(model: _Model, x: np.ndarray, name: str, T: int) -> Matrix:
     return tuple(tuple(value(t, i) for i in range(T)) for t in range(T))
 
 
-def _recompute_cost(model: _Model, training: TrainingGraph) -> np.ndarray:
-    """The objective: each forward op's FLOPs per run, over their common divisor."""
+def _recompute_cost(model: _Model, training: TrainingGraph, tie_break: bool = False) -> np.ndarray:
+    """The objective: each forward op's FLOPs per run, over their common divisor; with
+    ``tie_break``, plus its bytes scaled so that all of them weigh less than one unit: of
+    schedules recomputing the same FLOPs, the one writing least (FLOPs-free ops such as
+    ``cat`` take time too)."""
     cost = np.zeros(len(model.bounds))
     divisor = math.gcd(*training.flops) or 1
+    weight = 0.5 / (1 + training.size * sum(training.mem[: training.n_forward])) if tie_break else 0.0
     for (kind, _, i, *_), column in model.columns.items():
         if kind == "R" and i < training.n_forward:
-            cost[column] = training.flops[i] / divisor
+            cost[column] = training.flops[i] / divisor + weight * training.mem[i]
     return cost
 
 
@@ -218,8 +242,25 @@ def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float =
             if kind == "S" and t == first and training.home[i] == i}  # values, not extras
 
 
-def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0) -> CheckmateResult | None:
-    """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits.
+def executable_bound(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 5.0) -> float | None:
+    """A lower bound on what any executable schedule (``executable=True``) under
+    ``budget_bytes`` recomputes: the LP relaxation's optimum, solved in a fraction of the
+    MILP's time, so that a caller holding a plan at least this cheap need not solve the MILP;
+    ``None`` when the relaxation finds no schedule (none fits) or is not solved in time."""
+    training = training_graph(graph)
+    model = _build(training, budget_bytes)
+    _pin_executable(model, training, graph)
+    solution = model.solve(_recompute_cost(model, training), time_limit, relaxed=True)
+    if solution.status != 0 or solution.x is None:
+        return None
+    divisor = math.gcd(*training.flops) or 1
+    return float(solution.fun) * divisor - sum(training.flops[: training.n_forward])
+
+
+def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0,
+                       executable: bool = False) -> CheckmateResult | None:
+    """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits;
+    ``executable``: among the schedules :mod:`passes.exact` runs only.
 
     Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`TimeoutError` when
     the time limit passes before any schedule that fits is found.
@@ -232,7 +273,9 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
         return None
     training = training_graph(graph)
     model = _build(training, budget_bytes)
-    cost = _recompute_cost(model, training)
+    if executable:
+        _pin_executable(model, training, graph)
+    cost = _recompute_cost(model, training, tie_break=executable)
     divisor = math.gcd(*training.flops) or 1
     started = time.perf_counter()
     solution = model.solve(cost, time_limit)

@@ -58,6 +58,7 @@ class SegmentLike(Protocol):
     saved_inside: tuple[str, ...]
     remake_each_use: bool
     remake_held: tuple[str, ...]
+    schedule: object  # a passes.schedule.Schedule, or None
 
     @property
     def children(self) -> Sequence[SegmentLike]: ...
@@ -79,7 +80,7 @@ def keeps_by_hooks(graph: nx.DiGraph, segment: SegmentLike) -> bool:
     checkpointing keeps for it (no ``selective_extra_bytes``), and what its ops save beyond
     values and dropout noise is small (:data:`SAVED_EXTRA_SHARE`); never on a graph whose
     runtime has no hooks (``hooks``)."""
-    if not (segment.recompute and segment.saved_inside) or segment.children or segment.remat:
+    if not (segment.recompute and segment.saved_inside) or segment.children or segment.remat or segment.schedule:
         return False
     if not graph.graph.get("hooks", True):  # a runtime without them (graphckpt.enable)
         return False

@@ -21,6 +21,7 @@ import networkx as nx
 from passes.graph_facts import op_nodes
 from passes.kept_bytes import boundary_bytes
 from passes.recompute import overhead_cost, recomputed_count, with_facts
+from passes.schedule import describe as describe_schedule
 from passes.segments import Segment, checkpoints_of, make_segments, validate_plan
 from passes.simulate import simulate
 from passes.units import format_bytes
@@ -89,6 +90,10 @@ class Plan:
 
 def _describe(segment: Segment, name: str, indent: str) -> list[str]:
     """One line per segment, nested children indented under their parent."""
+    if segment.schedule is not None:
+        return [f"{indent}{name} (run by an exact schedule, {len(segment.nodes)} nodes): keeps "
+                f"{', '.join(segment.saved_inside) or 'nothing'} from forward",
+                *(f"{indent}  {line}" for line in describe_schedule(segment.schedule))]
     what = "recomputed" if segment.recompute else "kept"
     whole = len(segment.facts.kept_whole) if segment.facts else 0
     if len(segment.saved_inside) > whole:
@@ -126,7 +131,8 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
         strategy=strategy,
         segments=tuple(with_facts(graph, s) for s in segments),
         checkpoints=checkpoints,
-        checkpoint_bytes=boundary_bytes(graph, checkpoints),
+        checkpoint_bytes=(sum(graph.nodes[v]["bytes"] for v in checkpoints) if any(s.schedule for s in segments)
+                          else boundary_bytes(graph, checkpoints)),  # a schedule keeps values it never cuts at
         peak_bytes=result.peak_bytes,
         eager_peak_bytes=result.eager_peak_bytes,
         recompute_flops=result.recompute_flops,

@@ -80,6 +80,9 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
     (:mod:`passes.hooked`): a nested one runs inside its parent's checkpoint."""
     if not segment.recompute:
         return segment
+    if segment.schedule is not None:  # codegen reads the schedule itself
+        return replace(segment, facts=RecomputeFacts(kept_bytes=boundary_bytes(graph, segment.saved_inside),
+                                                     draws_random=False, reruns=segment.schedule.made, state_inputs=()))
     hooked = top and keeps_by_hooks(graph, segment)
     units = remake_units(graph, segment) if hooked else []
     facts = RecomputeFacts(
@@ -110,6 +113,9 @@ def recomputed_nodes(graph: nx.DiGraph, segments: Iterable[Segment], cached: boo
     again: list[str] = []
     for segment in segments:
         if not segment.recompute:
+            continue
+        if segment.schedule is not None:
+            again.extend(segment.schedule.made)
             continue
         if top and keeps_by_hooks(graph, segment):
             again.extend(name for run in remake_runs(graph, segment) for name in run)
@@ -151,7 +157,9 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = Tr
         return 0
     total = 0
     for s in segments:
-        if runs_by_hooks(graph, s):
+        if s.schedule is not None:  # like a value a segment run by hooks drops: one hook call each
+            total += per_drop * len(s.schedule.made)
+        elif runs_by_hooks(graph, s):
             total += per_drop * len(s.remat)
         elif top and keeps_by_hooks(graph, s):
             groups = remake_groups(graph, s)

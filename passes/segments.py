@@ -25,6 +25,7 @@ from passes.graph_facts import in_order, is_activation, keeps_order, leaves_noth
 from passes.hooked import holdable
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, validate_remat
+from passes.schedule import Schedule, ScheduleError, check_schedule
 
 
 class PlanError(ValueError):
@@ -95,6 +96,9 @@ class Segment:
     are held until no remake or op left may need them, and recipes start from them rather
     than from further back (:func:`passes.hooked.each_use_schedule`): between remaking every
     use and remaking each group once.
+    ``schedule``: the segment (every op of the graph) runs the exact solver's schedule
+    (:mod:`passes.exact`); ``saved_inside`` are then the values it keeps from forward, and
+    no other field above applies.
     """
 
     nodes: tuple[str, ...]
@@ -107,6 +111,7 @@ class Segment:
     remat: tuple[Remat, ...] = ()
     remake_each_use: bool = False
     remake_held: tuple[str, ...] = ()
+    schedule: Schedule | None = None
 
     @property
     def depth(self) -> int:
@@ -178,6 +183,8 @@ def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str,
     rematerialize), but the values only rematerialized inputs and the inputs of a segment
     whose call keeps nothing (:func:`passes.graph_facts.leaves_nothing`: they go at their
     last use, as in eager code)."""
+    if any(s.schedule for s in segments):  # the values its schedule keeps
+        return tuple(in_order(graph, {v for s in segments for v in s.saved_inside if is_activation(graph, v)}))
     held = {v for s in segments if s.recompute and not leaves_nothing(graph, s) for v in kept_inputs(s)}
     dropped = {r.value for s in segments for r in s.remat} - held
     edges = held | {v for s in segments if s.recompute for v in s.outputs}
@@ -218,8 +225,11 @@ def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:
     if (segment.inputs, segment.outputs) != segment_edges(graph, segment.nodes):
         raise PlanError(f"{where}: inputs/outputs do not match the graph")
     if not segment.recompute:
-        if segment.saved_inside or segment.children:
-            raise PlanError(f"{where}: only recomputed segments have saved_inside or children")
+        if segment.saved_inside or segment.children or segment.schedule:
+            raise PlanError(f"{where}: only recomputed segments have saved_inside, children or a schedule")
+        return
+    if segment.schedule is not None:
+        _validate_scheduled(graph, segment, where)
         return
     bad = [n for n in segment.nodes if not graph.nodes[n]["recomputable"]]
     if bad:
@@ -240,6 +250,19 @@ def _validate_shape(graph: nx.DiGraph, segment: Segment, where: str) -> None:
             raise PlanError(f"{where}: children must split the segment's nodes in order")
         for index, child in enumerate(segment.children):
             _validate_shape(graph, child, f"{where}.{index}")
+
+
+def _validate_scheduled(graph: nx.DiGraph, segment: Segment, where: str) -> None:
+    """Check a segment run by an exact schedule: every op, nothing else set, a schedule
+    that runs (:func:`passes.schedule.check_schedule`)."""
+    if segment.nodes != tuple(op_nodes(graph)) or segment.children or segment.remat or segment.remake_held:
+        raise PlanError(f"{where}: a scheduled segment holds every op and no children, remat or held values")
+    if segment.saved_inside != segment.schedule.kept:
+        raise PlanError(f"{where}: saved_inside must be what its schedule keeps")
+    try:
+        check_schedule(graph, segment.schedule)
+    except ScheduleError as error:
+        raise PlanError(f"{where}: {error}") from None
 
 
 def merge_kept(graph: nx.DiGraph, segments: Iterable[Segment]) -> tuple[Segment, ...]:

@@ -233,6 +233,13 @@ def step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = flo
     :class:`passes.sim_memory.LimitExceeded` as soon as they go above ``limit``), replayed
     onto ``memory`` when given (a fresh :class:`passes.sim_memory.LiveMemory` of ``graph``,
     whose own limit then applies: :mod:`passes.sim_peak` passes one that watches the live set)."""
+    scheduled = next((s.schedule for s in segments if s.schedule is not None), None)
+    if scheduled is not None:  # found with its peak, in the same memory model (passes.exact)
+        if memory is not None:
+            raise ValueError("step_peak: a plan run by an exact schedule is not replayed op by op")
+        if scheduled.peak_bytes > limit:
+            raise LimitExceeded(scheduled.peak_bytes)
+        return scheduled.peak_bytes
     memory = LiveMemory(graph, limit) if memory is None else memory
     index = memory.index
     for name, kind in graph.nodes(data="kind"):

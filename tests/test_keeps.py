@@ -32,6 +32,7 @@ from passes.keeps import (
     without_keeps,
 )
 from passes.plan import Plan, plan_of_segments
+from passes.relaxed import relaxed_plans
 from passes.segments import make_segments, validate_plan
 from passes.simulate import eager_peak, simulate
 from scripts.planner_gap import random_cost_graph
@@ -104,9 +105,10 @@ def test_keeps_never_name_random_views_or_state() -> None:
 def test_a_value_held_once_made_again_and_then_kept_is_no_longer_held() -> None:
     """Keeping a value from forward that a hooked segment held once made again (the plan
     ``fit_budget`` makes of this graph at 0.7 of eager: one segment holding op0) leaves a
-    valid plan: the value is kept, not made again, so not held (with_keeps raised PlanError)."""
+    valid plan: the value is kept, not made again, so not held (with_keeps raised PlanError).
+    (``fit_budget`` now takes the exact solver's schedule there: the rounded plan is asked for.)"""
     graph = random_cost_graph(random.Random(3), 16)
-    plan = fit_budget(graph, int(0.7 * eager_peak(graph)))
+    plan = relaxed_plans(graph, int(0.7 * eager_peak(graph))).plan
     held = [(path, n) for path, s in leaf_segments(plan.segments) for n in s.remake_held]
     assert held, "the plan this test is about holds a value once made again"
     segments = add_keeps(graph, plan.segments, held)

@@ -1,5 +1,6 @@
 """Random DAG models, every strategy (and one segment run by saved-tensor hooks over the whole
-graph, its values remade per group or at every use): one training step of the rewrite equals eager.
+graph, its values remade per group or at every use, and the exact solver's schedule): one
+training step of the rewrite equals eager.
 
 ``model_specs`` draws a recipe (plain Python data) over values of shape (batch, width):
 Linear, activations, add/mul, cat + Linear(2w, w), LayerNorm, BatchNorm1d, Dropout,
@@ -251,8 +252,22 @@ def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, hooked: str) 
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
 
 
+def _rewrite_exact(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """The exact solver's schedule at 0.6 of eager (:mod:`passes.exact`: values kept, let go
+    and made again before each op's backward, only pure ops made again), or the ``sqrt``
+    plan where no such schedule fits or the graph is too large."""
+    from graphckpt.api import Analysis, analyze, generate_rewrite
+    from passes.exact import exact_plan
+    from passes.simulate import eager_peak
+
+    analysis = analyze(model, (x.clone(),), strategy="sqrt")
+    graph = analysis.cost_graph
+    plan = exact_plan(graph, int(0.6 * eager_peak(graph)), time_limit=2) or analysis.plan
+    return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
+
+
 def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_values: bool = False,
-                     remat: bool = False, hooked: str = "") -> None:
+                     remat: bool = False, hooked: str = "", exact: bool = False) -> None:
     model = RecipeModel(spec)
     model.train()
     reference = copy.deepcopy(model)
@@ -263,6 +278,8 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
         rewritten = _rewrite_rematerializing(model, x, strategy, segments)
     elif hooked:
         rewritten = _rewrite_one_hooked_segment(model, x, hooked)
+    elif exact:
+        rewritten = _rewrite_exact(model, x)
     else:
         rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
@@ -355,6 +372,7 @@ def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
     _check_same_step(spec, "sqrt", segments[0], remat=True)
     for hooked in ("per group", "each use", "each use, held"):
         _check_same_step(spec, "sqrt", None, hooked=hooked)
+    _check_same_step(spec, "exact", None, exact=True)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -106,7 +106,7 @@ def _check(make: Callable[[], nn.Module], **options) -> None:
     reference, model = fresh_pair(make().train())
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     rewritten = graphckpt.rewrite(model, (x,), **options)
-    assert rewritten.segments, "nothing is recomputed"
+    assert rewritten.segments or rewritten.scheduled, "nothing is recomputed"
     for _ in range(2):  # the second step also checks each step counts its batch once
         assert_trains_like(reference, model, rewritten, (x,))
 

@@ -1,0 +1,181 @@
+"""What a rewritten module runs for a plan with an exact schedule (:mod:`passes.exact`):
+the graph as eager code, whose saved tensors backward takes from what the schedule holds,
+and the schedule's steps, each run just before the backward of its op.
+
+A :class:`ScheduledModule` runs its body (every op of the graph, as the model wrote it)
+with autograd on, so backward runs forward's own graph. The body reports each value as it
+is made (``made(hooks, value, "name")`` in ``print(gm.code)``); the pack hook swaps every
+saved tensor sharing a value's storage for a handle (:class:`_Saved`, matched as in
+:mod:`graphckpt.hooked`: by storage while it is alive, an op's saved output when the value
+is reported right after the op). The values the schedule keeps go into the call's
+``cache``; every other value goes when eager code lets it go. For each op with a
+:class:`passes.schedule.ScheduleStep` a hook on the op's ``grad_fn`` runs the step just before
+autograd runs that backward: it lets go what the schedule no longer holds and makes values
+again without gradients (``exact_0_step_op12`` in ``print(gm.code)``: it reads and writes
+``cache``), and each handle autograd unpacks takes its value from ``cache``.
+
+**Gradients.** Only what backward saved is replaced, by a value computed by the same pure
+ops from the same tensors (:func:`passes.schedule.check_schedule`), so gradients are eager's.
+A graph backward runs through twice (``retain_graph=True``) is refused at the second
+backward: the steps of the first have let go what they made.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphckpt.dropping import autocast_now
+from graphckpt.hooked import detached, tensors_of
+from graphckpt.torch_compat import profiled_range, storage_alive, storage_key, storage_ref
+
+
+class _Saved:
+    """What autograd keeps for a tensor an op saved: the tensor itself until it is known to
+    share a value's storage, then the value's name and the tensor's view of it."""
+
+    __slots__ = ("call", "element", "name", "offset", "size", "stride", "tensor")
+
+    def __init__(self, call: _ScheduledCall, tensor: torch.Tensor) -> None:
+        self.call, self.tensor, self.name = call, tensor, ""
+
+    def drop(self, name: str, element: int | None) -> None:
+        tensor = self.tensor
+        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+        self.name, self.element, self.tensor = name, element, None
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        value = self.call.take(self.name)
+        if self.element is not None:
+            value = value[self.element]
+        if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
+            return value
+        return value.as_strided(self.size, self.stride, self.offset)
+
+
+def _unpack(packed: Any) -> Any:
+    return packed.unpack() if isinstance(packed, _Saved) else packed
+
+
+class _ScheduledCall:
+    """One call of a scheduled module in a forward backward will use: the storages of its
+    values while forward runs, and ``cache``, what the schedule holds, through backward."""
+
+    def __init__(self, module: ScheduledModule, inputs: Sequence[Any]) -> None:
+        self.module = module
+        self.autocast = autocast_now(inputs)
+        self.cache: dict[str, Any] = {name: value for name, value in zip(module.inputs, inputs, strict=True)
+                                      if name in module.read_by_steps}
+        self.storages: dict[int, tuple[str, int | None, torch.dtype, Any]] = {}
+        self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
+        self.done: set[str] = set()  # steps run
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        saved = _Saved(self, tensor)
+        if not self._match(saved, storage_key(tensor)):
+            self.recent.append(saved)
+        return saved
+
+    def _match(self, saved: _Saved, key: int) -> bool:
+        hit = self.storages.get(key)
+        if hit is None or hit[2] != saved.tensor.dtype or not storage_alive(hit[3]):
+            return False
+        saved.drop(hit[0], hit[1])
+        return True
+
+    def made(self, value: Any, name: str) -> None:
+        """Forward made value ``name``: remember the storages of an op's own value (a tuple's
+        by element; a view's or element's are its root's, already remembered; an input's are
+        never dropped), keep it if the schedule does, and hook its ``grad_fn`` if a step runs
+        before its backward."""
+        module = self.module
+        if module.storage_of.get(name) == name:
+            for element, tensor in tensors_of(value):
+                key = storage_key(tensor)
+                hit = self.storages.get(key)
+                if hit is None or not storage_alive(hit[3]):
+                    self.storages[key] = (name, element, tensor.dtype, storage_ref(tensor))
+        for saved in self.recent:
+            self._match(saved, storage_key(saved.tensor))
+        self.recent.clear()
+        if name in module.kept:
+            self.cache[name] = detached(value)
+        if name in module.steps:
+            if not (isinstance(value, torch.Tensor) and value.grad_fn is not None):
+                raise RuntimeError(f"graphckpt: the exact schedule runs a step before the backward of {name!r}, "
+                                   "but its value has no grad_fn to hook here; plan this model with another "
+                                   "strategy (e.g. budget= without strategy='exact')")
+            value.grad_fn.register_prehook(lambda grads, op=name: self.run_step(op))
+
+    def finish(self) -> None:
+        """Forward is done: nothing more is packed."""
+        self.storages.clear()
+        self.recent.clear()
+
+    def run_step(self, op: str) -> None:
+        if op in self.done:
+            raise RuntimeError(f"graphckpt: backward of {op!r} runs a second time through a graph whose exact "
+                               "schedule has run; backward twice through one forward (retain_graph=True) is not "
+                               "supported with strategy 'exact'")
+        self.done.add(op)
+        with torch.no_grad(), self.autocast, profiled_range(self.module.label, "step", op):
+            self.module.steps[op].forward(self.cache)
+
+    def take(self, name: str) -> Any:
+        try:
+            return self.cache[name]
+        except KeyError:
+            raise RuntimeError(f"graphckpt: backward needs {name!r}, which the exact schedule does not hold "
+                               "there (a bug: please report it with the plan)") from None
+
+
+class ScheduledModule(nn.Module):
+    """A plan's exact schedule at run time (see the module's docstring). ``body`` takes the
+    graph's inputs and the call's hooks (``None`` when no backward will run) and returns its
+    outputs; ``steps`` maps an op to the module that runs before its backward, taking the
+    call's ``cache``; ``storage_of`` maps each value made in an op's storage to that op's value
+    (:attr:`passes.schedule.Schedule.storages`). The graph modules are plain attributes, not
+    submodules, so parameters and ``state_dict`` keys stay the model's."""
+
+    label = "exact"
+
+    def __init__(self, body: fx.GraphModule, steps: Mapping[str, fx.GraphModule], *, nodes: Sequence[str],
+                 inputs: Sequence[str], outputs: Sequence[str], kept: Sequence[str],
+                 storage_of: Mapping[str, str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "steps", dict(steps))
+        self.nodes, self.inputs, self.outputs, self.kept = tuple(nodes), tuple(inputs), tuple(outputs), frozenset(kept)
+        self.storage_of = dict(storage_of)  # value -> the op value whose storage it is
+        self.read_by_steps = frozenset(node.args[1] for step in self.steps.values() for node in step.graph.nodes
+                                       if node.op == "call_function" and node.target is operator.getitem)
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.body.forward(*args, None)
+        call = _ScheduledCall(self, args)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), profiled_range(self.label):
+                return self.body.forward(*args, call)
+        finally:
+            call.finish()
+
+    def extra_repr(self) -> str:
+        made = sum(1 for step in self.steps.values() for node in step.graph.nodes
+                   if node.op == "call_function" and node.target is operator.setitem)
+        return (f"runs {len(self.nodes)} nodes as eager code; keeps {', '.join(sorted(self.kept)) or 'nothing'} "
+                f"from forward and makes {made} values again in {len(self.steps)} steps, each just before "
+                "the backward of its op")
+
+
+def made(hooks: _ScheduledCall | None, value: Any, name: str) -> Any:
+    """Report a value just made (emitted by codegen after each one); returns it."""
+    if hooks is not None:
+        hooks.made(value, name)
+    return value

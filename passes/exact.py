@@ -1,0 +1,131 @@
+"""Plans that run the exact solver's schedule: the least recompute any schedule of its
+kind reaches under a budget, on graphs small enough to solve.
+
+Segments over prefix cuts, kept values and remakes (every other strategy) cannot say
+everything the optimum does: it holds a value through part of backward, lets it go and
+makes it again later, or makes a value from a mix of kept and remade ones, one op's
+backward at a time. :func:`exact_plan` asks the MILP (:mod:`passes.checkmate`) for the
+cheapest schedule the runtime can run (``executable=True``: work only just before an op's
+backward, pure ops only) and reads it as a :class:`passes.schedule.Schedule`, carried by
+one recomputed segment over the whole graph (``Segment.schedule``), which codegen runs as a
+:class:`graphckpt.exact.ScheduledModule`.
+
+On the 16-op random DAGs of ``scripts/planner_gap.py`` at 0.5 and 0.7 of eager these
+schedules recompute exactly what the unrestricted MILP's do, in 0.1-3 s; on 40 ops HiGHS
+often stops at its time limit, and then the schedule is the best it found.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from passes.checkmate import checkmate_schedule, executable_bound
+from passes.graph_facts import op_nodes, storage_root
+from passes.plan import Plan, plan_of_segments
+from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
+from passes.segments import Segment, segment_edges
+from passes.training_graph import Matrix, TrainingGraph, stage_peaks, training_graph
+
+EXACT_MAX_OPS = 40  # larger graphs: HiGHS rarely finds a schedule in seconds
+EXACT_TIME_LIMIT = 5.0  # seconds a budget plan may spend in the solver
+
+
+def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT_TIME_LIMIT,
+               beat: float | None = None) -> Plan | None:
+    """The plan running the cheapest executable schedule under ``budget_bytes`` found in
+    ``time_limit`` seconds; ``None`` above :data:`EXACT_MAX_OPS` ops, on a graph whose
+    runtime has no hooks (``hooks``) or whose backward makes gradient views (``grad_views``,
+    which the solver does not model), when no schedule fits or none is found in time. With
+    ``beat`` (a plan in hand's recompute), also ``None`` without solving the MILP where its
+    LP relaxation proves no schedule recomputes less (:func:`passes.checkmate.executable_bound`)."""
+    if len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
+        return None
+    if any(graph.nodes[name].get("grad_views") for name in op_nodes(graph)):  # the solver's model has no views of
+        return None  # a gradient (cat's backward): it would price such a graph's backward above or below what runs
+    if beat is not None:
+        bound = executable_bound(graph, budget_bytes, time_limit=time_limit)
+        if bound is None or bound >= beat - 0.5:  # FLOPs are whole numbers
+            return None
+    try:
+        result = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True)
+    except TimeoutError:
+        return None
+    if result is None:
+        return None
+    training = training_graph(graph)
+    schedule = schedule_of(graph, training, result.R, result.S, optimal=result.status == "optimal")
+    if schedule.peak_bytes > budget_bytes:  # what it lets go where no hook fires held too long
+        return None
+    return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)],
+                            notes=(_note(schedule),), peak_bytes=schedule.peak_bytes)
+
+
+def scheduled_segment(graph: nx.DiGraph, schedule: Schedule) -> Segment:
+    """One recomputed segment over every op, run by ``schedule``."""
+    nodes = tuple(op_nodes(graph))
+    inputs, outputs = segment_edges(graph, nodes)
+    return Segment(nodes, True, inputs, outputs, saved_inside=schedule.kept, schedule=schedule)
+
+
+def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix, optimal: bool = False) -> Schedule:
+    """The :class:`Schedule` of an executable MILP solution (``R``, ``S``), checked
+    (:func:`passes.schedule.check_schedule`). Its peak is the solution's as the runtime runs
+    it: values held in forward past their last use let go there, as eager code does, and
+    what the solution lets go where no hook fires let go at the next hook."""
+    S = _eager_in_forward(training, S)
+    values = set(op_nodes(graph))
+    names, first = training.names, training.n_forward
+    value_ids = [i for i in range(first) if names[i] in values]
+    readers = training.readers()
+    hooks = {f"backward:{k}" for k in hooked_ops(graph)}
+    steps, held = [], {i for i in value_ids if S[first][i]}
+    kept = tuple(names[i] for i in sorted(held))
+    entering: dict[int, set[int]] = {}  # forward values the runtime holds entering each stage past forward
+    for t in range(first, training.size):
+        if names[t] not in hooks:  # nothing runs here (pinned); what it lets go, the next step does
+            entering[t] = set(held)
+            continue
+        made = [i for i in value_ids if R[t][i] and i != t]
+        release = sorted(i for i in held if not S[t][i])
+        held -= set(release)
+        entering[t] = set(held)
+        if not made and not release:
+            continue
+        free = []
+        for position, k in enumerate(made):
+            held.add(k)
+            later = {*made[position + 1:], t}
+            gone = [i for i in (*training.preds[k], k) if i in held and not (t + 1 < training.size and S[t + 1][i])
+                    and not any(j in later for j in readers[i])]
+            held -= set(gone)
+            free.append(tuple(names[i] for i in gone))
+        steps.append(ScheduleStep(names[t].removeprefix("backward:"), tuple(names[i] for i in release),
+                          tuple(names[i] for i in made), tuple(free)))
+    executed = tuple(tuple(int(i in entering[t]) if i < first else S[t][i] for i in range(training.size))
+                     if t >= first else S[t] for t in range(training.size))
+    storages = tuple((name, root) for name in op_nodes(graph) for root in (storage_root(graph, name),) if root in values)
+    schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages)
+    check_schedule(graph, schedule)
+    return schedule
+
+
+def _eager_in_forward(training: TrainingGraph, S: Matrix) -> Matrix:
+    """``S`` with each value not held into backward let go in forward after its last
+    reader's stage, as eager code lets it go (the solver may hold it longer where memory
+    is to spare)."""
+    first, readers = training.n_forward, training.readers()
+    rows = [list(row) for row in S]
+    for i in range(first):
+        if S[first][i]:
+            continue
+        last = max((j for j in readers[i] if j < first), default=i)
+        for t in range(last + 1, first):
+            rows[t][i] = 0
+    return tuple(tuple(row) for row in rows)
+
+
+def _note(schedule: Schedule) -> str:
+    made = schedule.made
+    proof = "proven optimal among them" if schedule.optimal else "the best the solver found in its time"
+    return (f"exact: the solver's schedule ({proof}): keeps {len(schedule.kept)} values from forward and "
+            f"makes {len(made)} again in {sum(1 for s in schedule.steps if s.make)} backward steps")
