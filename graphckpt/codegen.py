@@ -12,7 +12,9 @@ becomes a :class:`graphckpt.runtime.SegmentModule` called from forward, e.g.::
 except a segment that only drops values an op saves (:func:`passes.remat.runs_by_hooks`),
 which becomes a :class:`graphckpt.dropping.DropModule` (``drop_0``, ...), and a selective
 segment run by saved-tensor hooks (:mod:`passes.hooked`), which becomes a
-:class:`graphckpt.hooked.HookedSegmentModule` (``hooked_0``, ...).
+:class:`graphckpt.hooked.HookedSegmentModule` (``hooked_0``, ...), and a plan running the
+exact solver's schedule (:mod:`passes.exact`), whose one segment becomes a
+:class:`graphckpt.exact.ScheduledModule` (``exact_0``, its steps ``exact_0_step_<op>``).
 
 ``print(gm.code)`` shows forward followed by every segment's body.
 """

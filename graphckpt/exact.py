@@ -30,8 +30,8 @@ import torch
 from torch import fx, nn
 
 from graphckpt.dropping import autocast_now
-from graphckpt.hooked import detached, tensors_of
-from graphckpt.torch_compat import profiled_range, storage_alive, storage_key, storage_ref
+from graphckpt.hooked import SavedStorages, detached
+from graphckpt.torch_compat import profiled_range, storage_key
 
 
 class _Saved:
@@ -63,31 +63,20 @@ def _unpack(packed: Any) -> Any:
     return packed.unpack() if isinstance(packed, _Saved) else packed
 
 
-class _ScheduledCall:
+class _ScheduledCall(SavedStorages):
     """One call of a scheduled module in a forward backward will use: the storages of its
     values while forward runs, and ``cache``, what the schedule holds, through backward."""
 
     def __init__(self, module: ScheduledModule, inputs: Sequence[Any]) -> None:
+        super().__init__()
         self.module = module
         self.autocast = autocast_now(inputs)
         self.cache: dict[str, Any] = {name: value for name, value in zip(module.inputs, inputs, strict=True)
                                       if name in module.read_by_steps}
-        self.storages: dict[int, tuple[str, int | None, torch.dtype, Any]] = {}
-        self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
         self.done: set[str] = set()  # steps run
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        saved = _Saved(self, tensor)
-        if not self._match(saved, storage_key(tensor)):
-            self.recent.append(saved)
-        return saved
-
-    def _match(self, saved: _Saved, key: int) -> bool:
-        hit = self.storages.get(key)
-        if hit is None or hit[2] != saved.tensor.dtype or not storage_alive(hit[3]):
-            return False
-        saved.drop(hit[0], hit[1])
-        return True
+        return self.handle(_Saved(self, tensor), storage_key(tensor))
 
     def made(self, value: Any, name: str) -> None:
         """Forward made value ``name``: remember the storages of an op's own value (a tuple's
@@ -96,14 +85,8 @@ class _ScheduledCall:
         before its backward."""
         module = self.module
         if module.storage_of.get(name) == name:
-            for element, tensor in tensors_of(value):
-                key = storage_key(tensor)
-                hit = self.storages.get(key)
-                if hit is None or not storage_alive(hit[3]):
-                    self.storages[key] = (name, element, tensor.dtype, storage_ref(tensor))
-        for saved in self.recent:
-            self._match(saved, storage_key(saved.tensor))
-        self.recent.clear()
+            self.remember(name, value, keep_first=True)
+        self.match_recent()
         if name in module.kept:
             self.cache[name] = detached(value)
         if name in module.steps:
@@ -115,8 +98,7 @@ class _ScheduledCall:
 
     def finish(self) -> None:
         """Forward is done: nothing more is packed."""
-        self.storages.clear()
-        self.recent.clear()
+        self.forget()
 
     def run_step(self, op: str) -> None:
         if op in self.done:

@@ -91,7 +91,54 @@ def detached(value: Any) -> Any:
     return value
 
 
-class _HookedCall:
+class SavedStorages:
+    """The storages of the values a forward reports, so that each tensor autograd saves of
+    one is swapped for a handle naming the value (its ``drop(name, element)``): matched when
+    packed if the value is known, else when the value is reported right after the op that
+    saved it (an op saving its own output). A storage is recognized by address only while
+    it is alive (:func:`graphckpt.torch_compat.storage_alive`): an address freed and given
+    to another tensor is never taken for it. Shared by :class:`HookedSegmentModule`'s calls
+    and :class:`graphckpt.exact.ScheduledModule`'s."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[str, int | None, torch.dtype, Any]] = {}
+        self.recent: list[Any] = []  # handles packed since the last report, storage not yet known
+
+    def handle(self, saved: Any, key: int) -> Any:
+        """``saved`` (a handle holding the packed tensor), dropped now if its storage is known."""
+        if not self.match(saved, key):
+            self.recent.append(saved)
+        return saved
+
+    def match(self, saved: Any, key: int) -> bool:
+        hit = self.storages.get(key)
+        if hit is None or hit[2] != saved.tensor.dtype or not storage_alive(hit[3]):
+            return False
+        saved.drop(hit[0], hit[1])
+        return True
+
+    def remember(self, name: str, value: Any, keep_first: bool = False) -> None:
+        """Know ``value``'s storages as ``name``'s (by element for a tuple); ``keep_first``:
+        not a storage already known and alive (a view's is its root's)."""
+        for element, tensor in tensors_of(value):
+            key = storage_key(tensor)
+            hit = self.storages.get(key)
+            if not (keep_first and hit is not None and storage_alive(hit[3])):
+                self.storages[key] = (name, element, tensor.dtype, storage_ref(tensor))
+
+    def match_recent(self) -> None:
+        """A value was just reported: match what was packed since the last report."""
+        for saved in self.recent:
+            self.match(saved, storage_key(saved.tensor))
+        self.recent.clear()
+
+    def forget(self) -> None:
+        """Forward is done: nothing more is packed."""
+        self.storages.clear()
+        self.recent.clear()
+
+
+class _HookedCall(SavedStorages):
     """One call of a hooked segment in a forward backward will use: while forward runs, what
     each group's remake reads (inputs, kept values; afterwards only the handles of the group
     hold it, so each goes once no handle that may remake from it is left) and the storages
@@ -99,6 +146,7 @@ class _HookedCall:
     to be unpacked."""
 
     def __init__(self, module: HookedSegmentModule, inputs: tuple[Any, ...]) -> None:
+        super().__init__()
         self.module = module
         self.autocast = autocast_now(inputs)
         self.reads: list[list[Any]] = [[None] * len(names) for names in module.reads]
@@ -106,8 +154,6 @@ class _HookedCall:
             self._fill(name, value)
         self.known = {storage_key(t): storage_ref(t) for t in inputs if isinstance(t, torch.Tensor)}  # saved as
         # they are, while alive: a kept value nothing holds goes in forward, and its address can be a marked value's
-        self.storages: dict[int, tuple[str, int | None, torch.dtype, Any]] = {}
-        self.recent: list[_Saved] = []  # packed since the last report, storage not yet known
         self.pending: dict[str, int] = {}
         self.values: dict[str, Any] = {}
         self.held_pending: dict[str, int] = {}  # held value -> unpacks left that may need it
@@ -123,24 +169,11 @@ class _HookedCall:
         known = self.known.get(key)
         if known is not None and storage_alive(known):
             return tensor
-        saved = _Saved(self, tensor)
-        if not self._match(saved, key):
-            self.recent.append(saved)
-        return saved
-
-    def _match(self, saved: _Saved, key: int) -> bool:
-        hit = self.storages.get(key)
-        if hit is None or hit[2] != saved.tensor.dtype or not storage_alive(hit[3]):
-            return False
-        saved.drop(hit[0], hit[1])
-        return True
+        return self.handle(_Saved(self, tensor), key)
 
     def mark(self, value: Any, name: str) -> None:
-        for element, tensor in tensors_of(value):
-            self.storages[storage_key(tensor)] = (name, element, tensor.dtype, storage_ref(tensor))
-        for saved in self.recent:
-            self._match(saved, storage_key(saved.tensor))
-        self.recent.clear()
+        self.remember(name, value)
+        self.match_recent()
 
     def reads_of(self, name: str) -> Any:
         """What a handle of marked ``name`` keeps for its remake: the group's reads, or with
@@ -180,8 +213,7 @@ class _HookedCall:
     def finish(self) -> None:
         """Forward is done: nothing more is packed, so no storage is remembered, and what the
         remakes read is held by their handles alone."""
-        self.storages.clear()
-        self.recent.clear()
+        self.forget()
         self.reads = []
 
     def take(self, name: str, element: int | None, reads: Any) -> torch.Tensor:

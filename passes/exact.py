@@ -76,37 +76,49 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
     values = set(op_nodes(graph))
     names, first = training.names, training.n_forward
     value_ids = [i for i in range(first) if names[i] in values]
-    readers = training.readers()
-    hooks = {f"backward:{k}" for k in hooked_ops(graph)}
+    hooks, readers = {f"backward:{k}" for k in hooked_ops(graph)}, training.readers()
     steps, held = [], {i for i in value_ids if S[first][i]}
     kept = tuple(names[i] for i in sorted(held))
-    entering: dict[int, set[int]] = {}  # forward values the runtime holds entering each stage past forward
+    entering: dict[int, set[int]] = {}  # values the runtime holds entering each stage past forward
     for t in range(first, training.size):
-        if names[t] not in hooks:  # nothing runs here (pinned); what it lets go, the next step does
+        if names[t] not in hooks:  # nothing runs here (pinned): what it lets go, the next step lets go
             entering[t] = set(held)
             continue
-        made = [i for i in value_ids if R[t][i] and i != t]
-        release = sorted(i for i in held if not S[t][i])
-        held -= set(release)
-        entering[t] = set(held)
-        if not made and not release:
-            continue
-        free = []
-        for position, k in enumerate(made):
-            held.add(k)
-            later = {*made[position + 1:], t}
-            gone = [i for i in (*training.preds[k], k) if i in held and not (t + 1 < training.size and S[t + 1][i])
-                    and not any(j in later for j in readers[i])]
-            held -= set(gone)
-            free.append(tuple(names[i] for i in gone))
-        steps.append(ScheduleStep(names[t].removeprefix("backward:"), tuple(names[i] for i in release),
-                          tuple(names[i] for i in made), tuple(free)))
-    executed = tuple(tuple(int(i in entering[t]) if i < first else S[t][i] for i in range(training.size))
-                     if t >= first else S[t] for t in range(training.size))
+        step, entering[t] = _step(training, R, S, t, value_ids, held, readers)
+        if step is not None:
+            steps.append(step)
+    held_values = set(value_ids)
+    executed = tuple(S[t] if t < first else tuple(int(i in entering[t]) if i in held_values else S[t][i]
+                                                  for i in range(training.size)) for t in range(training.size))
     storages = tuple((name, root) for name in op_nodes(graph) for root in (storage_root(graph, name),) if root in values)
     schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages)
     check_schedule(graph, schedule)
     return schedule
+
+
+def _step(training: TrainingGraph, R: Matrix, S: Matrix, t: int, value_ids: list[int], held: set[int],
+          readers: list[list[int]]) -> tuple[ScheduleStep | None, set[int]]:
+    """The step before stage ``t``'s backward (``None`` when it does nothing), updating
+    ``held``, what the runtime holds, as the step runs; and what it holds once it has let go
+    what ``S`` holds no more, which the stage starts from. A value made again is let go right
+    after the last one made from it unless backward reads it here or ``S`` holds it on."""
+    names = training.names
+    made = [i for i in value_ids if R[t][i] and i != t]
+    release = sorted(i for i in held if not S[t][i])
+    held -= set(release)
+    entering = set(held)
+    if not made and not release:
+        return None, entering
+    free = []
+    for position, k in enumerate(made):
+        held.add(k)
+        later = {*made[position + 1:], t}
+        gone = [i for i in (*training.preds[k], k) if i in held and not (t + 1 < training.size and S[t + 1][i])
+                and not any(j in later for j in readers[i])]
+        held -= set(gone)
+        free.append(tuple(names[i] for i in gone))
+    return ScheduleStep(names[t].removeprefix("backward:"), tuple(names[i] for i in release),
+                        tuple(names[i] for i in made), tuple(free)), entering
 
 
 def _eager_in_forward(training: TrainingGraph, S: Matrix) -> Matrix:

@@ -81,7 +81,8 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
     if not segment.recompute:
         return segment
     if segment.schedule is not None:  # codegen reads the schedule itself
-        return replace(segment, facts=RecomputeFacts(kept_bytes=boundary_bytes(graph, segment.saved_inside),
+        kept = sum(graph.nodes[v]["bytes"] for v in segment.saved_inside)  # kept whole, cut at or not
+        return replace(segment, facts=RecomputeFacts(kept_bytes=kept,
                                                      draws_random=False, reruns=segment.schedule.made, state_inputs=()))
     hooked = top and keeps_by_hooks(graph, segment)
     units = remake_units(graph, segment) if hooked else []

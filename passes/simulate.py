@@ -236,7 +236,8 @@ def step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = flo
     scheduled = next((s.schedule for s in segments if s.schedule is not None), None)
     if scheduled is not None:  # found with its peak, in the same memory model (passes.exact)
         if memory is not None:
-            raise ValueError("step_peak: a plan run by an exact schedule is not replayed op by op")
+            raise ValueError("step_peak: a plan run by an exact schedule (passes.exact) is not replayed op by op: "
+                             "its peak is the schedule's own (Schedule.peak_bytes)")
         if scheduled.peak_bytes > limit:
             raise LimitExceeded(scheduled.peak_bytes)
         return scheduled.peak_bytes

@@ -182,3 +182,15 @@ def test_steps_run_only_where_an_op_has_a_grad_fn_of_its_own() -> None:
     assert_trains_like_twice(reference, model, rewritten, inputs)
     measured = measure_step(rewritten, inputs, lambda out: out.square().mean(), repeats=1).peak_bytes
     assert abs(measured / plan.peak_bytes - 1) <= MEASURE_TOLERANCE, (measured, plan.peak_bytes)
+
+
+def test_inspect_shows_the_schedule_and_says_why_peak_has_no_breakdown() -> None:
+    from typer.testing import CliRunner
+
+    from graphckpt.tools.cli import app
+
+    result = CliRunner(env={"COLUMNS": "160"}).invoke(
+        app, ["inspect", "zoo:mlp?depth=6&width=64&batch=256", "--budget", "0.4", "--peak"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "exact schedule" in result.stdout
+    assert "no breakdown of it yet" in result.stderr

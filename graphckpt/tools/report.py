@@ -22,6 +22,7 @@ from passes.hooked import remake_phrase
 from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.recompute import recomputed_nodes
+from passes.schedule import describe as describe_schedule
 from passes.segments import Segment
 from passes.sim_peak import PeakBreakdown
 from passes.strategies import STRATEGIES
@@ -68,6 +69,7 @@ def segment_dict(graph: nx.DiGraph, segment: Segment, index: str) -> dict[str, A
         "saved_inside": list(segment.saved_inside),
         "remake_each_use": segment.remake_each_use,
         "remake_held": list(segment.remake_held),
+        "schedule_steps": describe_schedule(segment.schedule) if segment.schedule is not None else [],
         "recompute_flops": recomputed_flops(graph, segment),
         "children": [segment_dict(graph, child, f"{index}.{i}") for i, child in enumerate(segment.children)],
     }
@@ -185,7 +187,11 @@ def _segment_table(document: Mapping[str, Any]) -> Table:
     for row in flatten_segments(document["segments"]):
         indent = "  " * row["depth"]
         what = Text("recomputed", style="yellow") if row["recompute"] else Text("kept", style="green")
-        if row["saved_inside"]:
+        if row.get("schedule_steps"):
+            what = Text("exact schedule", style="yellow")
+            what.append(f" ({len(row['saved_inside'])} kept, {len(row['schedule_steps'])} steps making values "
+                        "again)", style="dim")
+        elif row["saved_inside"]:
             what.append(f" ({len(row['saved_inside'])} kept inside)", style="dim")
         remakes = remake_phrase(row.get("remake_each_use", False), len(row.get("remake_held", ())))
         if remakes:
