@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.graph_facts import needs_grad, op_nodes, pure_ops
+from passes.graph_facts import graph_outputs, needs_grad, pure_ops
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,32 @@ class Schedule:
 
 
 def hooked_ops(graph: nx.DiGraph) -> frozenset[str]:
-    """The ops before whose backward a step can run: those needing a gradient whose value is
-    one tensor with a ``grad_fn`` of its own, where the runtime hooks. Not an op returning
-    several tensors (its value is a tuple; ``shape`` lists one shape per tensor), nor an
-    element taken from one (its ``grad_fn`` is the tuple op's, shared with its siblings)."""
+    """The ops before whose backward a step can run: those a gradient reaches
+    (:func:`reached_by_gradients`) whose value is one tensor with a ``grad_fn`` of its own,
+    where the runtime hooks. Not an op returning several tensors (its value is a tuple;
+    ``shape`` lists one shape per tensor), nor an element taken from one (its ``grad_fn`` is
+    the tuple op's, shared with its siblings)."""
     several = {name for name, shape in graph.nodes(data="shape") if "], [" in (shape or "")}
-    return frozenset(name for name in op_nodes(graph) if needs_grad(graph, name) and name not in several
+    return frozenset(name for name in reached_by_gradients(graph) if name not in several
                      and several.isdisjoint(graph.predecessors(name)))
+
+
+def reached_by_gradients(graph: nx.DiGraph) -> frozenset[str]:
+    """The ops whose ``grad_fn`` backward runs: those with a path of ops needing a gradient
+    to what backward starts from (the model's own ``loss``, else every output needing one).
+    An op whose value nothing reads on the way to the loss never has its backward run, so a
+    step placed before it would never run (found by the random-model property test: a
+    Linear called once more for nothing)."""
+    loss = graph.graph.get("loss")
+    starts = [loss] if loss is not None else [v for v in graph_outputs(graph) if needs_grad(graph, v)]
+    reached, stack = set(), [v for v in starts if graph.nodes[v]["kind"] == "op"]
+    while stack:
+        name = stack.pop()
+        if name in reached or not needs_grad(graph, name):
+            continue
+        reached.add(name)
+        stack.extend(u for u in graph.predecessors(name) if graph.nodes[u]["kind"] == "op")
+    return frozenset(reached)
 
 
 class ScheduleError(ValueError):

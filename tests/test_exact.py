@@ -194,3 +194,28 @@ def test_inspect_shows_the_schedule_and_says_why_peak_has_no_breakdown() -> None
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "exact schedule" in result.stdout
     assert "no breakdown of it yet" in result.stderr
+
+
+def test_no_step_runs_before_an_op_no_gradient_reaches() -> None:
+    """A Linear called once more for nothing (``mods_linear0_1``, ``mods_linear4``): its
+    ``grad_fn`` never runs, so a step placed before it never ran and ``mul_``'s backward found
+    ``relu_1`` missing (the random-model property test's example)."""
+    from tests.test_random_models import BATCH, WIDTH, ModelSpec, RecipeModel
+
+    spec = ModelSpec(modules=(("linear0", "linear"), ("linear1", "linear"), ("linear2", "linear"),
+                              ("linear3", "linear"), ("linear4", "linear"), ("linear5", "linear"),
+                              ("linear6", "linear"), ("relu7", "relu_")),
+                     recipe=(("act", "relu", 0), ("call", "linear0", 0), ("call", "linear1", 0), ("act", "relu", 0),
+                             ("call", "linear2", 0), ("call", "linear3", 0), ("mul_", 3, 4), ("call", "linear0", 0),
+                             ("call", "linear4", 0), ("call", "linear5", 0), ("call", "linear6", 2), ("mul_", 5, 6),
+                             ("mul", 5, 1), ("inplace", "relu7", 7)),
+                     outputs=(14,), output_form="tuple", input_requires_grad=False, seed=1)
+    reference, model = fresh_pair(RecipeModel(spec).train())
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(spec.seed))
+    analysis = analyze(model, (x.clone(),))
+    graph = analysis.cost_graph
+    plan = exact_plan(graph, int(0.8 * eager_peak(graph)), time_limit=20)
+    assert plan is not None
+    assert {"mods_linear0_1", "mods_linear4", "mods_linear5"}.isdisjoint(s.op for s in plan.segments[0].schedule.steps)
+    rewritten = generate_rewrite(model, Analysis(analysis.captured, graph, plan))
+    assert_trains_like_twice(reference, model, rewritten, (x,))
