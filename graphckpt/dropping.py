@@ -57,25 +57,44 @@ class _Remade:
         return value
 
 
-class _Handle:
-    """What autograd keeps in place of a saved tensor that shares a dropped input's storage:
-    which input, and the saved tensor's view of it."""
+class SavedView:
+    """What autograd keeps in place of a saved tensor whose value is made again later: the
+    saved tensor's size, stride and offset, so that the value made again is seen as the
+    saved tensor saw it (a view, or the value itself). Subclasses say where the value
+    comes from (:meth:`unpack`); :func:`unpack_saved` is the unpack hook of all of them."""
 
-    __slots__ = ("index", "offset", "remade", "size", "stride")
+    __slots__ = ("offset", "size", "stride")
 
-    def __init__(self, remade: _Remade, index: int, saved: torch.Tensor) -> None:
-        self.remade, self.index = remade, index
+    def remember_view(self, saved: torch.Tensor) -> None:
         self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
 
-    def unpack(self) -> torch.Tensor:
-        value = self.remade.take(self.index)
+    def viewed(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the saved tensor saw it."""
         if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
             return value
         return value.as_strided(self.size, self.stride, self.offset)
 
+    def unpack(self) -> torch.Tensor:
+        raise NotImplementedError
 
-def _unpack(packed: Any) -> Any:
-    return packed.unpack() if isinstance(packed, _Handle) else packed
+
+def unpack_saved(packed: Any) -> Any:
+    """The unpack hook of every runtime that swaps saved tensors for :class:`SavedView` handles."""
+    return packed.unpack() if isinstance(packed, SavedView) else packed
+
+
+class _Handle(SavedView):
+    """What autograd keeps in place of a saved tensor that shares a dropped input's storage:
+    which input, and the saved tensor's view of it."""
+
+    __slots__ = ("index", "remade")
+
+    def __init__(self, remade: _Remade, index: int, saved: torch.Tensor) -> None:
+        self.remade, self.index = remade, index
+        self.remember_view(saved)
+
+    def unpack(self) -> torch.Tensor:
+        return self.viewed(self.remade.take(self.index))
 
 
 def autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
@@ -129,7 +148,7 @@ class DropModule(nn.Module):
             return _Handle(remade, hit[0], saved)
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), profiled_range(self.label):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved), profiled_range(self.label):
                 return self.body.forward(*inputs)  # not fx's call wrapper: ~10 us a call
         finally:
             dropped.clear()  # the hooks may outlive the call: hold no storage of forward's

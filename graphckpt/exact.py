@@ -5,7 +5,7 @@ and the schedule's steps, each run just before the backward of its op.
 A :class:`ScheduledModule` runs its body (every op of the graph, as the model wrote it)
 with autograd on, so backward runs forward's own graph. The body reports each value as it
 is made (``made(hooks, value, "name")`` in ``print(gm.code)``); the pack hook swaps every
-saved tensor sharing a value's storage for a handle (:class:`_Saved`, matched as in
+saved tensor sharing a value's storage for a handle (:class:`graphckpt.hooked.PendingSaved`, matched as in
 :mod:`graphckpt.hooked`: by storage while it is alive, an op's saved output when the value
 is reported right after the op). The values the schedule keeps go into the call's
 ``cache``; every other value goes when eager code lets it go. For each op with a
@@ -29,38 +29,19 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphckpt.dropping import autocast_now
-from graphckpt.hooked import SavedStorages, detached
+from graphckpt.dropping import autocast_now, unpack_saved
+from graphckpt.hooked import PendingSaved, SavedStorages, detached
 from graphckpt.torch_compat import profiled_range, storage_key
 
 
-class _Saved:
-    """What autograd keeps for a tensor an op saved: the tensor itself until it is known to
-    share a value's storage, then the value's name and the tensor's view of it."""
+class _Saved(PendingSaved):
+    """A scheduled call's handle: the value is taken from what the schedule holds."""
 
-    __slots__ = ("call", "element", "name", "offset", "size", "stride", "tensor")
+    __slots__ = ()
 
-    def __init__(self, call: _ScheduledCall, tensor: torch.Tensor) -> None:
-        self.call, self.tensor, self.name = call, tensor, ""
-
-    def drop(self, name: str, element: int | None) -> None:
-        tensor = self.tensor
-        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
-        self.name, self.element, self.tensor = name, element, None
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor is not None:
-            return self.tensor
+    def value(self) -> torch.Tensor:
         value = self.call.take(self.name)
-        if self.element is not None:
-            value = value[self.element]
-        if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
-            return value
-        return value.as_strided(self.size, self.stride, self.offset)
-
-
-def _unpack(packed: Any) -> Any:
-    return packed.unpack() if isinstance(packed, _Saved) else packed
+        return value if self.element is None else value[self.element]
 
 
 class _ScheduledCall(SavedStorages):
@@ -92,13 +73,10 @@ class _ScheduledCall(SavedStorages):
         if name in module.steps:
             if not (isinstance(value, torch.Tensor) and value.grad_fn is not None):
                 raise RuntimeError(f"graphckpt: the exact schedule runs a step before the backward of {name!r}, "
-                                   "but its value has no grad_fn to hook here; plan this model with another "
-                                   "strategy (e.g. budget= without strategy='exact')")
+                                   "but its value has no grad_fn to hook: the plan expected a gradient to reach it "
+                                   "(were parameters frozen after graphckpt.rewrite? rewrite again after such a "
+                                   "change, or plan with a strategy such as 'sqrt')")
             value.grad_fn.register_prehook(lambda grads, op=name: self.run_step(op))
-
-    def finish(self) -> None:
-        """Forward is done: nothing more is packed."""
-        self.forget()
 
     def run_step(self, op: str) -> None:
         if op in self.done:
@@ -143,10 +121,10 @@ class ScheduledModule(nn.Module):
             return self.body.forward(*args, None)
         call = _ScheduledCall(self, args)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), profiled_range(self.label):
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack_saved), profiled_range(self.label):
                 return self.body.forward(*args, call)
         finally:
-            call.finish()
+            call.forget()  # forward is done: nothing more is packed
 
     def extra_repr(self) -> str:
         made = sum(1 for step in self.steps.values() for node in step.graph.nodes

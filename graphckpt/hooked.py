@@ -33,7 +33,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.dropout import generator_state, restored_generators
-from graphckpt.dropping import autocast_now
+from graphckpt.dropping import SavedView, autocast_now, unpack_saved
 from graphckpt.state import frozen_running_stats
 from graphckpt.torch_compat import NormBase, profiled_range, storage_alive, storage_key, storage_ref
 
@@ -43,34 +43,41 @@ STATES = "generator_states"
 dropouts drew from in forward, by name (:meth:`_HookedCall.stash_generator`)."""
 
 
-class _Saved:
-    """What autograd keeps for a tensor a hooked segment's op saved: the tensor itself until
-    it is known to be a marked value's storage, then which value, the tensor's view of it,
-    and what its group's remake reads (so that lives while a handle that may remake does)."""
+class PendingSaved(SavedView):
+    """What autograd keeps for a tensor an op saved under a runtime that makes values again:
+    the tensor itself until it is known to share a value's storage (:class:`SavedStorages`),
+    then the value's name, its element (of a tuple) and the tensor's view of it. Subclasses
+    say where the value comes from at unpack (:meth:`value`)."""
 
-    __slots__ = ("call", "element", "node", "offset", "reads", "size", "stride", "tensor")
+    __slots__ = ("call", "element", "name", "tensor")
 
-    def __init__(self, call: _HookedCall, tensor: torch.Tensor) -> None:
-        self.call, self.tensor, self.node = call, tensor, ""
+    def __init__(self, call: Any, tensor: torch.Tensor) -> None:
+        self.call, self.tensor, self.name = call, tensor, ""
 
-    def drop(self, node: str, element: int | None) -> None:
-        tensor = self.tensor
-        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
-        self.node, self.element, self.tensor = node, element, None
-        self.reads = self.call.reads_of(node)
-        self.call.pending[node] = self.call.pending.get(node, 0) + 1
+    def drop(self, name: str, element: int | None) -> None:
+        self.remember_view(self.tensor)
+        self.name, self.element, self.tensor = name, element, None
+
+    def value(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def unpack(self) -> torch.Tensor:
-        if self.tensor is not None:
-            return self.tensor
-        value = self.call.take(self.node, self.element, self.reads)
-        if (value.size(), value.stride(), value.storage_offset()) == (self.size, self.stride, self.offset):
-            return value
-        return value.as_strided(self.size, self.stride, self.offset)
+        return self.tensor if self.tensor is not None else self.viewed(self.value())
 
 
-def _unpack(packed: Any) -> Any:
-    return packed.unpack() if isinstance(packed, _Saved) else packed
+class _Saved(PendingSaved):
+    """A hooked segment's handle: also what its group's remake reads (so that lives while a
+    handle that may remake does), counted as pending until unpacked."""
+
+    __slots__ = ("reads",)
+
+    def drop(self, name: str, element: int | None) -> None:
+        super().drop(name, element)
+        self.reads = self.call.reads_of(name)
+        self.call.pending[name] = self.call.pending.get(name, 0) + 1
+
+    def value(self) -> torch.Tensor:
+        return self.call.take(self.name, self.element, self.reads)
 
 
 def tensors_of(value: Any) -> list[tuple[int | None, torch.Tensor]]:
@@ -291,7 +298,7 @@ class HookedSegmentModule(nn.Module):
             return self.body.forward(*args, None)
         call = _HookedCall(self, args)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), profiled_range(self.label):
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack_saved), profiled_range(self.label):
                 return self.body.forward(*args, call)  # not fx's call wrapper: ~10 us a call
         finally:
             call.finish()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.graph_facts import graph_outputs, needs_grad, pure_ops
+from passes.graph_facts import graph_outputs, needs_grad, per_graph_value, pure_ops
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Schedule:
         return tuple(name for step in self.steps for name in step.make)
 
 
+@per_graph_value
 def hooked_ops(graph: nx.DiGraph) -> frozenset[str]:
     """The ops before whose backward a step can run: those a gradient reaches
     (:func:`reached_by_gradients`) whose value is one tensor with a ``grad_fn`` of its own,
@@ -71,6 +72,7 @@ def hooked_ops(graph: nx.DiGraph) -> frozenset[str]:
                      and several.isdisjoint(graph.predecessors(name)))
 
 
+@per_graph_value
 def reached_by_gradients(graph: nx.DiGraph) -> frozenset[str]:
     """The ops whose ``grad_fn`` backward runs: those with a path of ops needing a gradient
     to what backward starts from (the model's own ``loss``, else every output needing one).

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from passes.graph_facts import graph_outputs, needs_grad, op_nodes, storage_root
+from passes.graph_facts import graph_outputs, needs_grad, op_nodes, per_graph_value, storage_root
 from passes.kept_bytes import gradient_bytes
 from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
@@ -50,9 +50,15 @@ class TrainingGraph:
     home: tuple[int, ...]  # the stage where it first runs: itself, or its op for an extra
     n_forward: int
     makers: frozenset[int] = field(init=False)  # ops with an extra
+    _readers: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "makers", frozenset(h for i, h in enumerate(self.home) if h != i))
+        readers: list[list[int]] = [[] for _ in self.names]
+        for k, preds in enumerate(self.preds):
+            for i in preds:
+                readers[i].append(k)
+        object.__setattr__(self, "_readers", tuple(tuple(r) for r in readers))
 
     @property
     def size(self) -> int:
@@ -62,18 +68,15 @@ class TrainingGraph:
         """Nodes that may be freed right after ``k`` runs: its inputs, and itself for a maker."""
         return (*self.preds[k], k) if k in self.makers else self.preds[k]
 
-    def readers(self) -> list[list[int]]:
-        """For each node, the nodes that read it, ascending."""
-        out: list[list[int]] = [[] for _ in self.names]
-        for k, preds in enumerate(self.preds):
-            for i in preds:
-                out[i].append(k)
-        return out
+    def readers(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the nodes that read it, ascending (found once, with the graph)."""
+        return self._readers
 
 
-
+@per_graph_value
 def training_graph(graph: nx.DiGraph) -> TrainingGraph:
-    """The forward ops and their extras, the gradient seeds and the backward nodes."""
+    """The forward ops and their extras, the gradient seeds and the backward nodes (built
+    once per cost graph: a budget plan's LP bound, solve and schedule all read it)."""
     nodes: dict[str, list] = {name: [] for name in FIELDS}
 
     def add(name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True, kept: bool = False,
