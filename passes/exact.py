@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from passes.checkmate import checkmate_schedule, executable_bound
+from passes.checkmate import checkmate_schedule
 from passes.graph_facts import op_nodes, storage_root
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
@@ -36,18 +36,15 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     ``time_limit`` seconds; ``None`` above :data:`EXACT_MAX_OPS` ops, on a graph whose
     runtime has no hooks (``hooks``) or whose backward makes gradient views (``grad_views``,
     which the solver does not model), when no schedule fits or none is found in time. With
-    ``beat`` (a plan in hand's recompute), also ``None`` without solving the MILP where its
-    LP relaxation proves no schedule recomputes less (:func:`passes.checkmate.executable_bound`)."""
+    ``beat`` (a plan in hand's recompute), also ``None`` when no schedule recomputes less:
+    the solver, told so, prunes what cannot beat it and proves that in a fraction of the
+    full solve's time."""
     if len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
         return None
     if any(graph.nodes[name].get("grad_views") for name in op_nodes(graph)):  # the solver's model has no views of
         return None  # a gradient (cat's backward): it would price such a graph's backward above or below what runs
-    if beat is not None:
-        bound = executable_bound(graph, budget_bytes, time_limit=time_limit)
-        if bound is None or bound >= beat - 0.5:  # FLOPs are whole numbers
-            return None
     try:
-        result = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True)
+        result = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat)
     except TimeoutError:
         return None
     if result is None:

@@ -60,6 +60,5 @@ def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor
     if solution.x is None:
         return None
     peak = float(solution.x[model.columns[("P",)]]) * unit
-    bound = getattr(solution, "mip_dual_bound", None)
-    lower = peak if solution.status == 0 or bound is None else min(peak, float(bound) * unit)
+    lower = peak if solution.status == "optimal" else min(peak, float(solution.bound) * unit)
     return Floor(peak_bytes=peak, lower_bound_bytes=lower)
