@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from itertools import pairwise
+from pathlib import Path
 
 import networkx as nx
 import pytest
@@ -146,6 +149,28 @@ def test_training_graph_of_the_diamond() -> None:
     assert reads["backward:p"] == {"backward:q"}
     assert training.mem[names.index("backward:p")] == 0  # x needs no gradient
     assert training.kept == tuple(name == "loss" for name in names)
+
+
+def test_beat_answers_only_a_schedule_recomputing_less() -> None:
+    """With ``beat`` (a plan in hand's recompute) the solver prunes what cannot beat it:
+    ``None`` at the optimum itself, the optimum just above it."""
+    graph = chain(6)
+    budget = 3 * UNIT
+    optimum = checkmate_schedule(graph, budget)
+    assert optimum is not None and optimum.status == "optimal"
+    assert checkmate_schedule(graph, budget, beat=optimum.recompute_flops) is None
+    better = checkmate_schedule(graph, budget, beat=optimum.recompute_flops + 1)
+    assert better is not None and better.recompute_flops == optimum.recompute_flops
+    assert_valid_schedule(graph, better, budget)
+
+
+def test_planning_imports_without_scipy() -> None:
+    """Budget plans import the MILP (exact schedules, floors): its solver is a dependency of
+    the package itself, so ``pip install graphckpt`` (no extras) imports and plans."""
+    code = ("import sys; sys.modules['scipy'] = None\n"
+            "import passes.budget_search, passes.checkmate, passes.floor\n"
+            "assert passes.checkmate.checkmate_schedule is not None")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
 def test_too_many_ops_is_refused() -> None:
