@@ -62,6 +62,15 @@ from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, 
 
 MAX_OPS = 60
 
+class SolveTimeout(TimeoutError):
+    """The time limit passed before HiGHS found a schedule (with ``beat``: one recomputing
+    less); ``recompute_lower_bound`` is what it proved no schedule recomputes less than."""
+
+    def __init__(self, message: str, recompute_lower_bound: float) -> None:
+        super().__init__(message)
+        self.recompute_lower_bound = recompute_lower_bound
+
+
 @dataclass(frozen=True)
 class CheckmateResult:
     """The MILP's schedule: the forward recompute it costs and its peak in the memory model."""
@@ -291,8 +300,8 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     ``executable``: among the schedules :mod:`passes.exact` runs only; ``beat``: only
     schedules recomputing fewer FLOPs than that (a plan in hand's), ``None`` when none does.
 
-    Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`TimeoutError` when
-    the time limit passes before any schedule that fits is found.
+    Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`SolveTimeout` (a
+    :class:`TimeoutError`) when the time limit passes before any schedule that fits is found.
     """
     n_ops = len(op_nodes(graph))
     if n_ops > MAX_OPS:
@@ -314,7 +323,9 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     if solution.status == "infeasible":
         return None
     if solution.x is None:
-        raise TimeoutError(f"checkmate_schedule: no schedule found within {time_limit}s ({solution.status})")
+        proven = max(solution.bound * divisor - forward, 0.0) if math.isfinite(solution.bound) else 0.0
+        raise SolveTimeout(f"checkmate_schedule: no schedule found within {time_limit}s ({solution.status})",
+                           proven if beat is None else min(proven, beat))
     T = training.size
     R, S = _matrix(model, solution.x, "R", T), _matrix(model, solution.x, "S", T)
     total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
