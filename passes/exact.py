@@ -88,7 +88,8 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
     executed = tuple(S[t] if t < first else tuple(int(i in entering[t]) if i in held_values else S[t][i]
                                                   for i in range(training.size)) for t in range(training.size))
     storages = tuple((name, root) for name in op_nodes(graph) for root in (storage_root(graph, name),) if root in values)
-    schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages)
+    schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages,
+                        stages=(R, executed))
     check_schedule(graph, schedule)
     return schedule
 

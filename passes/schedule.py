@@ -21,11 +21,14 @@ backward of ``d`` (which saved ``c``) and lets ``c`` go before the backward of `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
 from passes.graph_facts import graph_outputs, needs_grad, per_graph_value, pure_ops
+
+Matrix = tuple[tuple[int, ...], ...]
+"""A schedule's ``R`` or ``S``: row ``t`` a stage, column ``i`` a node of the training graph."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Schedule:
     peak_bytes: int
     optimal: bool = False
     storages: tuple[tuple[str, str], ...] = ()  # (value, the value whose storage it is), for values of op storages
+    stages: tuple[Matrix, Matrix] = field(default=((), ()), compare=False, repr=False)  # R and S as run:
+    # what each stage computes and holds (passes.training_graph), from which its peak and breakdown come
 
     @property
     def made(self) -> tuple[str, ...]:

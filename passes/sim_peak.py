@@ -17,7 +17,7 @@ The parts add up to the simulated peak exactly (the replay is the simulator's ow
 >>> add_value(g, "out", kind="output", order=3, bytes=0, reads=["b"])
 >>> breakdown = peak_breakdown(g, eager_segments(g))
 >>> breakdown.peak_bytes, breakdown.reached_by
-(600, 'gradient of b')
+(600, 'the gradient of b')
 >>> breakdown.bytes_by_kind()
 {'loss': 300, 'activation': 200, 'gradient': 100}
 >>> sum(s.bytes for s in breakdown.storages) + breakdown.temporary_bytes == breakdown.peak_bytes
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from passes.schedule import Matrix, Schedule
 from passes.segments import Segment
 from passes.sim_memory import (
     BACKWARD_EXTRA,
@@ -46,6 +47,7 @@ from passes.sim_memory import (
     LiveMemory,
 )
 from passes.simulate import step_peak
+from passes.training_graph import TrainingGraph, peak_moment, training_graph
 
 KIND_NAMES = {
     VALUE: "activation",
@@ -125,8 +127,12 @@ class _SnapshotMemory(LiveMemory):
 
 def peak_breakdown(graph: nx.DiGraph, segments: Sequence[Segment]) -> PeakBreakdown:
     """What is alive at the simulated peak of ``segments`` on ``graph`` (see the module's
-    docstring): two replays, so about twice a simulation's time."""
+    docstring): two replays, so about twice a simulation's time. A plan run by an exact
+    schedule is broken down from the schedule's stages (:func:`schedule_breakdown`)."""
     segments = tuple(segments)
+    scheduled = next((s.schedule for s in segments if s.schedule is not None), None)
+    if scheduled is not None:
+        return schedule_breakdown(graph, scheduled)
     memory = _SnapshotMemory(graph, step_peak(graph, segments))
     step_peak(graph, segments, memory=memory)
     assert memory.snapshot is not None, "the second replay reaches the first one's peak"
@@ -135,6 +141,37 @@ def peak_breakdown(graph: nx.DiGraph, segments: Sequence[Segment]) -> PeakBreakd
     reached = (f"a temporary of {memory.temporary} bytes" if memory.temporary else
                _phrase(_described(memory, memory.reached_by, 0)) if memory.reached_by is not None else "nothing")
     return PeakBreakdown(memory.target, tuple(storages), memory.temporary, reached)
+
+
+def schedule_breakdown(graph: nx.DiGraph, schedule: Schedule) -> PeakBreakdown:
+    """What is alive at an exact schedule's peak (:mod:`passes.exact`), from the stages it
+    runs (:func:`passes.training_graph.peak_moment`): values held from forward
+    (``activation``), made again in that stage (``recomputed copy``), what ops save beyond
+    values, gradients, the loss; the parts add up to ``schedule.peak_bytes``."""
+    R, S = schedule.stages
+    if not R:
+        raise ValueError("schedule_breakdown: this schedule carries no stages (made without passes.exact.schedule_of)")
+    training = training_graph(graph)
+    stage, moment = peak_moment(training, R, S)
+    storages = sorted((_stage_storage(training, R, stage, i) for i in moment.live if training.mem[i]),
+                      key=lambda s: (-s.bytes, s.name, s.kind))
+    reached = (f"a temporary of {moment.temporary} bytes" if moment.temporary else
+               _phrase(_stage_storage(training, R, stage, moment.reached)) if moment.reached is not None
+               else "what the stage holds")
+    return PeakBreakdown(int(moment.peak), tuple(storages), moment.temporary, reached)
+
+
+def _stage_storage(training: TrainingGraph, R: Matrix, stage: int, node: int) -> LiveStorage:
+    """The :class:`LiveStorage` of a training-graph node alive in ``stage``."""
+    name, about, nbytes = training.names[node], training.about[node], training.mem[node]
+    if name.startswith("extra:"):
+        return LiveStorage(about, KIND_NAMES[EXTRA], 0, nbytes)
+    if name.startswith(("grad-seed:", "backward:")):
+        return LiveStorage(about, KIND_NAMES[GRAD], 0, nbytes)
+    if node >= training.n_forward:  # the loss's scalars
+        return LiveStorage(about, "loss", 0, nbytes)
+    made_again = max(t for t in range(stage + 1) if R[t][node]) != training.home[node]  # its latest making
+    return LiveStorage(about, "recomputed copy" if made_again else KIND_NAMES[VALUE], int(made_again), nbytes)
 
 
 def _described(memory: LiveMemory, key: int | tuple, nbytes: int) -> LiveStorage:
@@ -153,6 +190,6 @@ def _described(memory: LiveMemory, key: int | tuple, nbytes: int) -> LiveStorage
 
 
 def _phrase(storage: LiveStorage) -> str:
-    """``"the gradient of op7"``-style words for what reached the peak."""
+    """``"the gradient of op7"``-style words for what reached the peak (``reached_by``)."""
     depth = f" (recompute depth {storage.level})" if storage.level else ""
-    return f"{storage.kind} of {storage.name}{depth}"
+    return f"the {storage.kind} of {storage.name}{depth}"

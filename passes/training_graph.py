@@ -29,10 +29,10 @@ import networkx as nx
 
 from passes.graph_facts import graph_outputs, needs_grad, op_nodes, per_graph_value, storage_root
 from passes.kept_bytes import gradient_bytes
+from passes.schedule import Matrix
 from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
-Matrix = tuple[tuple[int, ...], ...]
-FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home")
+FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class TrainingGraph:
     transient: tuple[int, ...]  # bytes held for a moment on top when the node runs at home
     home: tuple[int, ...]  # the stage where it first runs: itself, or its op for an extra
     n_forward: int
+    about: tuple[str, ...] = ()  # the cost graph's value each node is, or is the gradient or extra of
     makers: frozenset[int] = field(init=False)  # ops with an extra
     _readers: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -80,10 +81,10 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     nodes: dict[str, list] = {name: [] for name in FIELDS}
 
     def add(name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True, kept: bool = False,
-            fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None) -> int:
+            fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None, about: str = "") -> int:
         index = len(nodes["names"])
         values = (name, mem, flops, tuple(sorted(set(preds))), once, kept, fresh, transient,
-                  index if home is None else home)
+                  index if home is None else home, about or name)
         for key, value in zip(FIELDS, values, strict=True):
             nodes[key].append(value)
         return index
@@ -97,7 +98,8 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         once = not attributes["recomputable"] or any(
             not graph.nodes[u]["cuttable"] and u not in index for u in graph.predecessors(k))
         if attributes["saved_extra_bytes"]:
-            extra[k] = add(f"extra:{k}", attributes["saved_extra_bytes"], reads, once=once, home=len(nodes["names"]) + 1)
+            extra[k] = add(f"extra:{k}", attributes["saved_extra_bytes"], reads, once=once, home=len(nodes["names"]) + 1,
+                           about=k)
         fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
         index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh)
     n_forward = len(nodes["names"])
@@ -105,10 +107,10 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     loss = loss_working_bytes(graph)
     scalars = loss_scalar_bytes(graph)
     if scalars:
-        add("loss-scalars", scalars, (), kept=True)
+        add("loss-scalars", scalars, (), kept=True, about="loss")
     own_loss = graph.graph.get("loss")  # its gradient is backward's seed, held to the end
     owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input" or v == own_loss,
-                    transient=loss if v == trained[-1] else 0) for v in trained}  # v's gradient buffer
+                    transient=loss if v == trained[-1] else 0, about=v) for v in trained}  # v's gradient buffer
     for k in reversed(list(index)):
         gets_grad = k in owner and needs_grad(graph, k)
         inputs = [u for u in graph.predecessors(k) if gets_grad and needs_grad(graph, u)]
@@ -120,7 +122,7 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         for position, u in enumerate(new or [None]):
             node = add(f"backward:{k}" + (f":{u}" if position else ""), gradient_bytes(graph, u) if u else 0, reads,
                        kept=bool(u) and graph.nodes[u]["kind"] == "input",
-                       transient=moment if position == max(len(new) - 1, 0) else 0)
+                       transient=moment if position == max(len(new) - 1, 0) else 0, about=u or k)
             if u is not None:
                 owner[u] = node
     return TrainingGraph(**{key: tuple(values) for key, values in nodes.items()}, n_forward=n_forward)
@@ -154,20 +156,50 @@ def _forward_reads(graph: nx.DiGraph, name: str, index: dict[str, int]) -> set[i
 
 def stage_peaks(training: TrainingGraph, R: Matrix, S: Matrix) -> list[float]:
     """Peak bytes of each stage of a schedule in the memory model above, freeing eagerly."""
-    T, readers = training.size, training.readers()
-    peaks = []
-    for t in range(T):
-        current = sum(training.mem[i] for i in range(t) if S[t][i])
-        peak = current
-        for k in (k for k in range(t + 1) if R[t][k]):
-            current += training.mem[k]
-            peak = max(peak, current + (training.transient[k] if k == t else 0))
-            for i in (*training.preds[k], k):
-                unread = i != k or not any(R[t][j] for j in readers[k] if j <= t)
-                if unread and not (t + 1 < T and S[t + 1][i]) and not any(R[t][j] for j in readers[i] if j > k):
-                    current -= training.mem[i]
-        peaks.append(peak)
-    return peaks
+    return [_stage(training, R, S, t).peak for t in range(training.size)]
+
+
+@dataclass(frozen=True)
+class StageMoment:
+    """One stage's run: its ``peak``; and, where the stage was watched for a peak, the nodes
+    ``live`` when it first reached it, the ``temporary`` bytes of that moment (a node's
+    transient) and the node whose run ``reached`` it (``None``: held entering the stage)."""
+
+    peak: float
+    live: frozenset[int] = frozenset()
+    temporary: int = 0
+    reached: int | None = None
+
+
+def peak_moment(training: TrainingGraph, R: Matrix, S: Matrix) -> tuple[int, StageMoment]:
+    """The stage where a schedule first reaches its peak, and what is live there then: the
+    schedule's own breakdown (the parts add up to :func:`stage_peaks`' maximum exactly)."""
+    peaks = stage_peaks(training, R, S)
+    stage = max(range(len(peaks)), key=lambda t: (peaks[t], -t))
+    return stage, _stage(training, R, S, stage, watch=peaks[stage])
+
+
+def _stage(training: TrainingGraph, R: Matrix, S: Matrix, t: int, watch: float | None = None) -> StageMoment:
+    """Stage ``t``'s peak; with ``watch`` (its peak), also the moment it first reaches it."""
+    T, readers, mem = training.size, training.readers(), training.mem
+    live = {i for i in range(t) if S[t][i]}
+    current = sum(mem[i] for i in live)
+    peak, seen = current, None
+    if watch is not None and current >= watch:
+        seen = StageMoment(watch, frozenset(live))
+    for k in (k for k in range(t + 1) if R[t][k]):
+        live.add(k)
+        current += mem[k]
+        moment = current + (training.transient[k] if k == t else 0)
+        peak = max(peak, moment)
+        if watch is not None and seen is None and moment >= watch:
+            seen = StageMoment(watch, frozenset(live), moment - current, k)
+        for i in (*training.preds[k], k):
+            unread = i != k or not any(R[t][j] for j in readers[k] if j <= t)
+            if unread and not (t + 1 < T and S[t + 1][i]) and not any(R[t][j] for j in readers[i] if j > k):
+                current -= mem[i]
+                live.discard(i)
+    return seen if seen is not None else StageMoment(peak)
 
 
 def no_recompute_schedule(training: TrainingGraph) -> tuple[Matrix, Matrix]:

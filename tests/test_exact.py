@@ -22,6 +22,7 @@ from passes.exact import exact_plan
 from passes.graph_facts import pure_ops
 from passes.schedule import Schedule, ScheduleError, ScheduleStep, check_schedule
 from passes.segments import PlanError, validate_plan
+from passes.sim_peak import peak_breakdown
 from passes.simulate import eager_peak
 from tests.equivalence import assert_trains_like_twice, fresh_pair
 from tests.test_checkmate import small_cost_graphs
@@ -69,6 +70,10 @@ def test_exact_plans_are_valid_fit_and_never_beat_the_optimum(graph: nx.DiGraph,
     assert set(made) <= pure_ops(graph)
     best = checkmate_schedule(graph, budget, time_limit=5)
     assert best is not None and plan.recompute_flops >= best.recompute_lower_bound - 1e-6
+    at_peak = peak_breakdown(graph, plan.segments)  # the schedule's own stages, parts adding up to its peak
+    assert at_peak.peak_bytes == plan.peak_bytes
+    assert sum(s.bytes for s in at_peak.storages) + at_peak.temporary_bytes == plan.peak_bytes
+    assert all(s.name in graph or s.name == "loss" for s in at_peak.storages)
 
 
 def test_check_schedule_names_the_step_and_value() -> None:
@@ -184,16 +189,32 @@ def test_steps_run_only_where_an_op_has_a_grad_fn_of_its_own() -> None:
     assert abs(measured / plan.peak_bytes - 1) <= MEASURE_TOLERANCE, (measured, plan.peak_bytes)
 
 
-def test_inspect_shows_the_schedule_and_says_why_peak_has_no_breakdown() -> None:
+def test_inspect_peak_breaks_an_exact_schedule_down() -> None:
+    """``inspect --peak`` on a plan run by an exact schedule: what is alive at the peak, from
+    the schedule's stages, adding up to the plan's peak; the values held there are values
+    the schedule keeps from forward or makes again."""
+    import json
+    import re
+
     from typer.testing import CliRunner
 
     from graphckpt.tools.cli import app
 
-    result = CliRunner(env={"COLUMNS": "160"}).invoke(
-        app, ["inspect", "zoo:mlp?depth=6&width=64&batch=256", "--budget", "0.4", "--peak"])
+    target = "zoo:mlp?depth=6&width=64&batch=256"
+    runner = CliRunner(env={"COLUMNS": "160"})
+    result = runner.invoke(app, ["inspect", target, "--budget", "0.4", "--peak"])
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert "exact schedule" in result.stdout
-    assert "no breakdown of it yet" in result.stderr
+    assert "exact schedule" in result.stdout and "no breakdown" not in result.stdout + result.stderr
+    result = runner.invoke(app, ["inspect", target, "--budget", "0.4", "--peak", "--json"])
+    document = json.loads(result.stdout)
+    at_peak = document["at_peak"]
+    assert sum(at_peak["bytes_by_kind"].values()) == at_peak["peak_bytes"] == document["peak_bytes"]
+    (segment,) = document["segments"]
+    made = {value for step in segment["schedule_steps"] for found in re.findall(r"makes (.*) again", step)
+            for value in found.split(", ")}
+    rows = at_peak["largest"]
+    assert {row["node"] for row in rows if row["kind"] == "recomputed copy"} <= made
+    assert {row["node"] for row in rows if row["kind"] == "activation"} <= {*segment["saved_inside"], *segment["inputs"]}
 
 
 def test_no_step_runs_before_an_op_no_gradient_reaches() -> None:

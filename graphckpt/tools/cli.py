@@ -159,10 +159,7 @@ def inspect(
         raise
     document = plan_document(analysis.cost_graph, analysis.plan, target=target, capture=analysis.captured.method,
                              strategy=strategy, budget=budget, planning_seconds=round(seconds, 4))
-    if peak and any(s.schedule is not None for s in analysis.plan.segments):
-        note_line("--peak: this plan runs the exact solver's schedule, whose peak comes from the solver's "
-                  "stage model rather than an op-by-op replay; no breakdown of it yet")
-    elif peak:
+    if peak:
         document["at_peak"] = peak_dict(analysis.cost_graph, peak_breakdown(analysis.cost_graph, analysis.plan.segments))
     if json_:
         _print_json(document)

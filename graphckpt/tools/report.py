@@ -218,7 +218,7 @@ def peak_table(peak: Mapping[str, Any], whose: str = "the") -> Table:
     title, which names ``whose`` peak it is."""
     kinds = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in peak["bytes_by_kind"].items())
     table = Table(title=f"at {whose} simulated peak, {format_bytes(peak['peak_bytes'])} in {peak['storage_count']} "
-                        f"storages (reached by the {peak['reached_by']}): {kinds}",
+                        f"storages (reached by {peak['reached_by']}): {kinds}",
                   title_justify="left", title_style="bold")
     for header, justify in (("node", "left"), ("module / op", "left"), ("what", "left"), ("shape", "left"),
                             ("bytes", "right")):
