@@ -62,6 +62,7 @@ from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, 
 
 MAX_OPS = 60
 
+
 class SolveTimeout(TimeoutError):
     """The time limit passed before HiGHS found a schedule (with ``beat``: one recomputing
     less); ``recompute_lower_bound`` is what it proved no schedule recomputes less than."""
@@ -128,9 +129,10 @@ class _Model:
     def solve(self, cost: np.ndarray, time_limit: float, relaxed: bool = False,
               cutoff: float | None = None) -> Solved:
         """HiGHS's solution; ``relaxed``: of the LP relaxation (no variable integer);
-        ``cutoff``: only solutions of objective at most this (a plan in hand's cost), so
-        that HiGHS prunes every branch that cannot beat it, and proves quickly when none
-        does (a 40-op graph at 0.5 of eager: 0.4-0.8 s where the full solve took 4-5 s)."""
+        ``cutoff``: HiGHS prunes every branch whose bound is above it (a plan in hand's
+        cost) and proves quickly when no solution is below it (a 40-op graph at 0.5 of
+        eager: 0.4-0.8 s where the full solve took 4-5 s); it may still answer with one
+        above it that it found first, which callers compare themselves."""
         lower, upper, integer = (np.array(column, dtype=float) for column in zip(*self.bounds, strict=True))
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = len(self.bounds), len(self.rows)
