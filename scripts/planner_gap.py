@@ -138,7 +138,7 @@ def gap_to_milp(graph: nx.DiGraph, budget_bytes: float, ours: int, time_limit: f
 
 def cell(gap: Gap | None) -> str:
     """``1.23x`` when proven; ``1.06-1.25x*`` (the true ratio's range) when the MILP timed out;
-    ``—`` when it found no schedule in time."""
+    ``—`` for no gap (a model whose table has no such row)."""
     if gap is None:
         return "—"
     return f"{gap.low:.2f}x" if gap.high - gap.low < 5e-3 else f"{gap.low:.2f}–{gap.high:.2f}x*"
