@@ -17,7 +17,7 @@ from passes.costgraph import add_value, check_cost_graph
 from passes.graph_facts import op_nodes
 from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
-from passes.training_graph import no_recompute_peak, stage_peaks, training_graph
+from passes.training_graph import no_recompute_peak, peak_moment, stage_peaks, training_graph
 
 UNIT = 10
 
@@ -80,6 +80,9 @@ def assert_valid_schedule(graph: nx.DiGraph, result: CheckmateResult, budget: fl
         if training.kept[i]:
             assert all(S[t][i] for t in range(home[i] + 1, T)), training.names[i]
     assert result.peak_bytes == max(stage_peaks(training, R, S)) <= budget
+    stage, moment = peak_moment(training, R, S)  # what a breakdown lists adds up to the peak, in that stage
+    assert sum(training.mem[i] for i in moment.live) + moment.temporary == moment.peak == result.peak_bytes
+    assert all(i <= stage for i in moment.live)
     forward = sum(training.flops[: training.n_forward])
     total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
     assert result.recompute_flops == total - forward >= 0
