@@ -57,11 +57,13 @@ def check_options(strategy: str, segments: int | None = None, budget: Budget | N
 
 
 def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None,
-                    budget: Budget | None = None) -> Plan:
+                    budget: Budget | None = None, exact: bool = True) -> Plan:
     """The plan for a cost graph: ``strategy``, or the optimal pass within ``budget`` (a
     fraction of this graph's eager peak, bytes, or a size string); a progress bar when slow
-    (:func:`passes.strategies.plan_graph`)."""
+    (:func:`passes.strategies.plan_graph`). ``exact=False``: no plan runs the exact solver's
+    schedule (:mod:`passes.exact`), which refuses a second backward through one forward."""
     check_options(strategy, segments, budget)
+    cost_graph.graph["exact"] = exact  # read by passes.exact.exact_plan
     with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress, paused_gc():
         return plan_graph(cost_graph, strategy, segments, budget, progress)
 
@@ -94,14 +96,14 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
             example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-            blocks: Sequence[str] | None = None) -> Analysis:
+            blocks: Sequence[str] | None = None, exact: bool = True) -> Analysis:
     """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
     check_options(strategy, segments, budget)
     if budget is not None and example_inputs is None and not example_kwargs:
         raise ValueError("a memory budget needs example_inputs: sizes come from running them")
     captured, cost_graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost,
                                       blocks=blocks)
-    return Analysis(captured, cost_graph, plan_cost_graph(cost_graph, strategy, segments, budget))
+    return Analysis(captured, cost_graph, plan_cost_graph(cost_graph, strategy, segments, budget, exact))
 
 
 def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
@@ -113,19 +115,19 @@ def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
          segments: int | None = None, budget: Budget | None = None,
          example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-         blocks: Sequence[str] | None = None) -> Plan:
+         blocks: Sequence[str] | None = None, exact: bool = True) -> Plan:
     """The checkpointing plan for ``model`` without rewriting it (``print(plan)`` shows it).
 
     Without ``example_inputs`` every op costs one unit (node counting).
     """
     return analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
-                   example_kwargs=example_kwargs, cost=cost, blocks=blocks).plan
+                   example_kwargs=example_kwargs, cost=cost, blocks=blocks, exact=exact).plan
 
 
 def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
             example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-            blocks: Sequence[str] | None = None) -> RewrittenModule:
+            blocks: Sequence[str] | None = None, exact: bool = True) -> RewrittenModule:
     """A module computing what ``model`` computes, recomputing planned segments in backward.
 
     It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
@@ -140,9 +142,12 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     pass: the plan of least recompute whose simulated peak fits, or
     :class:`passes.budget.BudgetError` saying the smallest peak reachable. ``cost="time"``
     measures each op's forward time on the example inputs and minimises recomputed time
-    instead of FLOPs (pointwise ops are not free).
+    instead of FLOPs (pointwise ops are not free). On graphs of up to 40 ops a budget plan
+    may run the exact solver's own schedule (:mod:`passes.exact`), which supports one
+    backward per forward; ``exact=False`` keeps to plans that support a second
+    (``retain_graph=True``).
     ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,
-                       example_kwargs=example_kwargs, cost=cost, blocks=blocks)
+                       example_kwargs=example_kwargs, cost=cost, blocks=blocks, exact=exact)
     return generate_rewrite(model, analysis)

@@ -82,7 +82,8 @@ class _ScheduledCall(SavedStorages):
         if op in self.done:
             raise RuntimeError(f"graphckpt: backward of {op!r} runs a second time through a graph whose exact "
                                "schedule has run; backward twice through one forward (retain_graph=True) is not "
-                               "supported with strategy 'exact'")
+                               "supported by such a plan: rewrite with exact=False (graphckpt.rewrite(..., "
+                               "budget=..., exact=False)) for a plan that supports it")
         self.done.add(op)
         with torch.no_grad(), self.autocast, profiled_range(self.module.label, "step", op):
             self.module.steps[op].forward(self.cache)

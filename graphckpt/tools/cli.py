@@ -95,12 +95,12 @@ def _timer() -> Iterator[list[float]]:
 
 
 def _analyze(loaded: Any, strategy: str, budget: Any = None, segments: int | None = None,
-             cost: str = "flops") -> tuple[Any, float]:
+             cost: str = "flops", exact: bool = True) -> tuple[Any, float]:
     import graphckpt
 
     with _timer() as seconds, quiet_profiler():
         analysis = graphckpt.analyze(loaded.model, loaded.inputs, strategy=strategy, budget=budget, segments=segments,
-                                     cost=cost)
+                                     cost=cost, exact=exact)
     return analysis, seconds[0]
 
 
@@ -143,6 +143,9 @@ def inspect(
     collapse: Annotated[bool | None, typer.Option("--collapse/--no-collapse",
                                                   help="one box per segment (default: above 60 ops)")] = None,
     peak: Annotated[bool, typer.Option("--peak", help="also list what is alive at the simulated peak")] = False,
+    exact: Annotated[bool, typer.Option("--exact/--no-exact",
+                                        help="let a budget plan run the exact solver's schedule (graphs up to "
+                                             "40 ops; one backward per forward)")] = True,
 ) -> None:
     """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
     from graphckpt.tools.report import inspect_view, peak_dict, plan_document
@@ -152,7 +155,7 @@ def inspect(
     parsed_budget = parse_budget_option(budget)
     loaded = _load(target, batch)
     try:
-        analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments)
+        analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments, exact=exact)
     except BudgetError as error:
         if peak and error.at_peak is not None:  # what the smallest plan holds at its peak: what to shrink
             _print_smallest_peak(error, json_)
