@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphckpt.dropping import autocast_now, unpack_saved
-from graphckpt.hooked import PendingSaved, SavedStorages, detached
+from graphckpt.dropping import autocast_now
+from graphckpt.hooked import PendingSaved, SavedStorages, detached, run_body
 from graphckpt.torch_compat import profiled_range, storage_key
 
 
@@ -120,12 +120,7 @@ class ScheduledModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.body.forward(*args, None)
-        call = _ScheduledCall(self, args)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack_saved), profiled_range(self.label):
-                return self.body.forward(*args, call)
-        finally:
-            call.forget()  # forward is done: nothing more is packed
+        return run_body(self, _ScheduledCall(self, args), args)
 
     def extra_repr(self) -> str:
         made = sum(1 for step in self.steps.values() for node in step.graph.nodes

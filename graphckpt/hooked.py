@@ -139,10 +139,21 @@ class SavedStorages:
             self.match(saved, storage_key(saved.tensor))
         self.recent.clear()
 
-    def forget(self) -> None:
+    def finish(self) -> None:
         """Forward is done: nothing more is packed."""
         self.storages.clear()
         self.recent.clear()
+
+
+def run_body(module: nn.Module, call: SavedStorages, args: tuple[Any, ...]) -> Any:
+    """Run ``module.body`` for ``call`` with its pack hook swapping saved tensors for handles
+    (:func:`graphckpt.dropping.unpack_saved` unpacks them), in ``module.label``'s profiler
+    range; the call is finished when forward is. Both hook runtimes' forward."""
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack_saved), profiled_range(module.label):
+            return module.body.forward(*args, call)  # not fx's call wrapper: ~10 us a call
+    finally:
+        call.finish()
 
 
 class _HookedCall(SavedStorages):
@@ -220,7 +231,7 @@ class _HookedCall(SavedStorages):
     def finish(self) -> None:
         """Forward is done: nothing more is packed, so no storage is remembered, and what the
         remakes read is held by their handles alone."""
-        self.forget()
+        super().finish()
         self.reads = []
 
     def take(self, name: str, element: int | None, reads: Any) -> torch.Tensor:
@@ -296,12 +307,7 @@ class HookedSegmentModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.body.forward(*args, None)
-        call = _HookedCall(self, args)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack_saved), profiled_range(self.label):
-                return self.body.forward(*args, call)  # not fx's call wrapper: ~10 us a call
-        finally:
-            call.finish()
+        return run_body(self, _HookedCall(self, args), args)
 
     def remake(self, call: _HookedCall, wanted: str, reads: Sequence[Any]) -> dict[str, Any]:
         """The values of ``wanted``'s group in ``call`` made again without gradients from what

@@ -21,7 +21,9 @@ backward of ``d`` (which saved ``c``) and lets ``c`` go before the backward of `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
@@ -63,6 +65,12 @@ class Schedule:
     def made(self) -> tuple[str, ...]:
         """Every value backward makes again, once per time it is made."""
         return tuple(name for step in self.steps for name in step.make)
+
+
+def plan_schedule(segments: Iterable[Any]) -> Schedule | None:
+    """The exact schedule a plan's segments run (``Segment.schedule``), or ``None``: the one
+    question every stage that treats such a plan apart asks."""
+    return next((s.schedule for s in segments if s.schedule is not None), None)
 
 
 @per_graph_value

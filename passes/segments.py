@@ -25,7 +25,7 @@ from passes.graph_facts import in_order, is_activation, keeps_order, leaves_noth
 from passes.hooked import holdable
 from passes.kept_bytes import boundary_bytes
 from passes.remat import Remat, kept_inputs, validate_remat
-from passes.schedule import Schedule, ScheduleError, check_schedule
+from passes.schedule import Schedule, ScheduleError, check_schedule, plan_schedule
 
 
 class PlanError(ValueError):
@@ -183,7 +183,7 @@ def checkpoints_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> tuple[str,
     rematerialize), but the values only rematerialized inputs and the inputs of a segment
     whose call keeps nothing (:func:`passes.graph_facts.leaves_nothing`: they go at their
     last use, as in eager code)."""
-    if any(s.schedule for s in segments):  # the values its schedule keeps
+    if plan_schedule(segments) is not None:  # the values its schedule keeps
         return tuple(in_order(graph, {v for s in segments for v in s.saved_inside if is_activation(graph, v)}))
     held = {v for s in segments if s.recompute and not leaves_nothing(graph, s) for v in kept_inputs(s)}
     dropped = {r.value for s in segments for r in s.remat} - held

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.schedule import Matrix, Schedule
+from passes.schedule import Matrix, Schedule, plan_schedule
 from passes.segments import Segment
 from passes.sim_memory import (
     BACKWARD_EXTRA,
@@ -130,7 +130,7 @@ def peak_breakdown(graph: nx.DiGraph, segments: Sequence[Segment]) -> PeakBreakd
     docstring): two replays, so about twice a simulation's time. A plan run by an exact
     schedule is broken down from the schedule's stages (:func:`schedule_breakdown`)."""
     segments = tuple(segments)
-    scheduled = next((s.schedule for s in segments if s.schedule is not None), None)
+    scheduled = plan_schedule(segments)
     if scheduled is not None:
         return schedule_breakdown(graph, scheduled)
     memory = _SnapshotMemory(graph, step_peak(graph, segments))

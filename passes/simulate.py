@@ -44,6 +44,7 @@ from passes.hooked_lifetimes import held_in_forward, last_needed
 from passes.kept_bytes import gradient_bytes
 from passes.recompute import random_calls, recompute_steps, recompute_totals, step_nodes
 from passes.remat import kept_inputs, remat_nodes, run_remat
+from passes.schedule import plan_schedule
 from passes.segments import Segment, Step, make_segments
 from passes.sim_hooked import backward_hooked
 from passes.sim_memory import EXTRA, GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
@@ -233,7 +234,7 @@ def step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = flo
     :class:`passes.sim_memory.LimitExceeded` as soon as they go above ``limit``), replayed
     onto ``memory`` when given (a fresh :class:`passes.sim_memory.LiveMemory` of ``graph``,
     whose own limit then applies: :mod:`passes.sim_peak` passes one that watches the live set)."""
-    scheduled = next((s.schedule for s in segments if s.schedule is not None), None)
+    scheduled = plan_schedule(segments)
     if scheduled is not None:  # found with its peak, in the same memory model (passes.exact)
         if memory is not None:
             raise ValueError("step_peak: a plan run by an exact schedule (passes.exact) is not replayed op by op: "
