@@ -35,15 +35,12 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     """The plan running the cheapest executable schedule under ``budget_bytes`` found in
     ``time_limit`` seconds; ``None`` above :data:`EXACT_MAX_OPS` ops, on a graph whose
     runtime has no hooks (``hooks``), whose user asked for none (``exact`` false:
-    ``graphckpt.rewrite(..., exact=False)``) or whose backward makes gradient views
-    (``grad_views``, which the solver does not model), when no schedule fits or none is found in time. With
+    ``graphckpt.rewrite(..., exact=False)``), when no schedule fits or none is found in time. With
     ``beat`` (a plan in hand's recompute), also ``None`` when no schedule recomputes less:
     the solver, told so, prunes what cannot beat it and proves that in a fraction of the
     full solve's time."""
     if len(op_nodes(graph)) > EXACT_MAX_OPS or not (graph.graph.get("hooks", True) and graph.graph.get("exact", True)):
         return None
-    if any(graph.nodes[name].get("grad_views") for name in op_nodes(graph)):  # the solver's model has no views of
-        return None  # a gradient (cat's backward): it would price such a graph's backward above or below what runs
     try:
         result = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat)
     except TimeoutError:

@@ -16,8 +16,9 @@ roots of ``k``'s ``saved`` values. A gradient added into an existing buffer, and
 into existing buffers, are held for a moment (*transient* bytes). Inputs and params are free;
 input gradients, graph outputs and their storage roots stay in memory to the end (*kept*).
 ``random`` and ``ordered`` ops need nothing more: each first runs in its own stage, in eager
-order. ``grad_views`` is not modelled (each input gradient is a buffer of its own, as the
-simulator did before it learnt views), so parity with the simulator holds on graphs without it.
+order. The gradients a ``grad_views`` op (``cat``, ``stack``) hands its inputs are views of its
+own gradient: no nodes of their own, its gradient's node stands for them, read by every
+backward that reads theirs, so it lives until the last of them is used.
 """
 
 from __future__ import annotations
@@ -118,7 +119,13 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
         reads += [owner[u] for u in inputs if u in owner] + ([extra[k]] if k in extra else [])
         reads += [index[r] for r in {storage_root(graph, v) for v in graph.nodes[k]["saved"]} if r in index]
         new = [u for u in inputs if u not in owner]
-        moment = max(_partial_peak(graph, inputs, owner), _kernel_moment(graph, k, inputs, owner) if gets_grad else 0)
+        views = graph.nodes[k]["grad_views"]
+        moment = max(_partial_peak(graph, inputs, owner, views), _kernel_moment(graph, k, inputs, owner) if gets_grad else 0)
+        if new and views:  # views of k's gradient: its buffer lives on as theirs
+            shared = owner[k]
+            nodes["kept"][shared] = nodes["kept"][shared] or any(graph.nodes[u]["kind"] == "input" for u in new)
+            owner.update((u, shared) for u in new)
+            new = []
         for position, u in enumerate(new or [None]):
             node = add(f"backward:{k}" + (f":{u}" if position else ""), gradient_bytes(graph, u) if u else 0, reads,
                        kept=bool(u) and graph.nodes[u]["kind"] == "input",
@@ -128,14 +135,15 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     return TrainingGraph(**{key: tuple(values) for key, values in nodes.items()}, n_forward=n_forward)
 
 
-def _partial_peak(graph: nx.DiGraph, inputs: list[str], owner: dict[str, int]) -> int:
+def _partial_peak(graph: nx.DiGraph, inputs: list[str], owner: dict[str, int], views: bool = False) -> int:
     """Bytes above "all new gradient buffers made" that adding into existing ones needs: each
-    such gradient is made on its own first, before the new buffers of the inputs after it."""
+    such gradient is made on its own first, before the new buffers of the inputs after it
+    (none, when the new gradients are ``views`` of the op's own)."""
     peak, made_after = 0, 0
     for u in reversed(inputs):
         if u in owner:
             peak = max(peak, gradient_bytes(graph, u) - made_after)
-        else:
+        elif not views:
             made_after += gradient_bytes(graph, u)
     return peak
 

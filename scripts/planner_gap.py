@@ -86,16 +86,12 @@ def random_cost_graph(rng: random.Random, ops: int) -> nx.DiGraph:
 
 
 def zoo_cost_graph(name: str, size: dict[str, object]) -> nx.DiGraph:
-    """A zoo model's cost graph with ``grad_views`` cleared: the MILP does not model gradient
-    views (cat/stack), so the simulator and the MILP then share one memory model."""
+    """A zoo model's cost graph, as ``graphckpt.analyze`` gives it."""
     from graphckpt.api import analyze
     from graphckpt.tools import zoo  # torch only here: the random table needs none
 
     model, inputs = zoo.make(name, **size)
-    graph = analyze(model, inputs).cost_graph.copy()
-    for node in graph.nodes:
-        graph.nodes[node]["grad_views"] = False
-    return graph
+    return analyze(model, inputs).cost_graph.copy()
 
 
 def tight_plan(graph: nx.DiGraph, eager_peak_bytes: int) -> Plan:

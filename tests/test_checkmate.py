@@ -191,7 +191,8 @@ def small_cost_graphs(draw) -> nx.DiGraph:
     """Random DAG cost graphs of 1-8 ops (rare features drawn as ``!= last``: hypothesis
     favours small integers), mostly chain-like (so that few values are graph
     outputs, which stay alive): skips, views, saved values, extra bytes, a few
-    unrecomputable or uncuttable nodes, ops that need no gradient."""
+    unrecomputable or uncuttable nodes, ops that need no gradient, ops whose backward hands
+    their inputs views of their own gradient (``grad_views``)."""
     graph = nx.DiGraph()
     add_value(graph, "x", kind="input", order=0, bytes=draw(st.integers(0, 40)), requires_grad=draw(st.booleans()))
     add_value(graph, "w", kind="param", order=1, bytes=0)
@@ -209,7 +210,8 @@ def small_cost_graphs(draw) -> nx.DiGraph:
                   recomputable=draw(st.integers(0, 7)) != 7, cuttable=draw(st.integers(0, 9)) != 9,
                   saved=tuple(v for v in savable if draw(st.booleans())),
                   saved_extra_bytes=draw(st.sampled_from([0, 0, 5])), param_grad_bytes=draw(st.sampled_from([0, 30])),
-                  requires_grad=draw(st.integers(0, 5)) != 5)
+                  requires_grad=draw(st.integers(0, 5)) != 5,
+                  grad_views=not view and draw(st.integers(0, 3)) == 3)  # a cat: its inputs' gradients are views
         readable.append(name)
     unread = [n for n in op_nodes(graph) if graph.out_degree(n) == 0]
     add_value(graph, "output", kind="output", order=n_ops + 2, bytes=0, reads=unread)
