@@ -22,6 +22,7 @@ backward: the steps of the first have let go what they made.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +32,8 @@ from torch import fx, nn
 
 from graphckpt.dropping import autocast_now
 from graphckpt.hooked import PendingSaved, SavedStorages, detached, run_body
-from graphckpt.torch_compat import profiled_range, storage_key
+from graphckpt.state import frozen_running_stats
+from graphckpt.torch_compat import NormBase, profiled_range, storage_key
 
 
 class _Saved(PendingSaved):
@@ -85,7 +87,9 @@ class _ScheduledCall(SavedStorages):
                                "supported by such a plan: rewrite with exact=False (graphckpt.rewrite(..., "
                                "budget=..., exact=False)) for a plan that supports it")
         self.done.add(op)
-        with torch.no_grad(), self.autocast, profiled_range(self.module.label, "step", op):
+        norms = self.module.step_norms.get(op)  # a BatchNorm made again must not count its batch twice
+        with (torch.no_grad(), self.autocast, profiled_range(self.module.label, "step", op),
+              frozen_running_stats(norms) if norms else contextlib.nullcontext()):
             self.module.steps[op].forward(self.cache)
 
     def take(self, name: str) -> Any:
@@ -114,6 +118,8 @@ class ScheduledModule(nn.Module):
         object.__setattr__(self, "steps", dict(steps))
         self.nodes, self.inputs, self.outputs, self.kept = tuple(nodes), tuple(inputs), tuple(outputs), frozenset(kept)
         self.storage_of = dict(storage_of)  # value -> the op value whose storage it is
+        self.step_norms = {op: norms for op, step in self.steps.items()
+                           if (norms := [m for m in step.modules() if isinstance(m, NormBase) and m.track_running_stats])}
         self.read_by_steps = frozenset(node.args[1] for step in self.steps.values() for node in step.graph.nodes
                                        if node.op == "call_function" and node.target is operator.getitem)
 
