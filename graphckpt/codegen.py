@@ -88,29 +88,32 @@ class RewrittenModule(fx.GraphModule):
         header = self.meta.get("graphckpt_header", "")
         bodies = []
         for name, scheduled in self.scheduled:
-            body = scheduled.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
-            bodies.append(f"# {name}: {scheduled.extra_repr()}{body}")
+            bodies.append(f"# {name}: {scheduled.extra_repr()}{_named_code(scheduled.body, name)}")
             for op, step in scheduled.steps.items():
-                code = step.code.replace("def forward(self, ", f"def {name}_step_{op}(self, ", 1)
-                bodies.append(f"# {name}_step_{op}: runs without gradients just before the backward of {op}{code}")
+                bodies.append(f"# {name}_step_{op}: runs without gradients just before the backward of {op}"
+                              f"{_named_code(step, f'{name}_step_{op}')}")
         for name, segment in [*self.segments, *self.drops, *self.hooked]:
-            body = segment.body.code.replace("def forward(self, ", f"def {name}(self, ", 1)
-            bodies.append(f"# {name}: {segment.extra_repr()}{body}")
+            bodies.append(f"# {name}: {segment.extra_repr()}{_named_code(segment.body, name)}")
             if isinstance(segment, HookedSegmentModule):
                 for i, (group, remake) in enumerate(zip(segment.groups, segment.remakes, strict=True)):
-                    code = remake.code.replace("def forward(self, ", f"def {name}_remake_{i}(self, ", 1)
                     when = ("when backward first needs" if group[0] in segment.held or not segment.each_use
                             else "each time backward unpacks")
                     held = ", held until nothing left may need it" if group[0] in segment.held else ""
+                    code = _named_code(remake, f"{name}_remake_{i}")
                     bodies.append(f"# {name}_remake_{i}: runs without gradients {when} "
                                   f"{' or '.join(group)}, to make them again{held}{code}")
                 continue
             if segment.remat is not None:
                 when = "its recompute runs first" if isinstance(segment, SegmentModule) else "backward runs"
-                remat = segment.remat.code.replace("def forward(self, ", f"def {name}_remat(self, ", 1)
                 bodies.append(f"# {name}_remat: what {when}, without gradients, "
-                              f"to make again the inputs forward dropped{remat}")
+                              f"to make again the inputs forward dropped{_named_code(segment.remat, f'{name}_remat')}")
         return "\n".join([header + super().code, *bodies])
+
+
+def _named_code(module: fx.GraphModule, name: str) -> str:
+    """``module``'s generated code with its ``forward`` named ``name``, as the part of
+    ``print(gm.code)`` that shows what it runs."""
+    return module.code.replace("def forward(self, ", f"def {name}(self, ", 1)
 
 
 def _walk_segments(owner: nn.Module) -> Iterator[tuple[str, SegmentModule]]:

@@ -10,7 +10,6 @@ Bad input ends in one red ``error:`` line and exit status 1 (``--debug`` shows t
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,9 +18,8 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from graphckpt.tools.cli_measure import built_quietly, measure_with_progress, print_json, report_measured, threads_note
 from graphckpt.tools.console import err, error_line, note_line, out, quiet_profiler
 from passes.budget import BudgetError, read_budget
 from passes.strategies import STRATEGIES, check_strategy
@@ -104,10 +102,6 @@ def _analyze(loaded: Any, strategy: str, budget: Any = None, segments: int | Non
     return analysis, seconds[0]
 
 
-def _print_json(document: Any) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
-
-
 def _draw(analysis: Any, target: str, strategy: str, files: dict[str, Path | None], collapse: bool | None) -> None:
     from graphckpt.tools import draw
 
@@ -165,7 +159,7 @@ def inspect(
     if peak:
         document["at_peak"] = peak_dict(analysis.cost_graph, peak_breakdown(analysis.cost_graph, analysis.plan.segments))
     if json_:
-        _print_json(document)
+        print_json(document)
     else:
         out().print(inspect_view(document))
     _draw(analysis, target, strategy, {"dot": dot, "svg": svg, "png": png}, collapse)
@@ -178,7 +172,7 @@ def _print_smallest_peak(error: BudgetError, json_: bool) -> None:
 
     peak = peak_dict(error.cost_graph, error.at_peak)
     if json_:
-        _print_json({"error": str(error), "at_peak": peak})
+        print_json({"error": str(error), "at_peak": peak})
     else:
         out().print(peak_table(peak, "the smallest plan's"))
 
@@ -196,70 +190,12 @@ def compare(
     analysis, _ = _analyze(loaded, "sqrt" if "sqrt" in STRATEGIES else next(iter(STRATEGIES)))
     rows = compare_strategies(analysis.cost_graph)
     if json_:
-        _print_json({"target": target, "capture": analysis.captured.method,
+        print_json({"target": target, "capture": analysis.captured.method,
                      "eager_peak_bytes": analysis.plan.eager_peak_bytes, "strategies": rows})
         return
     title = (f"{loaded.description}: captured with {analysis.captured.method}, "
              f"eager simulated peak {format_bytes(analysis.plan.eager_peak_bytes)}")
     out().print(compare_table(rows, title))
-
-
-# ---------------------------------------------------------------- measuring
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err(), transient=True, auto_refresh=False)
-
-
-def _measure(variants: Sequence[Any], inputs: tuple, steps: int) -> list[Any]:
-    """Measure with a progress bar on stderr (redrawn between steps, never during one)."""
-    from graphckpt.tools import zoo
-    from graphckpt.tools.bench import measure_variants, work_units
-
-    with _progress() as progress:
-        task = progress.add_task("measuring", total=work_units(variants, steps))
-
-        def tick(message: str) -> None:
-            progress.update(task, advance=1, description=message)
-            progress.refresh()
-
-        return measure_variants(variants, inputs, zoo.scalar_loss, steps=steps, progress=tick)
-
-
-def _threads() -> str:
-    import torch
-
-    count = torch.get_num_threads()
-    return f"{count} CPU thread{'s' if count != 1 else ''}"
-
-
-def _build(what: str, make: Callable[[], Any]) -> Any:
-    with err().status(f"[dim]{what}[/]"), quiet_profiler():
-        return make()
-
-
-def _results_table(results: Sequence[Any], title: str) -> Table:
-    table = Table(title=title, title_justify="left", title_style="bold")
-    for header in ("variant", "setting", "measured peak", "vs eager", "simulated", "step time", "vs eager",
-                   "build"):
-        table.add_column(header, justify="left" if header in ("variant", "setting") else "right")
-    for r in results:
-        simulated = format_bytes(r.simulated_peak_bytes) if r.simulated_peak_bytes is not None else ""
-        built = f"{r.plan_seconds:.1f} s" if r.plan_seconds is not None else ""
-        table.add_row(r.name, r.setting, format_bytes(r.peak_bytes), f"{r.peak_ratio:.2f}x", simulated,
-                      f"{r.step_seconds * 1e3:.1f} ms", f"{r.time_ratio:.2f}x", built)
-    return table
-
-
-def _report_measured(results: Sequence[Any], skipped: Sequence[Any], title: str, json_: bool) -> None:
-    if json_:
-        _print_json({"title": title, "results": [r.as_dict() for r in results],
-                     "skipped": [{"name": s.name, "reason": s.reason} for s in skipped]})
-    else:
-        out().print(_results_table(results, title))
-    for s in skipped:
-        note_line(f"{s.name} skipped: {s.reason}")
 
 
 @app.command()
@@ -286,12 +222,12 @@ def bench(
     names = [check_strategy(s) for s in strategy] if strategy else list(STRATEGIES)
     loaded = _load(target, batch)
     backends = ("aot_eager", "inductor") if inductor else ("aot_eager",)
-    variants, skipped = _build("rewriting and compiling", lambda: bench_variants(
+    variants, skipped = built_quietly("rewriting and compiling", lambda: bench_variants(
         loaded.model, loaded.inputs, zoo.scalar_loss, strategies=names, budgets=_budgets(budgets),
         compile_budgets=_budgets(compile_budgets) if with_compile else (), compile_backends=backends, cost=cost))
-    results = _measure(variants, loaded.inputs, steps)
-    title = f"{loaded.description}: median of {steps} interleaved rounds, {_threads()}"
-    _report_measured(results, skipped, title, json_)
+    results = measure_with_progress(variants, loaded.inputs, steps)
+    title = f"{loaded.description}: median of {steps} interleaved rounds, {threads_note()}"
+    report_measured(results, skipped, title, json_)
     if png is not None:
         from graphckpt.tools.plots import plot_bench
 
@@ -333,11 +269,11 @@ def pareto(
         raise ValueError(f"--x {x!r}: choose time or flops")
     fractions = _budgets(budgets)
     loaded = _load(target, batch)
-    variants, skipped = _build("planning, rewriting and compiling", lambda: pareto_variants(
+    variants, skipped = built_quietly("planning, rewriting and compiling", lambda: pareto_variants(
         loaded.model, loaded.inputs, zoo.scalar_loss, budgets=fractions, with_compile=with_compile))
-    results = _measure(variants, loaded.inputs, steps)
-    title = f"{loaded.description}: budget sweep, {_threads()}"
-    _report_measured(results, skipped, title, json_)
+    results = measure_with_progress(variants, loaded.inputs, steps)
+    title = f"{loaded.description}: budget sweep, {threads_note()}"
+    report_measured(results, skipped, title, json_)
     if png is not None:
         from graphckpt.tools.plots import plot_pareto
 
@@ -364,10 +300,10 @@ def demo(
     loaded = _load(target, None)
     console = out()
     console.print(f"model: {loaded.description}")
-    built = _build("capturing, costing (measured op times) and planning",
+    built = built_quietly("capturing, costing (measured op times) and planning",
                    lambda: demo_variants(loaded.model, loaded.inputs, zoo.scalar_loss))
-    results = _measure(built.variants, loaded.inputs, steps)
-    _report_measured(results, built.skipped, f"training step: median of {steps} interleaved rounds, {_threads()}",
+    results = measure_with_progress(built.variants, loaded.inputs, steps)
+    report_measured(results, built.skipped, f"training step: median of {steps} interleaved rounds, {threads_note()}",
                      False)
     best = best_trade_off(results)
     if best is None:
