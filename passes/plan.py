@@ -19,7 +19,7 @@ from itertools import pairwise
 import networkx as nx
 
 from passes.graph_facts import op_nodes
-from passes.kept_bytes import boundary_bytes
+from passes.kept_bytes import boundary_bytes, storage_bytes
 from passes.recompute import overhead_cost, recomputed_count, with_facts
 from passes.schedule import describe as describe_schedule
 from passes.schedule import plan_schedule
@@ -132,7 +132,7 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
         strategy=strategy,
         segments=tuple(with_facts(graph, s) for s in segments),
         checkpoints=checkpoints,
-        checkpoint_bytes=(sum(graph.nodes[v]["bytes"] for v in checkpoints) if plan_schedule(segments) is not None
+        checkpoint_bytes=(storage_bytes(graph, checkpoints) if plan_schedule(segments) is not None
                           else boundary_bytes(graph, checkpoints)),  # a schedule keeps values it never cuts at
         peak_bytes=result.peak_bytes,
         eager_peak_bytes=result.eager_peak_bytes,

@@ -17,7 +17,7 @@ import networkx as nx
 
 from passes.graph_facts import draws_random, node_attribute
 from passes.hooked import keeps_by_hooks, redrawn, remake_closures, remake_groups, remake_runs, remake_units
-from passes.kept_bytes import boundary_bytes
+from passes.kept_bytes import boundary_bytes, storage_bytes
 from passes.remat import remat_nodes, runs_by_hooks
 from passes.segments import RecomputeFacts, Segment, Step
 
@@ -81,7 +81,7 @@ def with_facts(graph: nx.DiGraph, segment: Segment, top: bool = True) -> Segment
     if not segment.recompute:
         return segment
     if segment.schedule is not None:  # codegen reads the schedule itself
-        kept = sum(graph.nodes[v]["bytes"] for v in segment.saved_inside)  # kept whole, cut at or not
+        kept = storage_bytes(graph, segment.saved_inside)  # kept whole, cut at or not
         return replace(segment, facts=RecomputeFacts(kept_bytes=kept,
                                                      draws_random=False, reruns=segment.schedule.made, state_inputs=()))
     hooked = top and keeps_by_hooks(graph, segment)
