@@ -61,8 +61,8 @@ from passes.schedule import hooked_ops
 from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
 MAX_OPS = 60
-FLOPS_PROVEN = 0.49  # objective gap proving a schedule's FLOPs least: they are whole units, the
-# tie-break weighs less than half of one (proving the tie-break least too took DenseNet 5 s, not 2-3)
+FLOPS_PROVEN = 0.49  # objective gap proving a schedule's FLOPs least: they are whole units, the tie-break
+# weighs less than half of one (zoo DenseNets' solves ran to a 10 s limit proving the bytes; now 2.4-9.1 s)
 
 
 class SolveTimeout(TimeoutError):

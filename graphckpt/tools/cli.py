@@ -3,7 +3,8 @@
 TARGET names the model: ``zoo:NAME`` (``zoo:gpt?layers=2&d=32&batch=2``) or
 ``package.module:callable`` returning ``(model, example_inputs)``; see :mod:`graphckpt.tools.targets`.
 The commands are thin: planning data comes from :mod:`graphckpt.tools.report`, pictures from
-:mod:`graphckpt.tools.draw` and :mod:`graphckpt.tools.plots`, measurements from :mod:`graphckpt.tools.bench`.
+:mod:`graphckpt.tools.draw` and :mod:`graphckpt.tools.plots`, measurements from :mod:`graphckpt.tools.bench`
+(measured behind a progress bar and tabled by :mod:`graphckpt.tools.cli_measure`).
 Bad input ends in one red ``error:`` line and exit status 1 (``--debug`` shows the traceback).
 """
 
@@ -191,7 +192,7 @@ def compare(
     rows = compare_strategies(analysis.cost_graph)
     if json_:
         print_json({"target": target, "capture": analysis.captured.method,
-                     "eager_peak_bytes": analysis.plan.eager_peak_bytes, "strategies": rows})
+                    "eager_peak_bytes": analysis.plan.eager_peak_bytes, "strategies": rows})
         return
     title = (f"{loaded.description}: captured with {analysis.captured.method}, "
              f"eager simulated peak {format_bytes(analysis.plan.eager_peak_bytes)}")

@@ -73,7 +73,7 @@ def report_measured(results: Sequence[Any], skipped: Sequence[Any], title: str, 
     """The measured variants as a table (or JSON), and a note for each variant skipped."""
     if json_:
         print_json({"title": title, "results": [r.as_dict() for r in results],
-                     "skipped": [{"name": s.name, "reason": s.reason} for s in skipped]})
+                    "skipped": [{"name": s.name, "reason": s.reason} for s in skipped]})
     else:
         out().print(_results_table(results, title))
     for s in skipped:
