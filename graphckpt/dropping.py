@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase, profiled_range, storage_key
+from graphckpt.state import frozen_running_stats, running_stat_norms
+from graphckpt.torch_compat import profiled_range, storage_key
 
 _NOTHING = contextlib.nullcontext()  # reusable: enters and exits as often as asked
 
@@ -130,7 +130,7 @@ class DropModule(nn.Module):
         self.remat_inputs, self.remat_sources = tuple(remat_inputs), tuple(remat_sources)
         self.remat_names = tuple(remat_names)
         self.remakes = 0  # how many times backward made the dropped inputs again
-        self.remat_norms = [m for m in remat.modules() if isinstance(m, NormBase) and m.track_running_stats]
+        self.remat_norms = running_stat_norms(remat.modules())
 
     def forward(self, *args: Any) -> Any:
         inputs = args[:len(self.inputs)]

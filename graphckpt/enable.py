@@ -39,8 +39,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from graphckpt.api import cost_model
 from graphckpt.runtime import keep_matmul_outputs
-from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase
+from graphckpt.state import frozen_running_stats, running_stat_norms
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
 from passes.budget_search import block_plan
@@ -142,7 +141,7 @@ class CheckpointedForward:
     @contextlib.contextmanager
     def _recomputing(self) -> Iterator[None]:
         self.recomputations += 1
-        norms = [m for m in self.module.modules() if isinstance(m, NormBase) and m.track_running_stats]
+        norms = running_stat_norms(self.module.modules())
         with frozen_running_stats(norms):
             yield
 

@@ -32,8 +32,8 @@ from torch import fx, nn
 
 from graphckpt.dropping import autocast_now
 from graphckpt.hooked import PendingSaved, SavedStorages, detached, run_body
-from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase, profiled_range, storage_key
+from graphckpt.state import frozen_running_stats, running_stat_norms
+from graphckpt.torch_compat import profiled_range, storage_key
 
 
 class _Saved(PendingSaved):
@@ -118,8 +118,7 @@ class ScheduledModule(nn.Module):
         object.__setattr__(self, "steps", dict(steps))
         self.nodes, self.inputs, self.outputs, self.kept = tuple(nodes), tuple(inputs), tuple(outputs), frozenset(kept)
         self.storage_of = dict(storage_of)  # value -> the op value whose storage it is
-        self.step_norms = {op: norms for op, step in self.steps.items()
-                           if (norms := [m for m in step.modules() if isinstance(m, NormBase) and m.track_running_stats])}
+        self.step_norms = {op: norms for op, step in self.steps.items() if (norms := running_stat_norms(step.modules()))}
         self.read_by_steps = frozenset(node.args[1] for step in self.steps.values() for node in step.graph.nodes
                                        if node.op == "call_function" and node.target is operator.getitem)
 

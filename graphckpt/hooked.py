@@ -34,8 +34,8 @@ from torch import fx, nn
 
 from graphckpt.dropout import generator_state, restored_generators
 from graphckpt.dropping import SavedView, autocast_now, unpack_saved
-from graphckpt.state import frozen_running_stats
-from graphckpt.torch_compat import NormBase, profiled_range, storage_alive, storage_key, storage_ref
+from graphckpt.state import frozen_running_stats, running_stat_norms
+from graphckpt.torch_compat import profiled_range, storage_alive, storage_key, storage_ref
 
 _NOTHING = contextlib.nullcontext()
 STATES = "generator_states"
@@ -296,8 +296,7 @@ class HookedSegmentModule(nn.Module):
                            for group, names in zip(self.groups, self.reads, strict=True)}
         self.closure = {group[0]: tuple(found) for group, found in zip(self.groups, closures, strict=True)} if held else {}
         self.held_closure = {name: tuple(v for v in found if v in self.held) for name, found in self.closure.items()}
-        self.remake_norms = [m for remake in remakes for m in remake.modules()
-                             if isinstance(m, NormBase) and m.track_running_stats]
+        self.remake_norms = running_stat_norms(m for remake in remakes for m in remake.modules())
 
     @property
     def marked(self) -> tuple[str, ...]:

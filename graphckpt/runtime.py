@@ -44,7 +44,7 @@ from torch.utils.checkpoint import (
 )
 
 from graphckpt.op_kinds import kept_by_selective
-from graphckpt.state import StateInput, frozen_running_stats, scratch_state, unwrap_state
+from graphckpt.state import StateInput, frozen_running_stats, running_stat_norms, scratch_state, unwrap_state
 from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema, profiled_range
 
 
@@ -106,9 +106,8 @@ class SegmentModule(nn.Module):
         # Found once, not on every call: the body's modules do not change after codegen.
         called = list(self.called_modules())
         self.called_parameters = tuple(p for m in called for p in m.parameters(recurse=False))
-        self.norm_layers = [m for m in called if isinstance(m, NormBase) and m.track_running_stats]
-        self.remat_norms = [m for m in (remat.modules() if remat is not None else ())
-                            if isinstance(m, NormBase) and m.track_running_stats]
+        self.norm_layers = running_stat_norms(called)
+        self.remat_norms = running_stat_norms(remat.modules() if remat is not None else ())
 
     def called_modules(self) -> Iterator[nn.Module]:
         """The modules the body calls, those of nested segments included."""

@@ -18,11 +18,11 @@ This module finds such *state*: the buffers (and inputs) forward only updates
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from graphckpt.torch_compat import NormBase, OpOverload, op_schema
 
@@ -108,6 +108,12 @@ def state_keys(graph_module: fx.GraphModule, node: fx.Node, roots: Mapping[fx.No
     keys.update(norm_layer_keys(graph_module, node))
     keys.discard(None)
     return keys
+
+
+def running_stat_norms(modules: Iterable[nn.Module]) -> list[NormBase]:
+    """The norm layers among ``modules`` that keep running statistics: those a recompute
+    must run under :func:`frozen_running_stats`."""
+    return [m for m in modules if isinstance(m, NormBase) and m.track_running_stats]
 
 
 @contextlib.contextmanager

@@ -163,13 +163,9 @@ def schedule_breakdown(graph: nx.DiGraph, schedule: Schedule) -> PeakBreakdown:
 
 def _stage_storage(training: TrainingGraph, R: Matrix, stage: int, node: int) -> LiveStorage:
     """The :class:`LiveStorage` of a training-graph node alive in ``stage``."""
-    name, about, nbytes = training.names[node], training.about[node], training.mem[node]
-    if name.startswith("extra:"):
-        return LiveStorage(about, KIND_NAMES[EXTRA], 0, nbytes)
-    if name.startswith(("grad-seed:", "backward:")):
-        return LiveStorage(about, KIND_NAMES[GRAD], 0, nbytes)
-    if node >= training.n_forward:  # the loss's scalars
-        return LiveStorage(about, "loss", 0, nbytes)
+    role, about, nbytes = training.role(node), training.about[node], training.mem[node]
+    if role != "value":
+        return LiveStorage(about, {"extra": KIND_NAMES[EXTRA], "gradient": KIND_NAMES[GRAD]}.get(role, role), 0, nbytes)
     made_again = max(t for t in range(stage + 1) if R[t][node]) != training.home[node]  # its latest making
     return LiveStorage(about, "recomputed copy" if made_again else KIND_NAMES[VALUE], int(made_again), nbytes)
 

@@ -33,6 +33,7 @@ from passes.kept_bytes import gradient_bytes
 from passes.schedule import Matrix
 from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
+LOSS_SCALARS = "loss-scalars"  # the node of a loss computed outside the graph: its scalars, kept to the end
 FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about")
 
 
@@ -69,6 +70,13 @@ class TrainingGraph:
     def frees(self, k: int) -> tuple[int, ...]:
         """Nodes that may be freed right after ``k`` runs: its inputs, and itself for a maker."""
         return (*self.preds[k], k) if k in self.makers else self.preds[k]
+
+    def role(self, i: int) -> str:
+        """What node ``i`` holds: ``"value"`` (a forward op's), ``"extra"`` (what an op saves
+        beyond values), ``"gradient"`` or ``"loss"`` (the loss's scalars)."""
+        if i < self.n_forward:
+            return "value" if self.home[i] == i else "extra"
+        return "loss" if self.names[i] == LOSS_SCALARS else "gradient"
 
     def readers(self) -> tuple[tuple[int, ...], ...]:
         """For each node, the nodes that read it, ascending (found once, with the graph)."""
@@ -108,7 +116,7 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     loss = loss_working_bytes(graph)
     scalars = loss_scalar_bytes(graph)
     if scalars:
-        add("loss-scalars", scalars, (), kept=True, about="loss")
+        add(LOSS_SCALARS, scalars, (), kept=True, about="loss")
     own_loss = graph.graph.get("loss")  # its gradient is backward's seed, held to the end
     owner = {v: add(f"grad-seed:{v}", gradient_bytes(graph, v), (), kept=graph.nodes[v]["kind"] == "input" or v == own_loss,
                     transient=loss if v == trained[-1] else 0, about=v) for v in trained}  # v's gradient buffer
