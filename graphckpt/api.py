@@ -19,6 +19,7 @@ from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
 from graphckpt.progress import paused_gc, planning_progress, stage_progress
 from passes.budget import Budget
+from passes.exact import EXACT_TIME_LIMIT
 from passes.plan import Plan
 from passes.strategies import check_request, plan_graph
 
@@ -50,22 +51,40 @@ def _require_costs_for_inplace(source: fx.GraphModule) -> None:
             )
 
 
-def check_options(strategy: str, segments: int | None = None, budget: Budget | None = None) -> None:
-    """Refuse an unknown strategy, a budget given with a strategy or segment count, and an
-    unreadable budget, before any work is done (:func:`passes.strategies.check_request`)."""
+def check_options(strategy: str, segments: int | None = None, budget: Budget | None = None,
+                  exact: bool | float = True) -> None:
+    """Refuse an unknown strategy, a budget given with a strategy or segment count, an
+    unreadable budget (:func:`passes.strategies.check_request`) and an ``exact=`` that is
+    neither a bool nor a number of seconds, before any work is done."""
     check_request(strategy, segments, budget)
+    exact_seconds(exact)
+
+
+def exact_seconds(exact: bool | float) -> float:
+    """The seconds a plan may spend in the exact solver for the ``exact=`` option: ``True``
+    the default (:data:`passes.exact.EXACT_TIME_LIMIT`), ``False`` none, a number that many.
+
+    >>> exact_seconds(True), exact_seconds(False), exact_seconds(60)
+    (5.0, 0.0, 60.0)
+    """
+    if isinstance(exact, bool):
+        return EXACT_TIME_LIMIT if exact else 0.0
+    if not isinstance(exact, (int, float)) or not 0 <= exact < float("inf"):
+        raise ValueError(f"exact={exact!r}: give True (the solver's default {EXACT_TIME_LIMIT:g} s), False "
+                         "(no exact schedule) or the seconds a budget plan may spend in the solver, e.g. exact=60")
+    return float(exact)
 
 
 def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: int | None = None,
-                    budget: Budget | None = None, exact: bool = True) -> Plan:
+                    budget: Budget | None = None, exact: bool | float = True) -> Plan:
     """The plan for a cost graph: ``strategy``, or the optimal pass within ``budget`` (a
     fraction of this graph's eager peak, bytes, or a size string); a progress bar when slow
-    (:func:`passes.strategies.plan_graph`). ``exact=False``: no plan runs the exact solver's
-    schedule (:mod:`passes.exact`), which refuses a second backward through one forward."""
-    check_options(strategy, segments, budget)
-    cost_graph.graph["exact"] = exact  # read by passes.exact.exact_plan
+    (:func:`passes.strategies.plan_graph`). ``exact``: how long a plan may spend in the exact
+    solver (:func:`exact_seconds`); ``False``: no plan runs its schedule (:mod:`passes.exact`),
+    which refuses a second backward through one forward."""
+    check_options(strategy, segments, budget, exact)
     with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress, paused_gc():
-        return plan_graph(cost_graph, strategy, segments, budget, progress)
+        return plan_graph(cost_graph, strategy, segments, budget, progress, exact_seconds(exact))
 
 
 def cost_model(model: nn.Module, example_inputs: Any = None, *,
@@ -96,9 +115,9 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
 def analyze(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
             example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-            blocks: Sequence[str] | None = None, exact: bool = True) -> Analysis:
+            blocks: Sequence[str] | None = None, exact: bool | float = True) -> Analysis:
     """Capture ``model``, cost its graph and plan it with ``strategy`` (or to fit ``budget``)."""
-    check_options(strategy, segments, budget)
+    check_options(strategy, segments, budget, exact)
     if budget is not None and example_inputs is None and not example_kwargs:
         raise ValueError("a memory budget needs example_inputs: sizes come from running them")
     captured, cost_graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost,
@@ -115,7 +134,7 @@ def generate_rewrite(model: nn.Module, analysis: Analysis) -> RewrittenModule:
 def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
          segments: int | None = None, budget: Budget | None = None,
          example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-         blocks: Sequence[str] | None = None, exact: bool = True) -> Plan:
+         blocks: Sequence[str] | None = None, exact: bool | float = True) -> Plan:
     """The checkpointing plan for ``model`` without rewriting it (``print(plan)`` shows it).
 
     Without ``example_inputs`` every op costs one unit (node counting).
@@ -127,7 +146,7 @@ def plan(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto"
 def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "auto",
             segments: int | None = None, budget: Budget | None = None,
             example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-            blocks: Sequence[str] | None = None, exact: bool = True) -> RewrittenModule:
+            blocks: Sequence[str] | None = None, exact: bool | float = True) -> RewrittenModule:
     """A module computing what ``model`` computes, recomputing planned segments in backward.
 
     It shares ``model``'s parameters and buffers (same objects, same ``state_dict`` keys),
@@ -145,7 +164,8 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, strategy: str = "au
     instead of FLOPs (pointwise ops are not free). On graphs of up to 40 ops a budget plan
     may run the exact solver's own schedule (:mod:`passes.exact`), which supports one
     backward per forward; ``exact=False`` keeps to plans that support a second
-    (``retain_graph=True``).
+    (``retain_graph=True``), and a number gives the solver that many seconds instead of
+    5 (at tight budgets a longer solve may find a schedule recomputing less).
     ``gm.meta["graphckpt_plan"]`` holds the plan.
     """
     analysis = analyze(model, example_inputs, strategy=strategy, segments=segments, budget=budget,

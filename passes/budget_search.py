@@ -14,7 +14,7 @@ from passes.blocks import block_mixes
 from passes.budget import unreachable
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
-from passes.exact import exact_plan
+from passes.exact import EXACT_TIME_LIMIT, exact_plan
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
@@ -36,14 +36,17 @@ def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
     return build_plan(graph, strategy, [(op_nodes(graph), False)], [note])
 
 
-def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None) -> Plan:
+def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None = None,
+               exact_seconds: float = EXACT_TIME_LIMIT) -> Plan:
     """The plan of least recompute whose simulated peak fits ``budget_bytes``: the dynamic
     program's nested plan (:mod:`passes.optimal`) or, where its estimates lead it astray,
     the best of the flat :func:`passes.flat_plans.candidates`; then the spare memory filled with values its
     recomputed segments keep, chosen one by one, or a plan nearly fitting brought under by
     giving up some of what it keeps (:mod:`passes.keeps`), and on small graphs a
     local search from there (:mod:`passes.search`), which also looks below the program's
-    floor. Its ``strategy`` is ``"optimal"``; a note says which plan won.
+    floor. On graphs of up to :data:`passes.exact.EXACT_MAX_OPS` ops the exact solver's
+    schedule competes too, given ``exact_seconds`` (0: never). Its ``strategy`` is
+    ``"optimal"``; a note says which plan won.
 
     Raises :class:`BudgetError` naming the smallest peak any plan reaches, the values its
     plan still keeps and, on small graphs, the true floor (:mod:`passes.floor`) when none fits.
@@ -84,7 +87,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         else:  # values made more than once reach lower (passes.relaxed)
             rounded = relaxed_plans(graph, budget_bytes)
             if rounded.searchable is None:
-                exact = exact_plan(graph, budget_bytes)  # the solver's schedule may reach lower still
+                exact = exact_plan(graph, budget_bytes, exact_seconds)  # the solver's schedule may reach lower still
                 if exact is not None:
                     return _chosen(exact, budget_bytes, flat, tried, "the exact solver's schedule (passes.exact)")
                 floor = true_floor(graph)
@@ -116,7 +119,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                                     "from it and the plans before it")
     if rounded.plan is not None and rounded.plan.cost_key < chosen.cost_key:  # values held once made again
         chosen, origin = rounded.plan, _relaxed_origin(rounded.plan)
-    exact = exact_plan(graph, budget_bytes, beat=chosen.cost_key[0])
+    exact = exact_plan(graph, budget_bytes, exact_seconds, beat=chosen.cost_key[0])
     if exact is not None and exact.cost_key < chosen.cost_key:
         chosen, origin = exact, f"the exact solver's schedule (passes.exact), recomputing less than {origin}"
     blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)
@@ -210,9 +213,10 @@ def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
     return chosen
 
 
-def optimal_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None) -> Plan:
+def optimal_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None,
+                 exact_seconds: float = EXACT_TIME_LIMIT) -> Plan:
     """Least recompute for the peak :func:`passes.heuristics.auto_plan` reaches (without a
     budget, "optimal" keeps auto's memory and cuts its recompute): the ``"optimal"``
     :class:`passes.strategies.Strategy`. ``segments`` is ignored: the program chooses
     segments itself."""
-    return fit_budget(graph, auto_plan(graph).peak_bytes, progress)
+    return fit_budget(graph, auto_plan(graph).peak_bytes, progress, exact_seconds)

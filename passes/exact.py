@@ -33,13 +33,13 @@ EXACT_TIME_LIMIT = 5.0  # seconds a budget plan may spend in the solver
 def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT_TIME_LIMIT,
                beat: float | None = None) -> Plan | None:
     """The plan running the cheapest executable schedule under ``budget_bytes`` found in
-    ``time_limit`` seconds; ``None`` above :data:`EXACT_MAX_OPS` ops, on a graph whose
-    runtime has no hooks (``hooks``), whose user asked for none (``exact`` false:
-    ``graphckpt.rewrite(..., exact=False)``), when no schedule fits or none is found in time. With
-    ``beat`` (a plan in hand's recompute), also ``None`` when no schedule recomputes less:
-    the solver, told so, prunes what cannot beat it and proves that in a fraction of the
-    full solve's time."""
-    if len(op_nodes(graph)) > EXACT_MAX_OPS or not (graph.graph.get("hooks", True) and graph.graph.get("exact", True)):
+    ``time_limit`` seconds; ``None`` when ``time_limit`` is 0 (the user asked for no such
+    schedule: ``graphckpt.rewrite(..., exact=False)``), above :data:`EXACT_MAX_OPS` ops, on a
+    graph whose runtime has no hooks (``hooks``), when no schedule fits or none is found in
+    time. With ``beat`` (a plan in hand's recompute), also ``None`` when no schedule
+    recomputes less: the solver, told so, prunes what cannot beat it and proves that in a
+    fraction of the full solve's time."""
+    if time_limit <= 0 or len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
         return None
     try:
         result = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat)

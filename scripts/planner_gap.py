@@ -1,7 +1,7 @@
 """How far each strategy's recompute is from the exact optimum (Checkmate-style MILP).
 
     python scripts/planner_gap.py [--graphs 12] [--ops 16] [--seed 0] [--budget-ops 16 40] [--budget-graphs 8]
-                                  [--timing-ops 500]
+                                  [--timing-ops 500] [--exact-seconds 5]
                                   [--out docs/planner_quality.md] [--quick]
 
 For random DAG cost graphs and for small zoo models' real cost graphs, and each strategy, the
@@ -32,6 +32,7 @@ from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.checkmate import SolveTimeout, checkmate_schedule
 from passes.costgraph import add_value
+from passes.exact import EXACT_TIME_LIMIT
 from passes.flat_plans import candidate_plans
 from passes.graph_facts import op_nodes
 from passes.optimal import DynamicProgram
@@ -94,19 +95,19 @@ def zoo_cost_graph(name: str, size: dict[str, object]) -> nx.DiGraph:
     return analyze(model, inputs).cost_graph.copy()
 
 
-def tight_plan(graph: nx.DiGraph, eager_peak_bytes: int) -> Plan:
+def tight_plan(graph: nx.DiGraph, eager_peak_bytes: int, exact_seconds: float = EXACT_TIME_LIMIT) -> Plan:
     """Optimal at half of eager's peak or, if no plan fits that, at the smallest peak any reaches."""
     try:
-        return fit_budget(graph, eager_peak_bytes // 2)
+        return fit_budget(graph, eager_peak_bytes // 2, exact_seconds=exact_seconds)
     except BudgetError:
         smallest = min(p.peak_bytes for p in (DynamicProgram(graph).smallest(), *candidate_plans(graph)))
-        return fit_budget(graph, smallest)
+        return fit_budget(graph, smallest, exact_seconds=exact_seconds)
 
 
-def plans_of(graph: nx.DiGraph) -> dict[str, Plan]:
+def plans_of(graph: nx.DiGraph, exact_seconds: float = EXACT_TIME_LIMIT) -> dict[str, Plan]:
     """Every strategy's plan, and :func:`tight_plan` under :data:`TIGHT`."""
-    plans = {name: strategy(graph) for name, strategy in STRATEGIES.items()}
-    plans[TIGHT] = tight_plan(graph, plans["auto"].eager_peak_bytes)
+    plans = {name: strategy(graph, exact_seconds=exact_seconds) for name, strategy in STRATEGIES.items()}
+    plans[TIGHT] = tight_plan(graph, plans["auto"].eager_peak_bytes, exact_seconds)
     return plans
 
 
@@ -140,13 +141,13 @@ def cell(gap: Gap | None) -> str:
     return f"{gap.low:.2f}x" if gap.high - gap.low < 5e-3 else f"{gap.low:.2f}–{gap.high:.2f}x*"
 
 
-def random_table(graphs: int, ops: int, seed: int, time_limit: float) -> str:
+def random_table(graphs: int, ops: int, seed: int, time_limit: float, exact_seconds: float = EXACT_TIME_LIMIT) -> str:
     """Median and worst :class:`Gap` of each strategy over ``graphs`` random DAGs."""
     rng = random.Random(seed)
     found: dict[str, list[Gap]] = {name: [] for name in ROWS}
     for _ in range(graphs):
         graph = random_cost_graph(rng, ops)
-        for name, gap in gaps(graph, plans_of(graph), time_limit).items():
+        for name, gap in gaps(graph, plans_of(graph, exact_seconds), time_limit).items():
             found[name].append(gap)
     lines = ["| strategy | median | worst |", "|---|---:|---:|"]
     for name, values in found.items():
@@ -157,12 +158,13 @@ def random_table(graphs: int, ops: int, seed: int, time_limit: float) -> str:
     return "\n".join(lines)
 
 
-def zoo_table(sizes: dict[str, dict[str, object]], time_limit: float) -> tuple[str, str]:
+def zoo_table(sizes: dict[str, dict[str, object]], time_limit: float,
+              exact_seconds: float = EXACT_TIME_LIMIT) -> tuple[str, str]:
     """One column per zoo model; and a note on each model's configuration and tight budget."""
     columns, notes = {}, []
     for name, size in sizes.items():
         graph = zoo_cost_graph(name, size)
-        plans = plans_of(graph)
+        plans = plans_of(graph, exact_seconds)
         columns[f"{name} ({len(op_nodes(graph))} ops)"] = gaps(graph, plans, time_limit)
         config = ", ".join(f"{k}={v}" for k, v in size.items())
         notes.append(f"{name}({config}): {plans[TIGHT].peak_bytes / plans['auto'].eager_peak_bytes:.2f}")
@@ -187,10 +189,11 @@ class BudgetRow:
     seconds: list[float] = field(default_factory=list)  # planning time per graph
 
 
-def measure(graph: nx.DiGraph, fraction: float, row: BudgetRow, time_limit: float) -> None:
+def measure(graph: nx.DiGraph, fraction: float, row: BudgetRow, time_limit: float,
+            exact_seconds: float = EXACT_TIME_LIMIT) -> None:
     """Plan ``graph`` at ``fraction`` of eager's peak, solve the MILP there, add to ``row``."""
     budget = int(fraction * eager_peak(graph))
-    took, plan = planning_seconds(graph, budget, rounds=1)
+    took, plan = planning_seconds(graph, budget, rounds=1, exact_seconds=exact_seconds)
     row.seconds.append(took)
     if plan is not None:
         gap = gap_to_milp(graph, budget, plan.recompute_flops, time_limit)
@@ -207,13 +210,14 @@ def measure(graph: nx.DiGraph, fraction: float, row: BudgetRow, time_limit: floa
         row.refused += 1
 
 
-def budget_rows(graphs: Iterable[nx.DiGraph], time_limit: float,
-                fractions: Sequence[float] = FRACTIONS) -> dict[float, BudgetRow]:
-    """One :class:`BudgetRow` per fraction over ``graphs``."""
+def budget_rows(graphs: Iterable[nx.DiGraph], time_limit: float, fractions: Sequence[float] = FRACTIONS,
+                exact_seconds: float = EXACT_TIME_LIMIT) -> dict[float, BudgetRow]:
+    """One :class:`BudgetRow` per fraction over ``graphs``; the planner may spend
+    ``exact_seconds`` in the exact solver (``graphckpt.rewrite(..., exact=...)``)."""
     rows = {fraction: BudgetRow() for fraction in fractions}
     for graph in graphs:
         for fraction in fractions:
-            measure(graph, fraction, rows[fraction], time_limit)
+            measure(graph, fraction, rows[fraction], time_limit, exact_seconds)
     return rows
 
 
@@ -249,13 +253,16 @@ def budget_table(options: argparse.Namespace, sizes: dict[str, dict[str, object]
     for ops in options.budget_ops:
         rng = random.Random(options.seed)
         graphs = [random_cost_graph(rng, ops) for _ in range(options.budget_graphs)]
-        lines += table_lines(f"{len(graphs)} random DAGs of {ops} ops", budget_rows(graphs, options.budget_time_limit))
+        lines += table_lines(f"{len(graphs)} random DAGs of {ops} ops", budget_rows(graphs, options.budget_time_limit,
+                                                                                    exact_seconds=options.exact_seconds))
     zoo_graphs = [zoo_cost_graph(name, size) for name, size in sizes.items()]
-    lines += table_lines(f"zoo: {', '.join(sizes)}", budget_rows(zoo_graphs, options.budget_time_limit))
+    lines += table_lines(f"zoo: {', '.join(sizes)}", budget_rows(zoo_graphs, options.budget_time_limit,
+                                                                        exact_seconds=options.exact_seconds))
     return "\n".join(lines)
 
 
-def planning_seconds(graph: nx.DiGraph, budget_bytes: int, rounds: int) -> tuple[float, Plan | None]:
+def planning_seconds(graph: nx.DiGraph, budget_bytes: int, rounds: int,
+                     exact_seconds: float = EXACT_TIME_LIMIT) -> tuple[float, Plan | None]:
     """The median wall time of ``rounds`` runs of ``fit_budget`` on fresh copies of ``graph``
     (no fact cached from an earlier run), and its plan (``None`` when it refuses): one run's
     time on a shared VM varied 2x between runs of the same fit."""
@@ -264,7 +271,7 @@ def planning_seconds(graph: nx.DiGraph, budget_bytes: int, rounds: int) -> tuple
         fresh = graph.copy()
         started = time.perf_counter()
         try:
-            plan = fit_budget(fresh, budget_bytes)
+            plan = fit_budget(fresh, budget_bytes, exact_seconds=exact_seconds)
         except BudgetError:
             plan = None
         seconds.append(time.perf_counter() - started)
@@ -304,8 +311,9 @@ def report(options: argparse.Namespace, command: str) -> str:
     if options.budget_only:
         budget_part = budget_table(options, sizes)
         return f"Made in {time.perf_counter() - started:.0f} s by:\n\n    {command}\n\n{budget_part}\n"
-    random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit)
-    zoo_part, notes = zoo_table(sizes, options.zoo_time_limit)
+    random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit,
+                               options.exact_seconds)
+    zoo_part, notes = zoo_table(sizes, options.zoo_time_limit, options.exact_seconds)
     budget_part = budget_table(options, sizes)
     timing_part = timing_table(options.timing_ops, options.budget_graphs, options.seed, options.timing_rounds)
     return (
@@ -328,7 +336,8 @@ def report(options: argparse.Namespace, command: str) -> str:
         "`optimal` run) against the MILP under the same budget. Median and worst are over the budgets "
         "both meet; a budget the MILP meets and the planner refuses is counted, not priced; planning "
         "time is `fit_budget`'s wall time per graph on this machine (a refusal includes the true floor's "
-        f"MILP, `passes/floor.py`); time limit {options.budget_time_limit:g} s a solve:\n\n"
+        f"MILP, `passes/floor.py`); time limit {options.budget_time_limit:g} s a solve, and the planner's own "
+        f"exact solver may take {options.exact_seconds:g} s (`exact=`):\n\n"
         f"{budget_part}\n\n"
         "Planning time on larger random DAGs (the same family), where the MILP is not solved: "
         f"`fit_budget`'s wall time per graph on this machine (the median of {options.timing_rounds} runs on "
@@ -352,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timing-ops", type=int, nargs="+", default=[500],
                         help="random DAG sizes planned for time alone (no MILP)")
     parser.add_argument("--timing-rounds", type=int, default=3, help="runs of each timed fit (the median is shown)")
+    parser.add_argument("--exact-seconds", type=float, default=EXACT_TIME_LIMIT,
+                        help="seconds the planner may spend in the exact solver (rewrite's exact=)")
     parser.add_argument("--budget-only", action="store_true", help="only the budget table (e.g. to run an older planner)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: few small graphs, short limits")
     parser.add_argument("--out", type=Path, help="write the markdown here instead of printing it")

@@ -113,6 +113,16 @@ def test_inspect_budget_and_batch(runner: CliRunner) -> None:
     assert document["checkpoints"] == [] or document["checkpoints"][0]["shape"].startswith("[8,")
 
 
+def test_inspect_exact_seconds_gives_the_solver_its_time_and_zero_none(runner: CliRunner) -> None:
+    def notes(*options: str) -> str:
+        return " ".join(json.loads(ok(invoke(runner, "inspect", "zoo:mlp?depth=4&width=64&batch=256", "--budget",
+                                              "0.5", *options, "--json")))["notes"])
+
+    assert "exact solver's schedule" in notes("--exact-seconds", "20")  # a 0.2 s solve
+    assert "exact solver" not in notes("--exact-seconds", "0")
+    assert "exact solver" not in notes("--no-exact", "--exact-seconds", "20")
+
+
 def test_inspect_draws_png_svg_and_dot(runner: CliRunner, tmp_path: Path) -> None:
     png, svg, dot = tmp_path / "cut.png", tmp_path / "cut.svg", tmp_path / "cut.dot"
     result = invoke(runner, "inspect", MLP, "--png", str(png), "--svg", str(svg), "--dot", str(dot))

@@ -94,7 +94,7 @@ def _timer() -> Iterator[list[float]]:
 
 
 def _analyze(loaded: Any, strategy: str, budget: Any = None, segments: int | None = None,
-             cost: str = "flops", exact: bool = True) -> tuple[Any, float]:
+             cost: str = "flops", exact: bool | float = True) -> tuple[Any, float]:
     import graphckpt
 
     with _timer() as seconds, quiet_profiler():
@@ -141,6 +141,9 @@ def inspect(
     exact: Annotated[bool, typer.Option("--exact/--no-exact",
                                         help="let a budget plan run the exact solver's schedule (graphs up to "
                                              "40 ops; one backward per forward)")] = True,
+    exact_seconds: Annotated[float | None, typer.Option(
+        min=0, help="seconds the exact solver may take (default 5; longer may find a plan recomputing less at "
+                    "tight budgets)")] = None,
 ) -> None:
     """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
     from graphckpt.tools.report import inspect_view, peak_dict, plan_document
@@ -150,7 +153,8 @@ def inspect(
     parsed_budget = parse_budget_option(budget)
     loaded = _load(target, batch)
     try:
-        analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments, exact=exact)
+        analysis, seconds = _analyze(loaded, strategy, parsed_budget, segments,
+                                     exact=exact_seconds if exact and exact_seconds is not None else exact)
     except BudgetError as error:
         if peak and error.at_peak is not None:  # what the smallest plan holds at its peak: what to shrink
             _print_smallest_peak(error, json_)
