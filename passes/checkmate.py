@@ -1,7 +1,8 @@
 """An exact reference solver in the style of Checkmate (Jain et al. 2020, arXiv 1910.02653).
 
 It measures how far the heuristic strategies are from optimal; it is not a strategy itself.
-The MILP is solved by HiGHS (``highspy``, which takes a cutoff: see :meth:`_Model.solve`).
+The MILP is solved by HiGHS (``highspy``, which takes a cutoff: see
+:meth:`passes.highs.Milp.solve`), from a start the LP relaxation guides (:func:`_guided_solve`).
 
 The graph it schedules, one stage per forward op, seed and backward node, is
 :mod:`passes.training_graph`.
@@ -17,7 +18,9 @@ extras, ``S[t,i] = 0`` for ``t <= home(i)``. ``R[t,k] <= R[t,i] + S[t,i]`` for `
 ``S[t+1,i] <= S[t,i] + R[t,i]``; ``S[t,i] = 1`` for kept ``i`` and ``t > home(i)``. Once-only
 nodes (seeds, backward nodes, ops with ``recomputable=False`` or reading an uncuttable input
 or param) have ``R[t,i] = 0`` for ``t != home(i)``. An extra comes with its op: ``R[t,e] <=
-R[t,op]``. A recompute reads no kept copy of an uncuttable op value ``i`` (it may have been
+R[t,op]``. A view held holds its storage: ``S[t,v] <= S[t,root(v)]`` (the view's own size is 0; found
+when a schedule kept ``chunk``'s views without the projection they are of, 18% under its measured
+peak). A recompute reads no kept copy of an uncuttable op value ``i`` (it may have been
 overwritten): ``R[t,k] <= R[t,i]`` for ``t != home(k)``. Memory as in the paper: ``U[t,first] =
 R·m + Σ_i S[t,i]·m_i``, ``U[t,k] = U[t,k'] + R[t,k]·m_k - Σ_i m_i·F[t,i,k']`` for ``k'`` the
 previous node that may run in stage ``t``, plus the transient bytes at ``U[t,t]``. The paper
@@ -44,25 +47,24 @@ a constant). ``recompute_flops`` is that minus the forward's flops.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import highspy
 import networkx as nx
 import numpy as np
 
 from passes.graph_facts import op_nodes, pure_ops
+from passes.highs import Milp, Solved
 from passes.schedule import hooked_ops
 from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
 MAX_OPS = 60
 FLOPS_PROVEN = 0.49  # objective gap proving a schedule's FLOPs least: they are whole units, the tie-break
 # weighs less than half of one (zoo DenseNets' solves ran to a 10 s limit proving the bytes; now 2.4-9.1 s)
+GUIDED_SHARE = 0.9  # of the time left after the LP relaxation, what the sub-MIP it guides may take: the zoo
+# DenseNet at its tightest planned peak needs 2.5-3 s of it for the schedule a 5 s full MILP never found (at
+# 0.75 of a 5 s limit it found it in 1 of 3 runs, at 0.9 in 3 of 3); the whole MILP rarely improves on it later
 
 
 class SolveTimeout(TimeoutError):
@@ -88,114 +90,14 @@ class CheckmateResult:
     recompute_lower_bound: float = 0.0  # proven: no schedule under the budget recomputes less
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence what HiGHS's C++ code prints to the process's stdout and stderr while it
-    solves (on this model its MIP heuristics print debug lines), so a BudgetError or a
-    budget plan does not come with a screen of solver chatter: every solve runs under it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(os.devnull, "w") as devnull:
-        try:
-            os.dup2(devnull.fileno(), 1)
-            os.dup2(devnull.fileno(), 2)
-            yield
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
-
-class _Model:
-    """MILP columns by key and sparse rows; terms of keys never made a column are zeros."""
-
-    def __init__(self) -> None:
-        self.columns: dict[tuple, int] = {}
-        self.bounds: list[tuple[float, float, int]] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-
-    def var(self, key: tuple, lower: float, upper: float, integer: bool) -> None:
-        self.columns[key] = len(self.bounds)
-        self.bounds.append((lower, upper, int(integer)))
-
-    def row(self, terms: list[tuple[tuple, float]], lower: float, upper: float) -> None:
-        coefficients: dict[int, float] = {}
-        for key, value in terms:
-            if key in self.columns:
-                coefficients[self.columns[key]] = coefficients.get(self.columns[key], 0.0) + value
-        self.rows.append((coefficients, lower, upper))
-
-    def solve(self, cost: np.ndarray, time_limit: float, relaxed: bool = False,
-              cutoff: float | None = None, enough: float = 0.0) -> Solved:
-        """HiGHS's solution; ``relaxed``: of the LP relaxation (no variable integer);
-        ``cutoff``: HiGHS prunes every branch whose bound is above it (a plan in hand's
-        cost) and proves quickly when no solution is below it (a 40-op graph at 0.5 of
-        eager: 0.4-0.8 s where the full solve took 4-5 s); it may still answer with one
-        above it that it found first, which callers compare themselves. ``enough``: a
-        solution within that much of the proven bound is optimal enough (HiGHS's absolute gap)."""
-        lower, upper, integer = (np.array(column, dtype=float) for column in zip(*self.bounds, strict=True))
-        lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = len(self.bounds), len(self.rows)
-        lp.col_cost_, lp.col_lower_, lp.col_upper_ = np.asarray(cost, dtype=float), lower, upper
-        lp.row_lower_ = np.array([row[1] for row in self.rows], dtype=float)
-        lp.row_upper_ = np.array([row[2] for row in self.rows], dtype=float)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.cumsum([0, *(len(terms) for terms, _, _ in self.rows)], dtype=np.int32)
-        lp.a_matrix_.index_ = np.array([c for terms, _, _ in self.rows for c in terms], dtype=np.int32)
-        lp.a_matrix_.value_ = np.array([v for terms, _, _ in self.rows for v in terms.values()], dtype=float)
-        if not relaxed:
-            lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                               for i in integer]
-        with quiet():  # its banner, and MIP heuristics' debug lines, come from C++
-            solver = highspy.Highs()
-            solver.setOptionValue("output_flag", False)
-            solver.setOptionValue("time_limit", float(time_limit))
-            solver.setOptionValue("mip_rel_gap", 1e-9)
-            solver.setOptionValue("mip_abs_gap", float(enough))
-            if cutoff is not None and not relaxed:
-                solver.setOptionValue("objective_bound", float(cutoff))
-            solver.passModel(lp)
-            solver.run()
-        return _solved(solver)
-
-
-@dataclass(frozen=True)
-class Solved:
-    """What a HiGHS solve found: ``status`` ``"optimal"``, ``"infeasible"`` (no solution;
-    with a cutoff, none below it), ``"time_limit"`` or HiGHS's own word for another end;
-    ``x`` the best solution (``None`` when none was found), ``objective`` its value and
-    ``bound`` the proven lower bound on the optimum (a MIP's; the objective for an LP)."""
-
-    status: str
-    x: np.ndarray | None
-    objective: float
-    bound: float
-
-
-def _solved(solver: highspy.Highs) -> Solved:
-    status = solver.getModelStatus()
-    info = solver.getInfo()
-    found = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    words = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kInfeasible: "infeasible",
-             highspy.HighsModelStatus.kTimeLimit: "time_limit"}
-    word = words.get(status, solver.modelStatusToString(status))
-    x = np.array(solver.getSolution().col_value) if found else None
-    objective = info.objective_function_value if found else math.inf
-    bound = info.mip_dual_bound if info.mip_node_count >= 0 and math.isfinite(info.mip_dual_bound) else objective
-    return Solved(word, x, objective, bound if word != "optimal" else objective)
-
-
-def _build(training: TrainingGraph, budget: float) -> _Model:
+def _build(training: TrainingGraph, budget: float) -> Milp:
     """The variables and constraints above; memory in units of the largest node size."""
     T, readers, last, home = training.size, training.readers(), last_use(training), training.home
     unit = max(max(training.mem, default=0), 1)
     mem = [m / unit for m in training.mem]
     runs = [[i for i in range(t + 1) if t == home[i] or (not training.once[i] and home[i] < t <= last[i])]
             for t in range(T)]
-    model = _Model()
+    model = Milp()
     for t in range(T):
         for i in runs[t]:
             model.var(("R", t, i), float(i == t), 1.0, True)
@@ -220,7 +122,7 @@ def _build(training: TrainingGraph, budget: float) -> _Model:
     return model
 
 
-def _schedule_rows(model: _Model, training: TrainingGraph, readers: list[list[int]], t: int) -> None:
+def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]], t: int) -> None:
     """Stage ``t``'s dependency, keep, free and dominance rows."""
     inf, after, home = -math.inf, ("S", t + 1), training.home
     for k in (k for k in range(t + 1) if ("R", t, k) in model.columns):
@@ -236,6 +138,9 @@ def _schedule_rows(model: _Model, training: TrainingGraph, readers: list[list[in
             for j in readers[i]:
                 if k < j <= t:
                     model.row([(free, 1.0), (("R", t, j), 1.0)], inf, 1.0)
+    for i in range(t):  # a view held holds its storage (its root's bytes; the view counts none)
+        if training.root[i] != i:
+            model.row([(("S", t, i), 1.0), (("S", t, training.root[i]), -1.0)], inf, 0.0)
     again = training.makers | {i for reads in training.fresh for i in reads}
     for i in range(t + 1):
         model.row([((*after, i), 1.0), (("S", t, i), -1.0), (("R", t, i), -1.0)], inf, 0.0)
@@ -250,7 +155,7 @@ def _schedule_rows(model: _Model, training: TrainingGraph, readers: list[list[in
             model.row([(("S", t, i), 1.0), *used], inf, 0.0)
 
 
-def _pin_executable(model: _Model, training: TrainingGraph, graph: nx.DiGraph) -> None:
+def _pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph) -> None:
     """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring)."""
     names, home = training.names, training.home
     hooks = {f"backward:{k}" for k in hooked_ops(graph)}
@@ -260,7 +165,7 @@ def _pin_executable(model: _Model, training: TrainingGraph, graph: nx.DiGraph) -
             model.bounds[column] = (0.0, 0.0, model.bounds[column][2])
 
 
-def _matrix(model: _Model, x: np.ndarray, name: str, T: int) -> Matrix:
+def _matrix(model: Milp, x: np.ndarray, name: str, T: int) -> Matrix:
     """Rounded 0/1 values of the ``R`` or ``S`` variables as a ``T x T`` matrix."""
     def value(t: int, i: int) -> int:
         column = model.columns.get((name, t, i))
@@ -268,7 +173,7 @@ def _matrix(model: _Model, x: np.ndarray, name: str, T: int) -> Matrix:
     return tuple(tuple(value(t, i) for i in range(T)) for t in range(T))
 
 
-def _recompute_cost(model: _Model, training: TrainingGraph, tie_break: bool = False) -> np.ndarray:
+def _recompute_cost(model: Milp, training: TrainingGraph, tie_break: bool = False) -> np.ndarray:
     """The objective: each forward op's FLOPs per run, over their common divisor; with
     ``tie_break``, plus its bytes scaled so that all of them weigh less than half a unit: of
     schedules recomputing the same FLOPs, one writing less (FLOPs-free ops such as ``cat``
@@ -281,6 +186,33 @@ def _recompute_cost(model: _Model, training: TrainingGraph, tie_break: bool = Fa
         if kind == "R" and i < training.n_forward:
             cost[column] = training.flops[i] / divisor + weight * training.mem[i]
     return cost
+
+
+def _guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float | None) -> Solved:
+    """The MILP solved from a start the LP relaxation points to: the sub-MIP with every ``S``
+    the relaxation sets whole (0 or 1) fixed there, for :data:`GUIDED_SHARE` of the time, then
+    the whole MILP from its schedule for the rest. At tight budgets HiGHS spends seconds in
+    cuts at the root before it finds any schedule of the whole model; the sub-MIP, a fraction
+    of its columns free, finds one in a second or two (40-op random DAGs at 0.5 of eager, zoo
+    DenseNet at 0.54), and the whole MILP then improves on it or proves it least. (Giving the
+    whole MILP a first 20% to prove a ``cutoff`` plan optimal, as it often does in under a
+    second, lost the DenseNet schedule and a 40-op DAG's at 0.3 of eager: not done.)"""
+    started = time.perf_counter()
+    relaxation = model.solve(cost, time_limit, relaxed=True)
+    if relaxation.x is None:  # infeasible: so is every schedule
+        return relaxation
+    if cutoff is not None and relaxation.objective > cutoff:  # its bound proves no schedule beats the cutoff
+        return Solved("infeasible", None, math.inf, relaxation.objective)
+    whole = {column: round(value) for key, column in model.columns.items()
+             if key[0] == "S" and abs((value := relaxation.x[column]) - round(value)) < 1e-6}
+    left = time_limit - (time.perf_counter() - started)
+    guided = model.fixed(whole).solve(cost, GUIDED_SHARE * left, cutoff=cutoff, enough=FLOPS_PROVEN)
+    left = max(time_limit - (time.perf_counter() - started), 0.0)
+    full = model.solve(cost, left, cutoff=cutoff, enough=FLOPS_PROVEN, start=guided.x)
+    if guided.x is None or (full.x is not None and full.objective <= guided.objective):
+        return full
+    bounds = [relaxation.objective, *([full.bound] if math.isfinite(full.bound) else [])]  # both proven
+    return Solved("time_limit", guided.x, guided.objective, min(max(bounds), guided.objective))
 
 
 def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 5.0) -> dict[str, float] | None:
@@ -325,7 +257,7 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     forward = sum(training.flops[: training.n_forward])
     cutoff = None if beat is None else (beat + forward) / divisor - 0.5  # FLOPs are whole multiples of the
     started = time.perf_counter()  # divisor, and the tie-break weighs less than half of one
-    solution = model.solve(cost, time_limit, cutoff=cutoff, enough=FLOPS_PROVEN)
+    solution = _guided_solve(model, cost, time_limit, cutoff)
     seconds = time.perf_counter() - started
     if solution.status == "infeasible":
         return None

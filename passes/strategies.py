@@ -15,6 +15,7 @@ the optimal pass within it (:func:`passes.budget_search.fit_budget`); both are c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -41,10 +42,10 @@ class Strategy(Protocol):
 def _heuristic(plan: Callable[..., Plan]) -> Strategy:
     """``plan`` (a heuristic of :mod:`passes.heuristics`) as a :class:`Strategy`: it runs no
     solver, so ``exact_seconds`` does not concern it."""
+    @functools.wraps(plan)
     def strategy(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None,
                  exact_seconds: float = EXACT_TIME_LIMIT) -> Plan:
         return plan(graph, segments=segments, progress=progress)
-    strategy.__doc__, strategy.__name__ = plan.__doc__, plan.__name__
     return strategy
 
 

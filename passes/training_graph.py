@@ -34,7 +34,7 @@ from passes.schedule import Matrix
 from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
 LOSS_SCALARS = "loss-scalars"  # the node of a loss computed outside the graph: its scalars, kept to the end
-FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about")
+FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about", "root")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class TrainingGraph:
     home: tuple[int, ...]  # the stage where it first runs: itself, or its op for an extra
     n_forward: int
     about: tuple[str, ...] = ()  # the cost graph's value each node is, or is the gradient or extra of
+    root: tuple[int, ...] = ()  # the node whose storage each node's value is (itself, but for a view's)
     makers: frozenset[int] = field(init=False)  # ops with an extra
     _readers: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -90,10 +91,11 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
     nodes: dict[str, list] = {name: [] for name in FIELDS}
 
     def add(name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True, kept: bool = False,
-            fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None, about: str = "") -> int:
+            fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None, about: str = "",
+            root: int | None = None) -> int:
         index = len(nodes["names"])
         values = (name, mem, flops, tuple(sorted(set(preds))), once, kept, fresh, transient,
-                  index if home is None else home, about or name)
+                  index if home is None else home, about or name, index if root is None else root)
         for key, value in zip(FIELDS, values, strict=True):
             nodes[key].append(value)
         return index
@@ -110,7 +112,8 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
             extra[k] = add(f"extra:{k}", attributes["saved_extra_bytes"], reads, once=once, home=len(nodes["names"]) + 1,
                            about=k)
         fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
-        index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh)
+        index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh,
+                       root=index.get(storage_root(graph, k)))
     n_forward = len(nodes["names"])
     trained = trained_outputs(graph)
     loss = loss_working_bytes(graph)
@@ -235,11 +238,13 @@ def no_recompute_peak(graph: nx.DiGraph) -> float:
 
 def last_use(training: TrainingGraph) -> list[int]:
     """The last stage at which each node can be of use: a once-only reader reads it at home,
-    a recomputable one as late as it is itself of use, an op as late as its extra."""
+    a recomputable one as late as it is itself of use, an op as late as its extra, a storage
+    as late as a view of it."""
     T, readers, home = training.size, training.readers(), training.home
     last = [T - 1 if kept else -1 for kept in training.kept]
     for i in reversed(range(T)):
         for j in readers[i]:
             last[i] = max(last[i], home[j] if training.once[j] else max(home[j], last[j]))
         last[home[i]] = max(last[home[i]], last[i])
+        last[training.root[i]] = max(last[training.root[i]], last[i])  # a view held holds its storage
     return [max(used, home[i]) for i, used in enumerate(last)]

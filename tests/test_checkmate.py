@@ -74,6 +74,7 @@ def assert_valid_schedule(graph: nx.DiGraph, result: CheckmateResult, budget: fl
                 assert t == home[k] or all(R[t][i] for i in training.fresh[k]), (t, k)
         if t + 1 < T:
             assert all(S[t + 1][i] <= S[t][i] + R[t][i] for i in range(T)), t
+        assert all(S[t][training.root[i]] for i in range(t) if S[t][i]), t  # a view held holds its storage
     for i in range(T):
         if home[i] == i:
             assert R[i][i] == 1, training.names[i]
@@ -179,6 +180,25 @@ def test_planning_imports_without_scipy() -> None:
 def test_too_many_ops_is_refused() -> None:
     with pytest.raises(ValueError, match="op nodes"):
         checkmate_schedule(chain(MAX_OPS + 1), 1e12)
+
+
+def test_a_start_is_kept_and_a_fixed_model_keeps_what_it_fixes() -> None:
+    """What the guided solve builds on (:func:`passes.checkmate._guided_solve`): a solution
+    handed to HiGHS as the start is its answer when it has no time to look further, and
+    fixing columns at an optimum's values leaves that optimum."""
+    from passes.checkmate import _build, _recompute_cost
+
+    training = training_graph(chain(12))
+    model = _build(training, 6 * UNIT)
+    cost = _recompute_cost(model, training)
+    best = model.solve(cost, 20)
+    assert best.status == "optimal" and best.x is not None
+    assert model.solve(cost, 0.0).x is None  # no time: nothing found
+    started = model.solve(cost, 0.0, start=best.x)
+    assert started.x is not None and started.objective == best.objective
+    held = {column: best.x[column] for key, column in model.columns.items() if key[0] == "S"}
+    assert model.fixed(held).solve(cost, 20).objective == best.objective
+    assert model.bounds != model.fixed(held).bounds  # fixing made a new model, this one unchanged
 
 
 def test_time_limit_without_a_schedule_raises() -> None:

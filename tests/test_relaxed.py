@@ -106,7 +106,7 @@ def test_densenet_below_the_old_floor_remakes_each_value_at_every_use() -> None:
     old_floor = min(plan.peak_bytes for plan in candidate_plans(graph))  # the flat plans' floor
     budget = int(floor.peak_bytes + old_floor) // 2
     assert floor.peak_bytes < budget < old_floor
-    plan = plan_graph(graph, budget=budget)
+    plan = plan_graph(graph, budget=budget, exact_seconds=0)  # the exact solver's schedule wins there otherwise
     assert plan.peak_bytes <= budget
     assert any(s.remake_each_use for s in plan.segments), plan.notes
     validate_plan(graph, plan.segments)
