@@ -191,10 +191,12 @@ def _recompute_cost(model: Milp, training: TrainingGraph, tie_break: bool = Fals
 def _guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float | None) -> Solved:
     """The MILP solved from a start the LP relaxation points to: the sub-MIP with every ``S``
     the relaxation sets whole (0 or 1) fixed there, for :data:`GUIDED_SHARE` of the time, then
-    the whole MILP from its schedule for the rest. At tight budgets HiGHS spends seconds in
+    the whole MILP for the rest, asked only for schedules recomputing less. At tight budgets HiGHS spends seconds in
     cuts at the root before it finds any schedule of the whole model; the sub-MIP, a fraction
     of its columns free, finds one in a second or two (40-op random DAGs at 0.5 of eager, zoo
-    DenseNet at 0.54), and the whole MILP then improves on it or proves it least. (Giving the
+    DenseNet at 0.54), and the whole MILP then improves on it or proves it least. (HiGHS's
+    ``setSolution`` start is not used: after it, ``getSolution`` could return the start while
+    the reported objective was a better schedule's. Giving the
     whole MILP a first 20% to prove a ``cutoff`` plan optimal, as it often does in under a
     second, lost the DenseNet schedule and a 40-op DAG's at 0.3 of eager: not done.)"""
     started = time.perf_counter()
@@ -208,9 +210,14 @@ def _guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: floa
     left = time_limit - (time.perf_counter() - started)
     guided = model.fixed(whole).solve(cost, GUIDED_SHARE * left, cutoff=cutoff, enough=FLOPS_PROVEN)
     left = max(time_limit - (time.perf_counter() - started), 0.0)
-    full = model.solve(cost, left, cutoff=cutoff, enough=FLOPS_PROVEN, start=guided.x)
-    if guided.x is None or (full.x is not None and full.objective <= guided.objective):
+    if guided.x is None:
+        return model.solve(cost, left, cutoff=cutoff, enough=FLOPS_PROVEN)
+    better = guided.objective - 0.5  # FLOPs are whole units, the tie-break under half of one: below this
+    full = model.solve(cost, left, cutoff=better if cutoff is None else min(cutoff, better), enough=FLOPS_PROVEN)
+    if full.x is not None and full.objective < guided.objective:  # recomputes less
         return full
+    if full.status in ("optimal", "infeasible"):  # proven: no schedule recomputes less than the guided one
+        return Solved("optimal", guided.x, guided.objective, guided.objective)
     bounds = [relaxation.objective, *([full.bound] if math.isfinite(full.bound) else [])]  # both proven
     return Solved("time_limit", guided.x, guided.objective, min(max(bounds), guided.objective))
 

@@ -67,14 +67,13 @@ class Milp:
         return copy
 
     def solve(self, cost: np.ndarray, time_limit: float, relaxed: bool = False,
-              cutoff: float | None = None, enough: float = 0.0, start: np.ndarray | None = None) -> Solved:
+              cutoff: float | None = None, enough: float = 0.0) -> Solved:
         """HiGHS's solution; ``relaxed``: of the LP relaxation (no variable integer);
         ``cutoff``: HiGHS prunes every branch whose bound is above it (a plan in hand's
         cost) and proves quickly when no solution is below it (a 40-op graph at 0.5 of
         eager: 0.4-0.8 s where the full solve took 4-5 s); it may still answer with one
         above it that it found first, which callers compare themselves. ``enough``: a
-        solution within that much of the proven bound is optimal enough (HiGHS's absolute gap).
-        ``start``: a solution to start from (HiGHS's incumbent, if it checks feasible)."""
+        solution within that much of the proven bound is optimal enough (HiGHS's absolute gap)."""
         lower, upper, integer = (np.array(column, dtype=float) for column in zip(*self.bounds, strict=True))
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = len(self.bounds), len(self.rows)
@@ -97,10 +96,6 @@ class Milp:
             if cutoff is not None and not relaxed:
                 solver.setOptionValue("objective_bound", float(cutoff))
             solver.passModel(lp)
-            if start is not None:
-                incumbent = highspy.HighsSolution()
-                incumbent.col_value, incumbent.value_valid = list(map(float, start)), True
-                solver.setSolution(incumbent)
             solver.run()
         return _solved(solver)
 

@@ -23,6 +23,7 @@ backward that reads theirs, so it lives until the last of them is used.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -185,7 +186,7 @@ class StageMoment:
     transient) and the node whose run ``reached`` it (``None``: held entering the stage)."""
 
     peak: float
-    live: frozenset[int] = frozenset()
+    live: tuple[int, ...] = ()  # ascending; a node twice when a stage holds a copy and makes it afresh
     temporary: int = 0
     reached: int | None = None
 
@@ -201,23 +202,25 @@ def peak_moment(training: TrainingGraph, R: Matrix, S: Matrix) -> tuple[int, Sta
 def _stage(training: TrainingGraph, R: Matrix, S: Matrix, t: int, watch: float | None = None) -> StageMoment:
     """Stage ``t``'s peak; with ``watch`` (its peak), also the moment it first reaches it."""
     T, readers, mem = training.size, training.readers(), training.mem
-    live = {i for i in range(t) if S[t][i]}
+    live = Counter(i for i in range(t) if S[t][i])  # a maker held may be made afresh for its extra: 2 copies
     current = sum(mem[i] for i in live)
     peak, seen = current, None
     if watch is not None and current >= watch:
-        seen = StageMoment(watch, frozenset(live))
+        seen = StageMoment(watch, tuple(sorted(live.elements())))
     for k in (k for k in range(t + 1) if R[t][k]):
-        live.add(k)
+        live[k] += 1
         current += mem[k]
         moment = current + (training.transient[k] if k == t else 0)
         peak = max(peak, moment)
         if watch is not None and seen is None and moment >= watch:
-            seen = StageMoment(watch, frozenset(live), moment - current, k)
+            seen = StageMoment(watch, tuple(sorted(live.elements())), moment - current, k)
         for i in (*training.preds[k], k):
             unread = i != k or not any(R[t][j] for j in readers[k] if j <= t)
             if unread and not (t + 1 < T and S[t + 1][i]) and not any(R[t][j] for j in readers[i] if j > k):
                 current -= mem[i]
-                live.discard(i)
+                live[i] -= 1
+                if live[i] <= 0:
+                    del live[i]
     return seen if seen is not None else StageMoment(peak)
 
 
