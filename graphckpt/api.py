@@ -52,12 +52,13 @@ def _require_costs_for_inplace(source: fx.GraphModule) -> None:
 
 
 def check_options(strategy: str, segments: int | None = None, budget: Budget | None = None,
-                  exact: bool | float = True) -> None:
+                  exact: bool | float = True) -> float:
     """Refuse an unknown strategy, a budget given with a strategy or segment count, an
     unreadable budget (:func:`passes.strategies.check_request`) and an ``exact=`` that is
-    neither a bool nor a number of seconds, before any work is done."""
+    neither a bool nor a number of seconds, before any work is done; the solver's seconds
+    (:func:`exact_seconds`) when all is well."""
     check_request(strategy, segments, budget)
-    exact_seconds(exact)
+    return exact_seconds(exact)
 
 
 def exact_seconds(exact: bool | float) -> float:
@@ -82,9 +83,9 @@ def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: in
     (:func:`passes.strategies.plan_graph`). ``exact``: how long a plan may spend in the exact
     solver (:func:`exact_seconds`); ``False``: no plan runs its schedule (:mod:`passes.exact`),
     which refuses a second backward through one forward."""
-    check_options(strategy, segments, budget, exact)
+    seconds = check_options(strategy, segments, budget, exact)
     with planning_progress(f"graphckpt: planning {cost_graph.number_of_nodes()} nodes") as progress, paused_gc():
-        return plan_graph(cost_graph, strategy, segments, budget, progress, exact_seconds(exact))
+        return plan_graph(cost_graph, strategy, segments, budget, progress, seconds)
 
 
 def cost_model(model: nn.Module, example_inputs: Any = None, *,

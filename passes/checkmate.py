@@ -191,15 +191,21 @@ def _recompute_cost(model: Milp, training: TrainingGraph, tie_break: bool = Fals
 def _guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float | None) -> Solved:
     """The MILP solved from a start the LP relaxation points to: the sub-MIP with every ``S``
     the relaxation sets whole (0 or 1) fixed there, for :data:`GUIDED_SHARE` of the time, then
-    the whole MILP for the rest, asked only for schedules recomputing less. At tight budgets HiGHS spends seconds in
-    cuts at the root before it finds any schedule of the whole model; the sub-MIP, a fraction
-    of its columns free, finds one in a second or two (40-op random DAGs at 0.5 of eager, zoo
-    DenseNet at 0.54), and the whole MILP then improves on it or proves it least. (HiGHS's
-    ``setSolution`` start is not used: after it, ``getSolution`` could return the start while
-    the reported objective was a better schedule's. Giving the
-    whole MILP a first 20% to prove a ``cutoff`` plan optimal, as it often does in under a
-    second, lost the DenseNet schedule and a 40-op DAG's at 0.3 of eager: not done.)"""
+    the whole MILP for the rest, asked only for schedules recomputing less.
+
+    At tight budgets HiGHS spends seconds in cuts at the root before it finds any schedule of
+    the whole model; the sub-MIP, a fraction of its columns free, finds one in a second or
+    two (40-op random DAGs at 0.5 of eager, zoo DenseNet at 0.54), and the whole MILP then
+    improves on it or proves it least. (HiGHS's ``setSolution`` start is not used: after it,
+    ``getSolution`` could return the start while the reported objective was a better
+    schedule's. Giving the whole MILP a first 20% to prove a ``cutoff`` plan optimal, as it
+    often does in under a second, lost the DenseNet schedule and a 40-op DAG's at 0.3 of
+    eager: not done.)"""
     started = time.perf_counter()
+
+    def left() -> float:
+        return max(time_limit - (time.perf_counter() - started), 0.0)
+
     relaxation = model.solve(cost, time_limit, relaxed=True)
     if relaxation.x is None:  # infeasible: so is every schedule
         return relaxation
@@ -207,13 +213,11 @@ def _guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: floa
         return Solved("infeasible", None, math.inf, relaxation.objective)
     whole = {column: round(value) for key, column in model.columns.items()
              if key[0] == "S" and abs((value := relaxation.x[column]) - round(value)) < 1e-6}
-    left = time_limit - (time.perf_counter() - started)
-    guided = model.fixed(whole).solve(cost, GUIDED_SHARE * left, cutoff=cutoff, enough=FLOPS_PROVEN)
-    left = max(time_limit - (time.perf_counter() - started), 0.0)
+    guided = model.fixed(whole).solve(cost, GUIDED_SHARE * left(), cutoff=cutoff, enough=FLOPS_PROVEN)
     if guided.x is None:
-        return model.solve(cost, left, cutoff=cutoff, enough=FLOPS_PROVEN)
+        return model.solve(cost, left(), cutoff=cutoff, enough=FLOPS_PROVEN)
     better = guided.objective - 0.5  # FLOPs are whole units, the tie-break under half of one: below this
-    full = model.solve(cost, left, cutoff=better if cutoff is None else min(cutoff, better), enough=FLOPS_PROVEN)
+    full = model.solve(cost, left(), cutoff=better if cutoff is None else min(cutoff, better), enough=FLOPS_PROVEN)
     if full.x is not None and full.objective < guided.objective:  # recomputes less
         return full
     if full.status in ("optimal", "infeasible"):  # proven: no schedule recomputes less than the guided one
