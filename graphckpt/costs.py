@@ -59,6 +59,7 @@ class Profile:
     checkpoint_call_cost: int = 0  # in cost_unit: one checkpoint call's own cost (measured for "ns")
     selective_op_cost: int = 0  # in cost_unit: each op of a selective segment, beyond its work
     dropped_value_cost: int = 0  # in cost_unit: each value an op run by hooks drops, beyond its remake
+    hooked_op_cost: int = 0  # in cost_unit: each op of a segment run by saved-tensor hooks, its packs and report
 
 
 COSTS = ("flops", "time")
@@ -91,7 +92,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
         per_op = max(overheads.selective_op, selective_overhead_per_op(graph_module, args, kwargs))
         return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, scalar_bytes=scalar,
                        checkpoint_call_cost=overheads.call, selective_op_cost=per_op,
-                       dropped_value_cost=overheads.dropped_value)
+                       dropped_value_cost=overheads.dropped_value, hooked_op_cost=overheads.hooked_op)
     return Profile(costs, parents, rng_state_bytes=rng, scalar_bytes=scalar)
 
 
@@ -147,7 +148,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
                        rng_state_bytes=profile.rng_state_bytes, scalar_bytes=profile.scalar_bytes,
                        loss=returned_loss(graph_module, profile),
                        checkpoint_call_cost=profile.checkpoint_call_cost, selective_op_cost=profile.selective_op_cost,
-                       dropped_value_cost=profile.dropped_value_cost)
+                       dropped_value_cost=profile.dropped_value_cost, hooked_op_cost=profile.hooked_op_cost)
     for order, node in enumerate(graph_module.graph.nodes):
         cost = costs.get(node.name) or _unit_cost(node)
         if lifted:

@@ -31,6 +31,10 @@ Graph attributes, all optional:
     it again (:func:`passes.remat.runs_by_hooks`: the hooks, the recipe, one no-grad call),
     in ``cost_unit``; also the price of a selective segment run by hooks
     (:mod:`passes.hooked`), once for its call, once per remake group and once per value it drops.
+``hooked_op_cost`` (default 0)
+    What each op of a selective segment run by saved-tensor hooks costs its forward beyond
+    its own work (the pack hook on what it saves, the report of each value backward saves),
+    in ``cost_unit``: measured on the model's own forward (:mod:`passes.hooked`).
 ``hooks`` (default ``True``)
     Whether a selective segment may run by saved-tensor hooks (:mod:`passes.hooked`);
     ``False`` where the runtime has only torch's checkpoint, as :func:`graphckpt.enable`,

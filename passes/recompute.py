@@ -149,12 +149,13 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = Tr
     call, each op of a selective segment, and each value a segment run by hooks drops
     (the graph's ``checkpoint_call_cost``, ``selective_op_cost`` and ``dropped_value_cost``,
     0 unless measured); a selective segment run by hooks (:mod:`passes.hooked`) costs a
-    dropped value's price for the call, for each remake group and for each value it marks.
-    Without it a plan of many small or selective segments looks cheaper than it runs (GPT-2
-    at per-block's memory stepped 1.27x per-block's with pointwise ops counted free)."""
+    dropped value's price for the call, for each remake group and for each value it marks,
+    and ``hooked_op_cost`` for each of its ops. Without it a plan of many small or
+    selective segments looks cheaper than it runs (GPT-2 at per-block's memory stepped
+    1.27x per-block's with pointwise ops counted free)."""
     call, per_op = graph.graph.get("checkpoint_call_cost", 0), graph.graph.get("selective_op_cost", 0)
-    per_drop = graph.graph.get("dropped_value_cost", 0)
-    if not call and not per_op and not per_drop:
+    per_drop, per_hooked_op = graph.graph.get("dropped_value_cost", 0), graph.graph.get("hooked_op_cost", 0)
+    if not call and not per_op and not per_drop and not per_hooked_op:
         return 0
     total = 0
     for s in segments:
@@ -165,6 +166,7 @@ def overhead_cost(graph: nx.DiGraph, segments: Iterable[Segment], top: bool = Tr
         elif top and keeps_by_hooks(graph, s):
             groups = remake_groups(graph, s)
             total += per_drop * (1 + len(remake_runs(graph, s)) + sum(len(group.marked) for group in groups))
+            total += per_hooked_op * len(s.nodes)
         elif s.recompute:
             total += call + per_op * len(s.nodes) * bool(s.saved_inside) + overhead_cost(graph, s.children, top=False)
     return int(total)

@@ -173,9 +173,10 @@ def test_a_priced_checkpoint_call_buys_fewer_segments() -> None:
 def test_checkpoint_overheads_are_measured_on_this_machine() -> None:
     from graphckpt.timing import checkpoint_overheads
 
-    call, per_op, dropped = checkpoint_overheads("cpu")
+    call, per_op, dropped, hooked_op = checkpoint_overheads("cpu")
     assert call > 0 and per_op >= 0
     assert dropped < call  # what running an op with dropped inputs by hooks is for
+    assert hooked_op > 0  # a pack, an unpack and a report per op: more Python than none
 
 
 def test_selective_overhead_is_measured_on_the_models_forward_without_a_trace() -> None:
