@@ -32,9 +32,10 @@ Graph attributes, all optional:
     in ``cost_unit``; also the price of a selective segment run by hooks
     (:mod:`passes.hooked`), once for its call, once per remake group and once per value it drops.
 ``hooked_op_cost`` (default 0)
-    What each op of a selective segment run by saved-tensor hooks costs its forward beyond
-    its own work (the pack hook on what it saves, the report of each value backward saves),
-    in ``cost_unit``: measured on the model's own forward (:mod:`passes.hooked`).
+    What each op of a selective segment run by saved-tensor hooks (:mod:`passes.hooked`)
+    costs a step beyond its own work, kept or dropped (the pack and unpack of what it
+    saves, the report of its value), in ``cost_unit``: measured once per process and
+    device on a probe of tiny ops when the graph is costed in ``"ns"``, 0 for FLOPs.
 ``hooks`` (default ``True``)
     Whether a selective segment may run by saved-tensor hooks (:mod:`passes.hooked`);
     ``False`` where the runtime has only torch's checkpoint, as :func:`graphckpt.enable`,
