@@ -265,13 +265,19 @@ def planning_seconds(graph: nx.DiGraph, budget_bytes: int, rounds: int,
                      exact_seconds: float = EXACT_TIME_LIMIT) -> tuple[float, Plan | None]:
     """The median wall time of ``rounds`` runs of ``fit_budget`` on fresh copies of ``graph``
     (no fact cached from an earlier run), and its plan (``None`` when it refuses): one run's
-    time on a shared VM varied 2x between runs of the same fit."""
+    time on a shared VM varied 2x between runs of the same fit. Each run has the collector
+    paused, as ``graphckpt.rewrite``'s planning has (:func:`graphckpt.progress.paused_gc`):
+    otherwise a collection over the objects of every graph and model made before it lands
+    in some runs (a 500-op plan took 1.07 s instead of 0.3-0.5 beside 3M live objects)."""
+    from graphckpt.progress import paused_gc
+
     seconds, plan = [], None
     for _ in range(rounds):
         fresh = graph.copy()
         started = time.perf_counter()
         try:
-            plan = fit_budget(fresh, budget_bytes, exact_seconds=exact_seconds)
+            with paused_gc():
+                plan = fit_budget(fresh, budget_bytes, exact_seconds=exact_seconds)
         except BudgetError:
             plan = None
         seconds.append(time.perf_counter() - started)
