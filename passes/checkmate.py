@@ -139,7 +139,7 @@ def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]
                 if k < j <= t:
                     model.row([(free, 1.0), (("R", t, j), 1.0)], inf, 1.0)
     for i in range(t):  # a view held holds its storage (its root's bytes; the view counts none)
-        if training.root[i] != i:
+        if training.root[i] != i and ("S", t, i) in model.columns:  # else no row: nothing holds the view
             model.row([(("S", t, i), 1.0), (("S", t, training.root[i]), -1.0)], inf, 0.0)
     again = training.makers | {i for reads in training.fresh for i in reads}
     for i in range(t + 1):
