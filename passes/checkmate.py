@@ -141,12 +141,11 @@ def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]
     for i in range(t):  # a view held holds its storage (its root's bytes; the view counts none)
         if training.root[i] != i and ("S", t, i) in model.columns:  # else no row: nothing holds the view
             model.row([(("S", t, i), 1.0), (("S", t, training.root[i]), -1.0)], inf, 0.0)
-    again = training.makers | {i for reads in training.fresh for i in reads}
     for i in range(t + 1):
         model.row([((*after, i), 1.0), (("S", t, i), -1.0), (("R", t, i), -1.0)], inf, 0.0)
         if i == t:
             continue
-        if i not in again:
+        if i not in training.remade:
             model.row([(("S", t, i), 1.0), (("R", t, i), 1.0)], inf, 1.0)
         used = [(("R", t, j), -1.0) for j in readers[i] if j <= t] + [((*after, i), -1.0)]
         if i not in training.makers:

@@ -55,10 +55,13 @@ class TrainingGraph:
     about: tuple[str, ...] = ()  # the cost graph's value each node is, or is the gradient or extra of
     root: tuple[int, ...] = ()  # the node whose storage each node's value is (itself, but for a view's)
     makers: frozenset[int] = field(init=False)  # ops with an extra
+    remade: frozenset[int] = field(init=False)  # makers, and values a recompute must make again: a stage may
+    # both hold and recompute these
     _readers: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "makers", frozenset(h for i, h in enumerate(self.home) if h != i))
+        object.__setattr__(self, "remade", self.makers | {i for reads in self.fresh for i in reads})
         readers: list[list[int]] = [[] for _ in self.names]
         for k, preds in enumerate(self.preds):
             for i in preds:
