@@ -35,7 +35,7 @@ from torch import fx, nn
 from graphckpt.dropout import generator_state, restored_generators
 from graphckpt.dropping import SavedView, autocast_now, unpack_saved
 from graphckpt.state import frozen_running_stats, running_stat_norms
-from graphckpt.torch_compat import profiled_range, storage_alive, storage_key, storage_ref
+from graphckpt.torch_compat import profiled_range, storage_alive, storage_key, storage_key_and_ref
 
 _NOTHING = contextlib.nullcontext()
 STATES = "generator_states"
@@ -128,10 +128,10 @@ class SavedStorages:
         """Know ``value``'s storages as ``name``'s (by element for a tuple); ``keep_first``:
         not a storage already known and alive (a view's is its root's)."""
         for element, tensor in tensors_of(value):
-            key = storage_key(tensor)
+            key, ref = storage_key_and_ref(tensor)
             hit = self.storages.get(key)
             if not (keep_first and hit is not None and storage_alive(hit[3])):
-                self.storages[key] = (name, element, tensor.dtype, storage_ref(tensor))
+                self.storages[key] = (name, element, tensor.dtype, ref)
 
     def match_recent(self) -> None:
         """A value was just reported: match what was packed since the last report."""
@@ -170,7 +170,7 @@ class _HookedCall(SavedStorages):
         self.reads: list[list[Any]] = [[None] * len(names) for names in module.reads]
         for name, value in zip(module.inputs, inputs, strict=True):
             self._fill(name, value)
-        self.known = {storage_key(t): storage_ref(t) for t in inputs if isinstance(t, torch.Tensor)}  # saved as
+        self.known = dict(storage_key_and_ref(t) for t in inputs if isinstance(t, torch.Tensor))  # saved as
         # they are, while alive: a kept value nothing holds goes in forward, and its address can be a marked value's
         self.pending: dict[str, int] = {}
         self.values: dict[str, Any] = {}
@@ -210,8 +210,11 @@ class _HookedCall(SavedStorages):
             self.reads[group][position] = value
 
     def keep(self, value: Any, name: str) -> None:
-        self._fill(name, detached(value))  # its grad_fn may hold handles to this call: no cycle
-        self.known.update((storage_key(t), storage_ref(t)) for _, t in tensors_of(value))
+        if name in self.module.readers:  # a remake reads it
+            self._fill(name, detached(value))  # its grad_fn may hold handles to this call: no cycle
+        for _, tensor in tensors_of(value):
+            key, ref = storage_key_and_ref(tensor)
+            self.known[key] = ref
         self.recent.clear()
 
     def _made(self, name: str, reads: dict[str, list[Any]]) -> Any:

@@ -34,6 +34,10 @@ from torch._ops import OpOverload
 # Checked on 2.5, 2.6, 2.13.
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
+# torch.multiprocessing.reductions.StorageWeakRef: a weak reference to a storage, which says
+# when the storage is freed (a public module, but undocumented). Checked on 2.13.
+from torch.multiprocessing.reductions import StorageWeakRef
+
 # torch.nn.modules.batchnorm._NormBase: the base of BatchNorm*d and InstanceNorm*d, the
 # layers keeping running statistics. Checked on 2.5, 2.6, 2.13.
 from torch.nn.modules.batchnorm import _NormBase as NormBase
@@ -52,8 +56,8 @@ __all__ = [
     "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks", "is_accumulate_grad",
     "memory_timeline_allocations", "module_registries", "module_tree_copy", "non_persistent_buffers",
-    "op_schema", "profiled_event_tree", "profiler_enabled", "storage_key", "symbolic_hint", "tree_flatten",
-    "tree_leaves", "tree_map", "tree_unflatten",
+    "op_schema", "profiled_event_tree", "profiler_enabled", "storage_alive", "storage_key", "storage_key_and_ref",
+    "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
 ]
 
 
@@ -139,19 +143,21 @@ def allocation_size(nbytes: int, device: torch.device) -> int:
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if device.type == "cuda" else nbytes
 
 
-def storage_ref(tensor: torch.Tensor) -> Any:
-    """A weak reference to ``tensor``'s storage (:func:`storage_alive`), holding none of it.
+def storage_key_and_ref(tensor: torch.Tensor) -> tuple[int, Any]:
+    """:func:`storage_key` of ``tensor`` and a weak reference to its storage
+    (:func:`storage_alive`), holding none of it: a hooked segment asks both of every value it
+    reports (:mod:`graphckpt.hooked`), so the storage is looked up once.
 
-    ``torch.multiprocessing.reductions.StorageWeakRef``. Checked on 2.13.
+    ``torch.multiprocessing.reductions.StorageWeakRef`` (imported by ``import torch`` itself).
+    Checked on 2.13.
     """
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(tensor.untyped_storage())
+    storage = tensor.untyped_storage()
+    return storage._cdata, StorageWeakRef(storage)
 
 
 def storage_alive(reference: Any) -> bool:
-    """Whether the storage of a :func:`storage_ref` still exists: while it does, no other
-    storage has its address (:func:`storage_key`)."""
+    """Whether the storage behind a :func:`storage_key_and_ref` reference still exists: while
+    it does, no other storage has its address (:func:`storage_key`)."""
     return not reference.expired()
 
 
