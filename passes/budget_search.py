@@ -19,9 +19,16 @@ from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fit
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
-from passes.keeps import best_with_keeps, best_without_keeps, leaf_segments, selective_start
+from passes.keeps import (
+    MANY_STARTS_UP_TO,
+    best_with_keeps,
+    best_without_keeps,
+    leaf_segments,
+    least_with_keeps,
+    selective_start,
+)
 from passes.optimal import DynamicProgram, plan_for_budget
-from passes.plan import Plan, Progress, build_plan, simulated
+from passes.plan import Candidate, Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
 from passes.relaxed import Rounded, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, search
@@ -119,6 +126,11 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                                     "from it and the plans before it")
     if rounded.plan is not None and rounded.plan.cost_key < chosen.cost_key:  # values held once made again
         chosen, origin = rounded.plan, _relaxed_origin(rounded.plan)
+    unsimulated = _unsimulated_filled(graph, flat, tried, budget_bytes, chosen.cost_key[0])
+    if unsimulated is not None and unsimulated.cost_key < chosen.cost_key:
+        chosen, origin = unsimulated, (f"the {unsimulated.strategy} plan with {len(unsimulated.segments)} segments, "
+                                       f"keeping {_kept_count(unsimulated)} values of its recomputed segments chosen "
+                                       "one by one (a flat plan rated dearer before its keeps)")
     exact = exact_plan(graph, budget_bytes, exact_seconds, beat=chosen.cost_key[0])
     if exact is not None and exact.cost_key < chosen.cost_key:
         chosen, origin = exact, f"the exact solver's schedule (passes.exact), recomputing less than {origin}"
@@ -140,6 +152,30 @@ def _to_fill(graph: nx.DiGraph, program: DynamicProgram, tried: Sequence[Plan], 
     """The plans to fill with kept values or trim of them: the program's plans built so far,
     the flat plans simulated, and the selective starts for this budget."""
     return [*program.plans(), *tried, *selective_start(graph, budget_bytes)]
+
+
+UNSIMULATED_STARTS = 8  # flat plans not simulated by the budget search, filled with keeps: those that could end cheapest
+
+
+def _unsimulated_filled(graph: nx.DiGraph, flat: Sequence[Candidate], tried: Sequence[Plan], budget_bytes: int,
+                        beat: float) -> Plan | None:
+    """:func:`passes.keeps.best_with_keeps` over the flat plans :func:`cheapest_fitting` did
+    not simulate (it stops at the cheapest plan as it stands) whose forward floor fits: the
+    :data:`UNSIMULATED_STARTS` that, keeping every value they could, would recompute least,
+    if less than ``beat`` (:func:`passes.keeps.least_with_keeps`); ``None`` on
+    graphs over :data:`passes.keeps.MANY_STARTS_UP_TO` ops. A dearer plan can end cheaper
+    once its spare memory keeps values: on Hugging Face LLaMA at 0.5 of eager a min-cut plan
+    of 26 segments, rated dearer than the dynamic program's, ends a third cheaper keeping
+    113 values. Tried last, beside the plan the other steps chose, since a different start
+    changes what the local search after the keeps finds (:func:`passes.search.search`)."""
+    if len(op_nodes(graph)) > MANY_STARTS_UP_TO:
+        return None
+    simulated_already = {plan.segments for plan in tried}
+    bounded = [(bound, index) for index, c in enumerate(flat)
+               if c.segments not in simulated_already and (bound := least_with_keeps(graph, c)) < beat
+               and forward_floor(graph, c.segments) <= budget_bytes]
+    starts = [simulated(graph, flat[index]) for _, index in sorted(bounded)[:UNSIMULATED_STARTS]]
+    return best_with_keeps(graph, starts, budget_bytes, starts=UNSIMULATED_STARTS)
 
 
 def _relaxed_origin(plan: Plan) -> str:

@@ -296,7 +296,7 @@ def best_with_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: floa
     return min(improved, key=lambda plan: (*plan.cost_key, plan.peak_bytes), default=None)
 
 
-def least_with_keeps(graph: nx.DiGraph, plan: Plan) -> int:
+def least_with_keeps(graph: nx.DiGraph, plan: Plan | Candidate) -> int:
     """The recompute FLOPs of ``plan`` keeping every value :func:`ranked_keeps` offers, memory
     aside: no plan :func:`with_keeps` makes of it recomputes less (each value kept takes its
     rerun away), so a start that cannot beat a plan already found is not simulated."""
