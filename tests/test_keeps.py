@@ -8,12 +8,14 @@ value, nor leave out one matmul of a segment.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 
 import networkx as nx
 import pytest
 
+import passes.budget_search
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
@@ -160,3 +162,19 @@ def test_a_chain_at_torch_compiles_memory_gets_a_plan_as_cheap_as_torch_compiles
     plan = fit_budget(graph, compile_like.peak_bytes)
     assert plan.peak_bytes <= compile_like.peak_bytes
     assert plan.cost_key <= compile_like.cost_key, plan.notes[0]
+
+
+def test_a_flat_plan_the_search_never_simulated_is_filled_with_keeps_too(monkeypatch) -> None:
+    """U-Net's stored zoo cost graph (FLOPs), planned ``optimal`` (at ``auto``'s peak): a
+    min-cut plan rated dearer than the dynamic program's, which the flat search stops before
+    simulating, recomputes least once its spare memory keeps values."""
+    from graphckpt.api import plan_cost_graph
+    from tests.plan_snapshot import SNAPSHOT, graph_from_data
+
+    graph = graph_from_data(json.loads(SNAPSHOT.read_text())["unet"]["graph"])
+    plan = plan_cost_graph(graph, "optimal")
+    monkeypatch.setattr(passes.budget_search, "_unsimulated_filled", lambda *args: None)
+    without = plan_cost_graph(graph, "optimal")
+    assert plan.peak_bytes <= plan_cost_graph(graph, "auto").peak_bytes
+    assert plan.recompute_flops < without.recompute_flops
+    assert "a flat plan rated dearer before its keeps" in plan.notes[0]
