@@ -173,9 +173,9 @@ def _unsimulated_filled(graph: nx.DiGraph, flat: Sequence[Candidate], tried: Seq
     if len(op_nodes(graph)) > MANY_STARTS_UP_TO:
         return None
     simulated_already = {plan.segments for plan in tried}
-    bounded = [(bound, index) for index, c in enumerate(flat)
-               if c.segments not in simulated_already and (bound := least_with_keeps(graph, c)) < beat
-               and forward_floor(graph, c.segments) <= budget_bytes]
+    bounded = [(bound, index) for index, c in enumerate(flat)  # the floor first: half the bound's price
+               if c.segments not in simulated_already and forward_floor(graph, c.segments) <= budget_bytes
+               and (bound := least_with_keeps(graph, c)) < beat]
     starts = [simulated(graph, flat[index]) for _, index in sorted(bounded)[:UNSIMULATED_STARTS]]
     return best_with_keeps(graph, starts, budget_bytes, starts=UNSIMULATED_STARTS)
 
