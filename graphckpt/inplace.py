@@ -3,9 +3,10 @@
 A recomputed segment starts again from the values kept at its boundary; if an in-place op
 later wrote into one of them, the recompute would read the wrong data. Two defences:
 
-1. :func:`isolate_inplace` gives each in-place op on an activation a private copy to
-   write into (``clone`` right before it) whenever nothing else reads the old value
-   afterwards, so the written storage never needs to be a boundary.
+1. :func:`isolate_inplace` gives each in-place op on an activation a tensor of its own to
+   write (its out-of-place twin, ``relu`` for ``relu_``, or a ``clone`` right before it)
+   whenever nothing else reads the old value afterwards, so the written storage never
+   needs to be a boundary.
 2. :func:`mutation_constraints` marks what is left: values written in place later may not
    be kept at a boundary (``cuttable=False``), and anything reading an input, parameter or
    buffer that is written in place may not be recomputed (``recomputable=False``), unless
@@ -15,9 +16,11 @@ later wrote into one of them, the recompute would read the wrong data. Two defen
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -77,10 +80,28 @@ def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
         return _schema_written_arguments(node)
     if node.target in FUNCTIONAL_NORMS:
         return _functional_norm_written(node)
-    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+    if node.target in _INPLACE_OPERATORS or _inplace_flag(node):
         return first
     name = getattr(node.target, "__name__", "")
     return first if name.endswith("_") and not name.startswith("_") else []
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether a call passes ``inplace=True``, by keyword or by position (``F.relu(x, True)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    position = _inplace_position(node.target)
+    return position is not None and position < len(node.args) and node.args[position] is True
+
+
+@functools.cache
+def _inplace_position(function: Any) -> int | None:
+    """Where a function takes ``inplace`` among its positional parameters; ``None`` if it does not."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    return names.index("inplace") if "inplace" in names else None
 
 
 def view_parents(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost]) -> dict[fx.Node, fx.Node]:
@@ -119,15 +140,72 @@ def _sharing_storage(node: fx.Node, nodes: Sequence[fx.Node],
     return [n for n in nodes if roots[n] is roots[node]]
 
 
+def out_of_place_twin(graph_module: fx.GraphModule, node: fx.Node) -> tuple[str, Any, tuple, dict] | None:
+    """The ``(op, target, args, kwargs)`` computing what in-place ``node`` writes into a new
+    tensor instead, for the in-place ops whose out-of-place twin saves for backward only
+    its result, as they do (``relu``, ``sigmoid``, ``tanh``), or nothing (``add``, ``sub``,
+    ``mul``, ``div`` by a Python number); ``None`` for any other op.
+
+    Run instead of a ``clone`` and the in-place op (:func:`isolate_inplace`), the twin makes
+    the same value with one pass over memory instead of two, and leaves the same tensors
+    alive. Twins saving their input (``hardtanh`` for ``ReLU6``, ``leaky_relu``, ``elu``)
+    would keep the input alive beside the result, which eager does not, so those keep the
+    clone. A ``ReLU(inplace=True)`` module becomes ``torch.nn.functional.relu``: the module
+    holds nothing and the user's model keeps its own flag.
+
+    >>> graph_module = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True)))
+    >>> out_of_place_twin(graph_module, list(graph_module.graph.nodes)[2])[1].__name__
+    'relu'
+    """
+    x = node.args[0] if node.args else None
+    if node.op == "call_module":
+        module = graph_module.get_submodule(node.target)
+        inplace = type(module) is torch.nn.ReLU and module.inplace is True
+        return ("call_function", torch.nn.functional.relu, (x,), {}) if inplace and len(node.args) == 1 else None
+    if node.op == "call_method" and not node.kwargs:
+        if len(node.args) == 1 and node.target in _TWIN_METHODS:
+            return ("call_method", _TWIN_METHODS[node.target], node.args, {})
+        if _by_a_number(node) and node.target in _SCALAR_TWIN_METHODS:
+            return ("call_method", _SCALAR_TWIN_METHODS[node.target], node.args, {})
+        return None
+    if node.op == "call_function" and node.target in _SCALAR_TWIN_OPERATORS and _by_a_number(node):
+        return ("call_function", _SCALAR_TWIN_OPERATORS[node.target], node.args, {})
+    if node.op != "call_function" or len(node.args) + len(node.kwargs) != 1 + _inplace_flag(node):
+        return None
+    if node.target in _TWIN_FUNCTIONS:
+        return ("call_function", _TWIN_FUNCTIONS[node.target], (x,), {})
+    if node.target is torch.nn.functional.relu and _inplace_flag(node):
+        return ("call_function", torch.nn.functional.relu, (x,), {})
+    return None
+
+
+def _by_a_number(node: fx.Node) -> bool:
+    """Whether ``node`` is ``value <op> number`` with a Python number: then the out-of-place
+    op keeps the value's dtype wherever the in-place one runs, and saves nothing either way
+    (a tensor operand could promote the dtype, so it keeps its clone)."""
+    return (len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], fx.Node)
+            and isinstance(node.args[1], (int, float)))
+
+
+_TWIN_METHODS = {"relu_": "relu", "sigmoid_": "sigmoid", "tanh_": "tanh"}
+_SCALAR_TWIN_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+_SCALAR_TWIN_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                          operator.itruediv: operator.truediv}
+_TWIN_FUNCTIONS = {torch.relu_: torch.relu, torch.nn.functional.relu_: torch.nn.functional.relu,
+                   torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh}
+
+
 def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node]) -> int:
-    """Insert a ``clone`` before each in-place op on an activation that can take one.
+    """Give each in-place op on an activation that can take one a tensor of its own to
+    write: run its out-of-place twin instead (:func:`out_of_place_twin`), or else insert a
+    ``clone`` before it, so that the written storage never needs to be a boundary.
 
     Safe when no other value sharing the written storage is read after the op: readers of
-    the written value itself after the op are pointed at the copy. ``parents`` (from
-    :func:`view_parents`) is kept up to date. Returns how many clones were inserted.
+    the written value itself after the op are pointed at the new tensor. ``parents`` (from
+    :func:`view_parents`) is kept up to date. Returns how many ops were changed.
     """
     graph = graph_module.graph
-    inserted = 0
+    changed = 0
     for node in list(graph.nodes):
         written = mutated_arguments(graph_module, node)
         if len(written) != 1:
@@ -141,17 +219,23 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
         if any(position[r] > position[node] for n in group if n is not target and position[n] < position[node]
                for r in n.users):
             continue
-        with graph.inserting_before(node):
-            copy = graph.call_method("clone", (target,))
+        twin = out_of_place_twin(graph_module, node)
+        if twin is not None:
+            node.op, node.target, node.args, node.kwargs = twin
+            parents.pop(node, None)
+            written_to = node
+        else:
+            with graph.inserting_before(node):
+                written_to = graph.call_method("clone", (target,))
         for reader in list(target.users):
-            if reader is node or (reader is not copy and position[reader] > position[node]):
-                reader.replace_input_with(target, copy)
+            if reader is not written_to and (reader is node or position[reader] > position[node]):
+                reader.replace_input_with(target, written_to)
                 if parents.get(reader) is target:
-                    parents[reader] = copy
-        inserted += 1
-    if inserted:
+                    parents[reader] = written_to
+        changed += 1
+    if changed:
         graph_module.recompile()
-    return inserted
+    return changed
 
 
 class MutationConstraints(NamedTuple):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import operator
+import re
 
 import pytest
 import torch
@@ -64,6 +66,38 @@ def test_inplace_ops_cannot_corrupt_a_kept_boundary(strategy: str) -> None:
     for segments in (2, 3, 5, 8):
         rewritten = graphckpt.rewrite(model, (x,), strategy=strategy, segments=segments)
         assert_trains_like(reference, model, rewritten, (x,))
+
+
+class InPlaceWithTensor(nn.Module):
+    """An in-place add of a tensor (its out-of-place form could promote the dtype), then the
+    in-place ReLU family, with the written tensor read again after each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.relu = nn.Linear(16, 16), nn.Linear(16, 16), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.add_(x)
+        h.mul_(2)
+        self.relu(h)
+        g = self.b(h)
+        torch.sigmoid_(g)
+        return g * h
+
+
+def test_inplace_relu_and_scalar_writes_run_out_of_place_without_a_copy() -> None:
+    """``ReLU(inplace=True)``, ``relu_``, ``sigmoid_`` and ``mul_(2)`` run as their
+    out-of-place twins (one pass over memory instead of a ``clone`` and the write); an
+    in-place add of a tensor keeps its ``clone``. Gradients are eager's either way."""
+    for module, inputs, clones in ((InPlaceChain(), (torch.randn(4, 16),), 0),
+                                   (InPlaceWithTensor(), (torch.randn(4, 16),), 1)):
+        reference, model = fresh_pair(module)
+        rewritten = graphckpt.rewrite(model, inputs, strategy="sqrt", segments=2)
+        code = "\n".join(m.code for m in rewritten.modules() if isinstance(m, torch.fx.GraphModule))
+        assert re.findall(r"\.[a-z]+_\(", code) == [".add_("] * clones, code
+        assert code.count(".clone()") == clones, code
+        assert_trains_like(reference, model, rewritten, inputs)
 
 
 def test_eval_and_no_grad_run_without_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,3 +304,20 @@ def test_keyword_only_example_inputs_are_profiled() -> None:
     reference, model = fresh_pair(model)
     assert_trains_like(reference, model, graphckpt.rewrite(model, example_kwargs={"x": x, "y": y}), (),
                        {"x": x, "y": y})
+
+
+def test_an_inplace_flag_passed_by_position_is_a_write() -> None:
+    """``F.relu(h, True)`` writes ``h`` as ``F.relu(h, inplace=True)`` does: both are seen
+    as writes (and run out of place); ``F.dropout(h, 0.1, True, True)`` too (it keeps a clone)."""
+    import torch.nn.functional as F
+
+    from graphckpt.inplace import mutated_arguments
+
+    def forward(x):
+        h = x * 3
+        return F.relu(h, True), F.relu(h, inplace=True), F.dropout(h, 0.1, True, True), F.relu(h)
+
+    graph_module = torch.fx.symbolic_trace(forward)
+    calls = [node for node in graph_module.graph.nodes if node.op == "call_function" and node.target is not operator.mul]
+    h = next(node for node in graph_module.graph.nodes if node.name == "mul")
+    assert [mutated_arguments(graph_module, node) for node in calls] == [[h], [h], [h], []]
