@@ -80,7 +80,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
                        view_parents(graph_module, {}), measured=False)
     costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     parents = view_parents(graph_module, costs)
-    if isolate_inplace(graph_module, parents):
+    if isolate_inplace(graph_module, parents, costs):
         costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     rng = rng_state_bytes(graph_module, args, kwargs)
     device = model_device(graph_module, args, kwargs)

@@ -140,11 +140,13 @@ def _sharing_storage(node: fx.Node, nodes: Sequence[fx.Node],
     return [n for n in nodes if roots[n] is roots[node]]
 
 
-def out_of_place_twin(graph_module: fx.GraphModule, node: fx.Node) -> tuple[str, Any, tuple, dict] | None:
+def out_of_place_twin(graph_module: fx.GraphModule, node: fx.Node,
+                      costs: Mapping[str, NodeCost] | None = None) -> tuple[str, Any, tuple, dict] | None:
     """The ``(op, target, args, kwargs)`` computing what in-place ``node`` writes into a new
     tensor instead, for the in-place ops whose out-of-place twin saves for backward only
     its result, as they do (``relu``, ``sigmoid``, ``tanh``), or nothing (``add``, ``sub``,
-    ``mul``, ``div`` by a Python number); ``None`` for any other op.
+    ``mul``, ``div`` by a Python number; ``add``, ``sub`` of a tensor of the same dtype, as
+    measured in ``costs``: a ResNet block's ``out += identity``); ``None`` for any other op.
 
     Run instead of a ``clone`` and the in-place op (:func:`isolate_inplace`), the twin makes
     the same value with one pass over memory instead of two, and leaves the same tensors
@@ -167,8 +169,11 @@ def out_of_place_twin(graph_module: fx.GraphModule, node: fx.Node) -> tuple[str,
             return ("call_method", _TWIN_METHODS[node.target], node.args, {})
         if _by_a_number(node) and node.target in _SCALAR_TWIN_METHODS:
             return ("call_method", _SCALAR_TWIN_METHODS[node.target], node.args, {})
+        if _by_same_dtype(node, costs) and node.target in _SUM_TWIN_METHODS:
+            return ("call_method", _SUM_TWIN_METHODS[node.target], node.args, {})
         return None
-    if node.op == "call_function" and node.target in _SCALAR_TWIN_OPERATORS and _by_a_number(node):
+    if node.op == "call_function" and node.target in _SCALAR_TWIN_OPERATORS and (
+            _by_a_number(node) or (node.target in _SUM_OPERATORS and _by_same_dtype(node, costs))):
         return ("call_function", _SCALAR_TWIN_OPERATORS[node.target], node.args, {})
     if node.op != "call_function" or len(node.args) + len(node.kwargs) != 1 + _inplace_flag(node):
         return None
@@ -187,7 +192,18 @@ def _by_a_number(node: fx.Node) -> bool:
             and isinstance(node.args[1], (int, float)))
 
 
+def _by_same_dtype(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> bool:
+    """Whether ``node`` is ``value <op> other`` with ``other`` a tensor of ``value``'s one
+    dtype: then the out-of-place op makes the dtype and shape the in-place one writes."""
+    if len(node.args) != 2 or node.kwargs or not costs or not all(isinstance(a, fx.Node) for a in node.args):
+        return False
+    dtypes = [costs[a.name].dtype if a.name in costs else "" for a in node.args]
+    return bool(dtypes[0]) and "," not in dtypes[0] and dtypes[0] == dtypes[1]
+
+
 _TWIN_METHODS = {"relu_": "relu", "sigmoid_": "sigmoid", "tanh_": "tanh"}
+_SUM_TWIN_METHODS = {"add_": "add", "sub_": "sub"}  # their backward saves neither operand
+_SUM_OPERATORS = (operator.iadd, operator.isub)
 _SCALAR_TWIN_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
 _SCALAR_TWIN_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                           operator.itruediv: operator.truediv}
@@ -195,14 +211,16 @@ _TWIN_FUNCTIONS = {torch.relu_: torch.relu, torch.nn.functional.relu_: torch.nn.
                    torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh}
 
 
-def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node]) -> int:
+def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node],
+                    costs: Mapping[str, NodeCost] | None = None) -> int:
     """Give each in-place op on an activation that can take one a tensor of its own to
     write: run its out-of-place twin instead (:func:`out_of_place_twin`), or else insert a
     ``clone`` before it, so that the written storage never needs to be a boundary.
 
     Safe when no other value sharing the written storage is read after the op: readers of
     the written value itself after the op are pointed at the new tensor. ``parents`` (from
-    :func:`view_parents`) is kept up to date. Returns how many ops were changed.
+    :func:`view_parents`) is kept up to date; ``costs``, the measured nodes, tell dtypes
+    (:func:`out_of_place_twin`). Returns how many ops were changed.
     """
     graph = graph_module.graph
     changed = 0
@@ -219,7 +237,7 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
         if any(position[r] > position[node] for n in group if n is not target and position[n] < position[node]
                for r in n.users):
             continue
-        twin = out_of_place_twin(graph_module, node)
+        twin = out_of_place_twin(graph_module, node, costs)
         if twin is not None:
             node.op, node.target, node.args, node.kwargs = twin
             parents.pop(node, None)

@@ -69,8 +69,9 @@ def test_inplace_ops_cannot_corrupt_a_kept_boundary(strategy: str) -> None:
 
 
 class InPlaceWithTensor(nn.Module):
-    """An in-place add of a tensor (its out-of-place form could promote the dtype), then the
-    in-place ReLU family, with the written tensor read again after each write."""
+    """An in-place product with a tensor (its out-of-place form saves other tensors), an
+    in-place sum with one, then the in-place ReLU family, with the written tensor read again
+    after each write."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,7 +79,8 @@ class InPlaceWithTensor(nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        h.add_(x)
+        h.mul_(x)
+        h += x
         h.mul_(2)
         self.relu(h)
         g = self.b(h)
@@ -87,15 +89,16 @@ class InPlaceWithTensor(nn.Module):
 
 
 def test_inplace_relu_and_scalar_writes_run_out_of_place_without_a_copy() -> None:
-    """``ReLU(inplace=True)``, ``relu_``, ``sigmoid_`` and ``mul_(2)`` run as their
-    out-of-place twins (one pass over memory instead of a ``clone`` and the write); an
-    in-place add of a tensor keeps its ``clone``. Gradients are eager's either way."""
+    """``ReLU(inplace=True)``, ``relu_``, ``sigmoid_``, ``mul_(2)`` and ``+=`` a tensor of the
+    same dtype run as their out-of-place twins (one pass over memory instead of a ``clone``
+    and the write); an in-place product with a tensor keeps its ``clone``. Gradients are
+    eager's either way."""
     for module, inputs, clones in ((InPlaceChain(), (torch.randn(4, 16),), 0),
                                    (InPlaceWithTensor(), (torch.randn(4, 16),), 1)):
         reference, model = fresh_pair(module)
         rewritten = graphckpt.rewrite(model, inputs, strategy="sqrt", segments=2)
         code = "\n".join(m.code for m in rewritten.modules() if isinstance(m, torch.fx.GraphModule))
-        assert re.findall(r"\.[a-z]+_\(", code) == [".add_("] * clones, code
+        assert re.findall(r"\.[a-z]+_\(", code) == [".mul_("] * clones, code
         assert code.count(".clone()") == clones, code
         assert_trains_like(reference, model, rewritten, inputs)
 
