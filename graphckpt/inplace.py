@@ -159,28 +159,51 @@ def out_of_place_twin(graph_module: fx.GraphModule, node: fx.Node,
     >>> out_of_place_twin(graph_module, list(graph_module.graph.nodes)[2])[1].__name__
     'relu'
     """
-    x = node.args[0] if node.args else None
     if node.op == "call_module":
-        module = graph_module.get_submodule(node.target)
-        inplace = type(module) is torch.nn.ReLU and module.inplace is True
-        return ("call_function", torch.nn.functional.relu, (x,), {}) if inplace and len(node.args) == 1 else None
-    if node.op == "call_method" and not node.kwargs:
-        if len(node.args) == 1 and node.target in _TWIN_METHODS:
-            return ("call_method", _TWIN_METHODS[node.target], node.args, {})
-        if _by_a_number(node) and node.target in _SCALAR_TWIN_METHODS:
-            return ("call_method", _SCALAR_TWIN_METHODS[node.target], node.args, {})
-        if _by_same_dtype(node, costs) and node.target in _SUM_TWIN_METHODS:
-            return ("call_method", _SUM_TWIN_METHODS[node.target], node.args, {})
+        return _module_twin(graph_module.get_submodule(node.target), node)
+    if node.op == "call_method":
+        return _method_twin(node, costs)
+    if node.op == "call_function":
+        return _function_twin(node, costs)
+    return None
+
+
+def _module_twin(module: torch.nn.Module, node: fx.Node) -> tuple[str, Any, tuple, dict] | None:
+    """``ReLU(inplace=True)`` as ``torch.nn.functional.relu`` (exactly ``ReLU``: a subclass may do more)."""
+    if type(module) is torch.nn.ReLU and module.inplace is True and len(node.args) == 1 and not node.kwargs:
+        return ("call_function", torch.nn.functional.relu, node.args, {})
+    return None
+
+
+def _method_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple[str, Any, tuple, dict] | None:
+    """``x.relu_()`` as ``x.relu()``, ``x.mul_(2)`` as ``x.mul(2)``, ``x.add_(y)`` as ``x.add(y)``."""
+    if node.kwargs:
         return None
-    if node.op == "call_function" and node.target in _SCALAR_TWIN_OPERATORS and (
-            _by_a_number(node) or (node.target in _SUM_OPERATORS and _by_same_dtype(node, costs))):
-        return ("call_function", _SCALAR_TWIN_OPERATORS[node.target], node.args, {})
-    if node.op != "call_function" or len(node.args) + len(node.kwargs) != 1 + _inplace_flag(node):
+    if len(node.args) == 1 and node.target in _TWIN_METHODS:
+        twin = _TWIN_METHODS[node.target]
+    elif _by_a_number(node) and node.target in _SCALAR_TWIN_METHODS:
+        twin = _SCALAR_TWIN_METHODS[node.target]
+    elif _by_same_dtype(node, costs) and node.target in _SUM_TWIN_METHODS:
+        twin = _SUM_TWIN_METHODS[node.target]
+    else:
+        return None
+    return ("call_method", twin, node.args, {})
+
+
+def _function_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple[str, Any, tuple, dict] | None:
+    """``torch.relu_(x)`` or ``F.relu(x, inplace=True)`` as ``relu(x)``; ``x += 2`` or ``x += y``
+    as ``x + 2``, ``x + y``."""
+    if node.target in _SCALAR_TWIN_OPERATORS:
+        if _by_a_number(node) or (node.target in _SUM_OPERATORS and _by_same_dtype(node, costs)):
+            return ("call_function", _SCALAR_TWIN_OPERATORS[node.target], node.args, {})
+        return None
+    inplace = _inplace_flag(node)
+    if len(node.args) + len(node.kwargs) != 1 + inplace:  # the value, and the flag if it is one
         return None
     if node.target in _TWIN_FUNCTIONS:
-        return ("call_function", _TWIN_FUNCTIONS[node.target], (x,), {})
-    if node.target is torch.nn.functional.relu and _inplace_flag(node):
-        return ("call_function", torch.nn.functional.relu, (x,), {})
+        return ("call_function", _TWIN_FUNCTIONS[node.target], node.args[:1], {})
+    if node.target is torch.nn.functional.relu and inplace:
+        return ("call_function", torch.nn.functional.relu, node.args[:1], {})
     return None
 
 
