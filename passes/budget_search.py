@@ -110,7 +110,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if kept is not None and kept.cost_key < chosen.cost_key:
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
             origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
-        chosen, origin = kept, f"{origin}, keeping {_kept_count(kept)} values of its recomputed segments chosen one by one"
+        chosen, origin = kept, _with_keeps_origin(kept, origin)
     trimmed = best_without_keeps(graph, built, budget_bytes)
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
@@ -128,9 +128,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         chosen, origin = rounded.plan, _relaxed_origin(rounded.plan)
     unsimulated = _unsimulated_filled(graph, flat, tried, budget_bytes, chosen.cost_key[0])
     if unsimulated is not None and unsimulated.cost_key < chosen.cost_key:
-        chosen, origin = unsimulated, (f"the {unsimulated.strategy} plan with {len(unsimulated.segments)} segments, "
-                                       f"keeping {_kept_count(unsimulated)} values of its recomputed segments chosen "
-                                       "one by one (a flat plan rated dearer before its keeps)")
+        start = f"the {unsimulated.strategy} plan with {len(unsimulated.segments)} segments"
+        chosen, origin = unsimulated, f"{_with_keeps_origin(unsimulated, start)} (a flat plan rated dearer before its keeps)"
     exact = exact_plan(graph, budget_bytes, exact_seconds, beat=chosen.cost_key[0])
     if exact is not None and exact.cost_key < chosen.cost_key:
         chosen, origin = exact, f"the exact solver's schedule (passes.exact), recomputing less than {origin}"
@@ -220,6 +219,11 @@ def _layout(segments: Sequence[Segment]) -> list[tuple]:
     """What a plan runs: each segment's nodes, whether it is recomputed, what it keeps and
     its nested segments (a selective variant of a plan is another plan)."""
     return [(s.nodes, s.recompute, s.saved_inside, _layout(s.children)) for s in segments]
+
+
+def _with_keeps_origin(plan: Plan, start: str) -> str:
+    """How ``plan``, ``start`` filled with kept values (:func:`passes.keeps.with_keeps`), came about."""
+    return f"{start}, keeping {_kept_count(plan)} values of its recomputed segments chosen one by one"
 
 
 def _kept_count(plan: Plan) -> int:
