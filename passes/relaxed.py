@@ -37,6 +37,9 @@ from passes.segments import Segment
 from passes.simulate import peak_within
 
 RELAXED_MAX_OPS = MAX_OPS
+RELAXED_SECONDS = 3.0  # the LP relaxation's limit: random DAGs of 60 ops solve it in 0.8-2.9 s on a 2-core
+# EPYC (their rounded plans recompute up to 60% less at 0.3-0.7 of eager); the zoo ResNet's 56 ops (BatchNorm)
+# need 6-10 s and its rounded plans lost to the dynamic program's: 5 s spent for nothing on every budget
 THRESHOLDS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)  # a value held at least this much is kept
 
 
@@ -108,7 +111,7 @@ def relaxed_plans(graph: nx.DiGraph, budget_bytes: float) -> Rounded:
     whole = whole_graph(graph)
     if not _any_hooked(graph, keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})):
         return NOTHING_ROUNDED
-    holds = relaxed_holds(graph, budget_bytes)
+    holds = relaxed_holds(graph, budget_bytes, time_limit=RELAXED_SECONDS)
     if holds is None:
         return NOTHING_ROUNDED
     best: Plan | None = None
