@@ -176,27 +176,17 @@ def _module_twin(module: torch.nn.Module, node: fx.Node) -> tuple[str, Any, tupl
 
 
 def _method_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple[str, Any, tuple, dict] | None:
-    """``x.relu_()`` as ``x.relu()``, ``x.mul_(2)`` as ``x.mul(2)``, ``x.add_(y)`` as ``x.add(y)``."""
-    if node.kwargs:
-        return None
-    if len(node.args) == 1 and node.target in _TWIN_METHODS:
-        twin = _TWIN_METHODS[node.target]
-    elif _by_a_number(node) and node.target in _SCALAR_TWIN_METHODS:
-        twin = _SCALAR_TWIN_METHODS[node.target]
-    elif _by_same_dtype(node, costs) and node.target in _SUM_TWIN_METHODS:
-        twin = _SUM_TWIN_METHODS[node.target]
-    else:
-        return None
-    return ("call_method", twin, node.args, {})
+    """``x.relu_()`` as ``x.relu()``; in-place arithmetic as :func:`_arithmetic_twin` says."""
+    if len(node.args) == 1 and not node.kwargs and node.target in _UNARY_METHOD_TWINS:
+        return ("call_method", _UNARY_METHOD_TWINS[node.target], node.args, {})
+    return _arithmetic_twin(node, costs)
 
 
 def _function_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple[str, Any, tuple, dict] | None:
-    """``torch.relu_(x)`` or ``F.relu(x, inplace=True)`` as ``relu(x)``; ``x += 2`` or ``x += y``
-    as ``x + 2``, ``x + y``."""
-    if node.target in _SCALAR_TWIN_OPERATORS:
-        if _by_a_number(node) or (node.target in _SUM_OPERATORS and _by_same_dtype(node, costs)):
-            return ("call_function", _SCALAR_TWIN_OPERATORS[node.target], node.args, {})
-        return None
+    """``torch.relu_(x)`` or ``F.relu(x, inplace=True)`` as ``relu(x)``; in-place arithmetic
+    (``x += 2``) as :func:`_arithmetic_twin` says."""
+    if node.target in _ARITHMETIC_TWINS:
+        return _arithmetic_twin(node, costs)
     inplace = _inplace_flag(node)
     if len(node.args) + len(node.kwargs) != 1 + inplace:  # the value, and the flag if it is one
         return None
@@ -205,6 +195,16 @@ def _function_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple
     if node.target is torch.nn.functional.relu and inplace:
         return ("call_function", torch.nn.functional.relu, node.args[:1], {})
     return None
+
+
+def _arithmetic_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple[str, Any, tuple, dict] | None:
+    """``x.mul_(2)`` as ``x.mul(2)`` and ``x += 2`` as ``x + 2`` (by a Python number); ``x.add_(y)``
+    and ``x += y`` as ``x.add(y)``, ``x + y`` (a tensor of the same dtype, sums only: their
+    backward saves neither operand, a product's saves both)."""
+    twin = _ARITHMETIC_TWINS.get(node.target)
+    if twin is None or not (_by_a_number(node) or (twin in _SUMS and _by_same_dtype(node, costs))):
+        return None
+    return (node.op, twin, node.args, {})
 
 
 def _by_a_number(node: fx.Node) -> bool:
@@ -224,12 +224,10 @@ def _by_same_dtype(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> bool:
     return bool(dtypes[0]) and "," not in dtypes[0] and dtypes[0] == dtypes[1]
 
 
-_TWIN_METHODS = {"relu_": "relu", "sigmoid_": "sigmoid", "tanh_": "tanh"}
-_SUM_TWIN_METHODS = {"add_": "add", "sub_": "sub"}  # their backward saves neither operand
-_SUM_OPERATORS = (operator.iadd, operator.isub)
-_SCALAR_TWIN_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
-_SCALAR_TWIN_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-                          operator.itruediv: operator.truediv}
+_UNARY_METHOD_TWINS = {"relu_": "relu", "sigmoid_": "sigmoid", "tanh_": "tanh"}
+_ARITHMETIC_TWINS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", operator.iadd: operator.add,
+                     operator.isub: operator.sub, operator.imul: operator.mul, operator.itruediv: operator.truediv}
+_SUMS = {"add", "sub", operator.add, operator.sub}  # twins whose backward saves neither operand
 _TWIN_FUNCTIONS = {torch.relu_: torch.relu, torch.nn.functional.relu_: torch.nn.functional.relu,
                    torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh}
 
