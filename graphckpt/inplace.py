@@ -134,10 +134,39 @@ def _storage_roots(nodes: Sequence[fx.Node], parents: Mapping[fx.Node, fx.Node])
     return roots
 
 
-def _sharing_storage(node: fx.Node, nodes: Sequence[fx.Node],
-                     parents: Mapping[fx.Node, fx.Node]) -> list[fx.Node]:
-    roots = _storage_roots(nodes, parents)
-    return [n for n in nodes if roots[n] is roots[node]]
+def _view_children(parents: Mapping[fx.Node, fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """``parents`` turned round: each node's direct views."""
+    children: dict[fx.Node, list[fx.Node]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    return children
+
+
+def _sharing_storage(node: fx.Node, parents: Mapping[fx.Node, fx.Node],
+                     children: Mapping[fx.Node, list[fx.Node]]) -> list[fx.Node]:
+    """The nodes whose value shares ``node``'s storage: its root and every view below it,
+    found in the group's size rather than the graph's (a 2000-block stack with an in-place
+    ReLU and ``+=`` a block spent 6 s here when each op scanned the whole graph)."""
+    root = node
+    while root in parents:
+        root = parents[root]
+    group, stack = [], [root]
+    while stack:
+        member = stack.pop()
+        group.append(member)
+        stack.extend(children.get(member, ()))
+    return group
+
+
+def _reparent(parents: dict[fx.Node, fx.Node], children: dict[fx.Node, list[fx.Node]], node: fx.Node,
+              parent: fx.Node | None) -> None:
+    """Make ``node`` a view of ``parent`` (of nothing: ``None``) in both maps."""
+    old = parents.pop(node, None)
+    if old is not None:
+        children[old].remove(node)
+    if parent is not None:
+        parents[node] = parent
+        children.setdefault(parent, []).append(node)
 
 
 def out_of_place_twin(graph_module: fx.GraphModule, node: fx.Node,
@@ -245,14 +274,14 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
     """
     graph = graph_module.graph
     changed = 0
+    position: dict[fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}  # a clone: just before its op
+    children = _view_children(parents)
     for node in list(graph.nodes):
         written = mutated_arguments(graph_module, node)
         if len(written) != 1:
             continue
         target = written[0]
-        nodes = list(graph.nodes)
-        position = {n: i for i, n in enumerate(nodes)}
-        group = _sharing_storage(target, nodes, parents)
+        group = _sharing_storage(target, parents, children)
         if any(n.op in ("placeholder", "get_attr") for n in group):
             continue
         if any(position[r] > position[node] for n in group if n is not target and position[n] < position[node]
@@ -261,16 +290,17 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
         twin = out_of_place_twin(graph_module, node, costs)
         if twin is not None:
             node.op, node.target, node.args, node.kwargs = twin
-            parents.pop(node, None)
+            _reparent(parents, children, node, None)
             written_to = node
         else:
             with graph.inserting_before(node):
                 written_to = graph.call_method("clone", (target,))
+            position[written_to] = position[node] - 0.5
         for reader in list(target.users):
             if reader is not written_to and (reader is node or position[reader] > position[node]):
                 reader.replace_input_with(target, written_to)
                 if parents.get(reader) is target:
-                    parents[reader] = written_to
+                    _reparent(parents, children, reader, written_to)
         changed += 1
     if changed:
         graph_module.recompile()

@@ -33,9 +33,11 @@ STAGES = ("capture", "costs", "plan auto", "plan budget 0.25", "codegen", "total
 Row = dict[str, Any]  # "stack", "nodes" and seconds per stage; "plan budget 0.25" is None past the timeout
 ABOUT = ("Wall-clock seconds of each stage of `graphckpt.rewrite` on stacks of tiny blocks (width {w}, batch {b}), "
          "so tensor work is negligible, by fx node count: a *residual* stack (LayerNorm → Linear → GELU → Linear "
-         "+ residual, five fx nodes a block) and a *transformer*-like one (sequence {s}: pre-norm single-head "
+         "+ residual, five fx nodes a block), a *transformer*-like one (sequence {s}: pre-norm single-head "
          "attention with q/k/v/out projections, softmax and dropout 0.1, then a GELU MLP, a residual around each; "
-         "eighteen fx nodes a block). total = capture + costs (prepare + build_cost_graph) + plan auto + codegen; "
+         "eighteen fx nodes a block), and an *inplace* one (a ResNet basic block's pattern on Linears: ReLU(inplace=True), "
+         "`out += x`, ReLU(inplace=True); five fx nodes a block, three of them in-place writes). "
+         "total = capture + costs (prepare + build_cost_graph) + plan auto + codegen; "
          "plan budget 0.25 (the optimal pass at a quarter of eager's simulated peak) is a second plan, timed on its "
          "own and given up after {t} s. A warm-up rewrite of a tiny stack runs first; rewrites of up to "
          "{c} nodes are checked against eager's gradients. Growth: the exponent k of seconds ∝ nodes^k between "
@@ -75,9 +77,25 @@ class TransformerBlock(nn.Module):
         return x + self.down(self.act(self.up(self.norm2(x))))
 
 
+class InPlaceBlock(nn.Module):
+    """A ResNet basic block's pattern written in place: Linear -> ReLU(inplace=True) ->
+    Linear, ``out += x``, ReLU(inplace=True): five fx nodes, three of them in-place writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.act, self.out_act = nn.ReLU(inplace=True), nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(self.act(self.up(x)))
+        out += x
+        return self.out_act(out)
+
+
 STACKS: dict[str, tuple[type[nn.Module], int, tuple[int, ...]]] = {  # block, fx nodes a block, input shape
     "residual": (Block, 5, (BATCH, WIDTH)),
     "transformer": (TransformerBlock, 18, (BATCH, SEQ, WIDTH)),
+    "inplace": (InPlaceBlock, 5, (BATCH, WIDTH)),
 }
 
 

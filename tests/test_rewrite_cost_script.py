@@ -35,6 +35,13 @@ def test_an_exported_hugging_face_llama_is_a_stack_too() -> None:
     assert 150 <= row["nodes"] <= 300 and row["stack"] == "llama" and row["plan budget 0.25"] is not None
 
 
+def test_an_inplace_stack_is_rewritten_and_trains_like_eager() -> None:
+    """``--stacks inplace``: in-place ReLUs and ``out += x`` in every block (run as their
+    out-of-place twins), the rewrite checked against eager's gradients by ``measure``."""
+    row = load_script("rewrite_cost").measure(200, 5, "inplace")
+    assert row["stack"] == "inplace" and 190 <= row["nodes"] <= 210 and row["total"] > 0
+
+
 def test_a_plan_that_runs_too_long_is_given_up_even_when_its_error_is_wrapped() -> None:
     script = load_script("rewrite_cost")
 
