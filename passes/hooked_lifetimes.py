@@ -40,12 +40,23 @@ def last_needed(graph: nx.DiGraph, segment: SegmentLike) -> Mapping[str, str]:
         reads = {name: set().union(*(reads[v] for v in closure[name])) for name in reads}
     needed: dict[str, str] = {}
     drawn = set(redrawn(graph, segment))
+    earliest: dict[int, tuple[set[str], str]] = {}  # per read set: it, and the earliest op saving a reader
     for name in reversed(segment.nodes):  # backward's order: the last write per value wins
         for value in saved_by(graph, name, drawn):
             root = storage_root(graph, value)
             if root in sources:
                 needed[sources[root]] = name
-            for source in reads.get(root, ()):
+            read = reads.get(root)
+            if read is None:
+                continue
+            if id(read) not in earliest:  # a group's values share one set: walked once, not per saver
+                for source in read:
+                    needed[source] = name
+            earliest[id(read)] = (read, name)
+    position = {name: index for index, name in enumerate(segment.nodes)}
+    for read, name in earliest.values():
+        for source in read:
+            if position[name] < position[needed[source]]:
                 needed[source] = name
     return MappingProxyType(needed)  # shared by every caller (per_segment)
 
