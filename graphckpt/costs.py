@@ -16,8 +16,8 @@ import torch
 from torch import fx
 
 from graphckpt.dropout import dropout_call
-from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents
-from graphckpt.op_dedup import profile_costs
+from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents, writes_activations
+from graphckpt.op_dedup import forward_costs, profile_costs
 from graphckpt.profile import NodeCost
 from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
@@ -78,10 +78,12 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, {}), measured=False)
+    if writes_activations(graph_module):  # decided on a forward's views and dtypes, then profiled once
+        facts = forward_costs(graph_module, args, kwargs, dedup=dedup)
+        parents = view_parents(graph_module, facts)
+        isolate_inplace(graph_module, parents, facts)
     costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     parents = view_parents(graph_module, costs)
-    if isolate_inplace(graph_module, parents, costs):
-        costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     rng = rng_state_bytes(graph_module, args, kwargs)
     device = model_device(graph_module, args, kwargs)
     scalar = allocation_size(4, device)

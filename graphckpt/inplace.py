@@ -261,6 +261,13 @@ _TWIN_FUNCTIONS = {torch.relu_: torch.relu, torch.nn.functional.relu_: torch.nn.
                    torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh}
 
 
+def writes_activations(graph_module: fx.GraphModule) -> bool:
+    """Whether an op writes in place into a value the graph computes rather than straight
+    into an input or a buffer: whether :func:`isolate_inplace` may have work to do."""
+    return any(len(written) == 1 and written[0].op not in ("placeholder", "get_attr")
+               for written in (mutated_arguments(graph_module, node) for node in graph_module.graph.nodes))
+
+
 def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node],
                     costs: Mapping[str, NodeCost] | None = None) -> int:
     """Give each in-place op on an activation that can take one a tensor of its own to
