@@ -168,6 +168,22 @@ def test_the_training_profile_finds_every_view_an_eval_profile_finds(name: str, 
         assert view_parents(gm, train) != view_parents(gm, training_only)  # dropouts, views in eval
 
 
+@pytest.mark.parametrize("name", [*ZOO_NAMES, "stack"])
+def test_a_forward_alone_finds_the_views_and_dtypes_of_the_full_profile(name: str) -> None:
+    """:func:`graphckpt.op_dedup.forward_costs`, what in-place ops are decided on before the
+    graph is profiled (ResNet's ``ReLU(inplace=True)`` and ``out += identity``), sees every
+    view, eval-mode view (dropout), shape and dtype the full training profile sees."""
+    from graphckpt.tools import zoo
+
+    model, inputs = zoo.make(name) if name != "stack" else (Stack(3, 8, 0.1), torch.randn(2, 3, 8))
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    gm = capture(model, args, None).graph_module
+    facts, full = op_dedup.forward_costs(gm, args, None), op_dedup.profile_costs(gm, args, None)
+    assert {n: (c.alias_of, c.eval_alias_of, c.shape, c.dtype) for n, c in facts.items()} == \
+        {n: (c.alias_of, c.eval_alias_of, c.shape, c.dtype) for n, c in full.items()}
+    assert view_parents(gm, facts) == view_parents(gm, full)
+
+
 def test_op_timing_pools_repeated_calls_and_runs_the_graph_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     from graphckpt import timing
 
