@@ -27,7 +27,7 @@ from torch import fx
 
 from graphckpt.profile import NodeCost
 from graphckpt.state import FUNCTIONAL_NORMS, NORMS_WRITING_RUNNING_STATS, state_keys, state_roots
-from graphckpt.torch_compat import OpOverload, op_schema
+from graphckpt.torch_compat import OpOverload, op_schema, rename_node
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
@@ -280,7 +280,7 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
     (:func:`out_of_place_twin`). Returns how many ops were changed.
     """
     graph = graph_module.graph
-    changed = 0
+    changed, twinned = 0, []
     position: dict[fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}  # a clone: just before its op
     children = _view_children(parents)
     for node in list(graph.nodes):
@@ -296,9 +296,12 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
             continue
         twin = out_of_place_twin(graph_module, node, costs)
         if twin is not None:
+            named_inplace = node.name.startswith(_target_name(node)) and _target_name(node).endswith("_")
             node.op, node.target, node.args, node.kwargs = twin
             _reparent(parents, children, node, None)
             written_to = node
+            if named_inplace:
+                twinned.append(node)
         else:
             with graph.inserting_before(node):
                 written_to = graph.call_method("clone", (target,))
@@ -309,9 +312,19 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
                 if parents.get(reader) is target:
                     _reparent(parents, children, reader, written_to)
         changed += 1
+    for node in twinned:  # after the loop: ``costs`` name the nodes as captured
+        rename_node(node, _target_name(node))
     if changed:
         graph_module.recompile()
     return changed
+
+
+def _target_name(node: fx.Node) -> str:
+    """The name fx makes a call's node name from (``mul_`` for ``x.mul_(2)``, ``relu`` for
+    ``F.relu``): a twin named after its in-place op is renamed after its own, so generated
+    code reads ``mul_4 = layers_4.mul(1.5)``, not ``mul__4``; a module's twin keeps its
+    module path (``blocks_1_relu``)."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.name)
 
 
 class MutationConstraints(NamedTuple):

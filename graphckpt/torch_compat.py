@@ -267,6 +267,14 @@ def copy_graph_codegen(source: fx.Graph, target: fx.Graph) -> None:
     target.set_codegen(copy.deepcopy(source._codegen))
 
 
+def rename_node(node: fx.Node, candidate: str) -> None:
+    """Give ``node`` a fresh name made from ``candidate`` (fx adds a suffix where it is
+    taken), through fx's private ``Node._rename``; an fx without it keeps the old name."""
+    rename = getattr(node, "_rename", None)
+    if rename is not None:
+        rename(candidate)
+
+
 def clear_selective_cache(context: Any) -> None:
     """Drop what a selective-checkpoint recompute context kept (the ``cached`` half returned
     by ``torch.utils.checkpoint.create_selective_checkpoint_contexts``); nothing if the

@@ -91,8 +91,8 @@ class InPlaceWithTensor(nn.Module):
 def test_inplace_relu_and_scalar_writes_run_out_of_place_without_a_copy() -> None:
     """``ReLU(inplace=True)``, ``relu_``, ``sigmoid_``, ``mul_(2)`` and ``+=`` a tensor of the
     same dtype run as their out-of-place twins (one pass over memory instead of a ``clone``
-    and the write); an in-place product with a tensor keeps its ``clone``. Gradients are
-    eager's either way."""
+    and the write), named after the twin (``mul_4 = layers_4.mul(1.5)``, not ``mul__4``); an
+    in-place product with a tensor keeps its ``clone``. Gradients are eager's either way."""
     for module, inputs, clones in ((InPlaceChain(), (torch.randn(4, 16),), 0),
                                    (InPlaceWithTensor(), (torch.randn(4, 16),), 1)):
         reference, model = fresh_pair(module)
@@ -100,6 +100,8 @@ def test_inplace_relu_and_scalar_writes_run_out_of_place_without_a_copy() -> Non
         code = "\n".join(m.code for m in rewritten.modules() if isinstance(m, torch.fx.GraphModule))
         assert re.findall(r"\.[a-z]+_\(", code) == [".mul_("] * clones, code
         assert code.count(".clone()") == clones, code
+        for name, method in re.findall(r"(\w+) = \w+\.(\w+)\(", code):  # a twin is named after itself
+            assert method.endswith("_") or not (name.endswith("_") or "__" in name), f"{name} = ....{method}("
         assert_trains_like(reference, model, rewritten, inputs)
 
 
