@@ -296,7 +296,8 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
             continue
         twin = out_of_place_twin(graph_module, node, costs)
         if twin is not None:
-            named_inplace = node.name.startswith(_target_name(node)) and _target_name(node).endswith("_")
+            inplace_name = _target_name(node)
+            named_inplace = inplace_name.endswith("_") and node.name.startswith(inplace_name)
             node.op, node.target, node.args, node.kwargs = twin
             _reparent(parents, children, node, None)
             written_to = node
