@@ -198,6 +198,38 @@ def test_a_fixed_model_keeps_what_it_fixes() -> None:
     assert model.bounds != model.fixed(held).bounds  # fixing made a new model, this one unchanged
 
 
+def test_the_freed_neighbourhoods_fix_at_zero_only_what_the_relaxation_barely_holds() -> None:
+    """The smaller sub-MIPs of the guided solve fix each ``S`` the LP relaxation holds at most
+    a threshold at 0 and leave the others free, smallest sub-MIP (most fixed) first."""
+    from passes.checkmate import FREED_AT, _build, _freed_neighbourhoods, _recompute_cost
+
+    training = training_graph(chain(12))
+    model = _build(training, 4 * UNIT)
+    relaxation = model.solve(_recompute_cost(model, training), 20, relaxed=True)
+    S = [column for key, column in model.columns.items() if key[0] == "S"]
+    held = {column: relaxation.x[column] for column in S}
+    assert any(0.1 < share < 0.9 for share in held.values())  # a fractional relaxation: the case they are for
+    found = list(_freed_neighbourhoods(S, relaxation.x))
+    assert [share for _, share in found] == [share for _, share in FREED_AT]
+    for (fixed, _), (threshold, _) in zip(found, FREED_AT, strict=True):
+        assert fixed == {column: 0.0 for column, share in held.items() if share <= threshold}
+    assert all(set(later) <= set(earlier) for (earlier, _), (later, _) in pairwise(found))
+
+
+@pytest.mark.parametrize("graph, budget", [(chain(10), 55), (chain(12), 65), (chain(12), 78), (diamond_with_skip(), 68)])
+def test_the_guided_solve_proves_the_plain_solves_optimum(graph: nx.DiGraph, budget: int) -> None:
+    """Starting from sub-MIPs changes how fast a schedule is found, never which is least."""
+    from passes.checkmate import _build, _guided_solve, _recompute_cost
+
+    training = training_graph(graph)
+    model = _build(training, budget)
+    cost = _recompute_cost(model, training)
+    plain, guided = model.solve(cost, 30), _guided_solve(model, cost, 30, None)
+    assert plain.status == guided.status == "optimal"
+    assert guided.objective == pytest.approx(plain.objective)
+    assert float(cost @ guided.x) == pytest.approx(guided.objective)
+
+
 def test_time_limit_without_a_schedule_raises() -> None:
     with pytest.raises(TimeoutError, match="no schedule found"):
         checkmate_schedule(chain(30), 6 * UNIT, time_limit=0.0)
