@@ -163,6 +163,28 @@ def test_a_second_backward_through_one_forward_is_refused() -> None:
         loss.backward()
 
 
+def test_an_input_needing_a_gradient_the_example_did_not_is_refused_before_forward() -> None:
+    """Found by the random-model property test: an op reading an input that needs a gradient
+    saves it (GELU, ReLU's output) where the example's did not, so backward asked for values
+    the schedule never held. The call is refused, naming the input and what to do; planned
+    on an input that needs one, the same model trains like eager."""
+    model, (x,) = zoo.make("mlp", depth=6, width=64, batch=256)
+    reference, model = fresh_pair(model)
+    analysis = analyze(model, (x,))
+    plan = exact_plan(analysis.cost_graph, int(0.4 * eager_peak(analysis.cost_graph)), time_limit=20)
+    assert plan is not None and plan.segments[0].schedule.inputs_without_grad == ("x",)
+    rewritten = generate_rewrite(model, Analysis(analysis.captured, analysis.cost_graph, plan))
+    with pytest.raises(RuntimeError, match=r"input 'x' requires grad.*example inputs that require grad"):
+        rewritten(x.clone().requires_grad_())
+    with torch.no_grad():  # no backward to run: nothing to refuse
+        rewritten(x.clone().requires_grad_())
+    planned = analyze(model, (x.clone().requires_grad_(),))
+    plan = exact_plan(planned.cost_graph, int(0.4 * eager_peak(planned.cost_graph)), time_limit=20)
+    assert plan is not None and plan.segments[0].schedule.inputs_without_grad == ()
+    rewritten = generate_rewrite(model, Analysis(planned.captured, planned.cost_graph, plan))
+    assert_trains_like_twice(reference, model, rewritten, (x.clone().requires_grad_(),))
+
+
 def test_exact_false_plans_a_budget_that_supports_a_second_backward() -> None:
     """The way out the refusal names: the same budget, no exact schedule, and backward twice
     through one forward accumulates eager's gradients twice."""

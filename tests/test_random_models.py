@@ -252,15 +252,16 @@ def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, hooked: str) 
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
 
 
-def _rewrite_exact(model: nn.Module, x: torch.Tensor) -> nn.Module:
+def _rewrite_exact(model: nn.Module, x: torch.Tensor, input_requires_grad: bool) -> nn.Module:
     """The exact solver's schedule at 0.6 of eager (:mod:`passes.exact`: values kept, let go
     and made again before each op's backward, only pure ops made again), or the ``sqrt``
-    plan where no such schedule fits or the graph is too large."""
+    plan where no such schedule fits or the graph is too large. Planned on an input that
+    requires grad as training's does: a schedule holds only what its example's ops saved."""
     from graphckpt.api import Analysis, analyze, generate_rewrite
     from passes.exact import exact_plan
     from passes.simulate import eager_peak
 
-    analysis = analyze(model, (x.clone(),), strategy="sqrt")
+    analysis = analyze(model, (x.clone().requires_grad_(input_requires_grad),), strategy="sqrt")
     graph = analysis.cost_graph
     plan = exact_plan(graph, int(0.6 * eager_peak(graph)), time_limit=2) or analysis.plan
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
@@ -279,7 +280,7 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
     elif hooked:
         rewritten = _rewrite_one_hooked_segment(model, x, hooked)
     elif exact:
-        rewritten = _rewrite_exact(model, x)
+        rewritten = _rewrite_exact(model, x, spec.input_requires_grad)
     else:
         rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
