@@ -252,16 +252,15 @@ def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, hooked: str) 
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
 
 
-def _rewrite_exact(model: nn.Module, x: torch.Tensor, input_requires_grad: bool) -> nn.Module:
+def _rewrite_exact(model: nn.Module, x: torch.Tensor) -> nn.Module:
     """The exact solver's schedule at 0.6 of eager (:mod:`passes.exact`: values kept, let go
     and made again before each op's backward, only pure ops made again), or the ``sqrt``
-    plan where no such schedule fits or the graph is too large. Planned on an input that
-    requires grad as training's does: a schedule holds only what its example's ops saved."""
+    plan where no such schedule fits or the graph is too large."""
     from graphckpt.api import Analysis, analyze, generate_rewrite
     from passes.exact import exact_plan
     from passes.simulate import eager_peak
 
-    analysis = analyze(model, (x.clone().requires_grad_(input_requires_grad),), strategy="sqrt")
+    analysis = analyze(model, (x.clone(),), strategy="sqrt")
     graph = analysis.cost_graph
     plan = exact_plan(graph, int(0.6 * eager_peak(graph)), time_limit=2) or analysis.plan
     return generate_rewrite(model, Analysis(analysis.captured, graph, plan))
@@ -273,16 +272,17 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
     model.train()
     reference = copy.deepcopy(model)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(spec.seed))
-    if keep_values:
-        rewritten = _rewrite_keeping_values(model, x, strategy, segments)
+    example = x.clone().requires_grad_(spec.input_requires_grad)  # planned as trained: an exact schedule
+    if keep_values:  # holds only what its example's ops saved, and ops save more when the input needs a gradient
+        rewritten = _rewrite_keeping_values(model, example, strategy, segments)
     elif remat:
-        rewritten = _rewrite_rematerializing(model, x, strategy, segments)
+        rewritten = _rewrite_rematerializing(model, example, strategy, segments)
     elif hooked:
-        rewritten = _rewrite_one_hooked_segment(model, x, hooked)
+        rewritten = _rewrite_one_hooked_segment(model, example, hooked)
     elif exact:
-        rewritten = _rewrite_exact(model, x, spec.input_requires_grad)
+        rewritten = _rewrite_exact(model, example)
     else:
-        rewritten = graphckpt.rewrite(model, (x.clone(),), strategy=strategy, segments=segments)
+        rewritten = graphckpt.rewrite(model, (example.clone(),), strategy=strategy, segments=segments)
     plan = rewritten.meta["graphckpt_plan"]
     assert set(rewritten.state_dict()) == set(model.state_dict())
 
