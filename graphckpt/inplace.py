@@ -269,7 +269,7 @@ def writes_activations(graph_module: fx.GraphModule) -> bool:
 
 
 def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node],
-                    costs: Mapping[str, NodeCost] | None = None) -> int:
+                    costs: Mapping[str, NodeCost] | None = None) -> None:
     """Give each in-place op on an activation that can take one a tensor of its own to
     write: run its out-of-place twin instead (:func:`out_of_place_twin`), or else insert a
     ``clone`` before it, so that the written storage never needs to be a boundary.
@@ -277,10 +277,10 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
     Safe when no other value sharing the written storage is read after the op: readers of
     the written value itself after the op are pointed at the new tensor. ``parents`` (from
     :func:`view_parents`) is kept up to date; ``costs``, the measured nodes, tell dtypes
-    (:func:`out_of_place_twin`). Returns how many ops were changed.
+    (:func:`out_of_place_twin`).
     """
     graph = graph_module.graph
-    changed, twinned = 0, []
+    changed, twinned = False, []
     position: dict[fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}  # a clone: just before its op
     children = _view_children(parents)
     for node in list(graph.nodes):
@@ -312,12 +312,11 @@ def isolate_inplace(graph_module: fx.GraphModule, parents: dict[fx.Node, fx.Node
                 reader.replace_input_with(target, written_to)
                 if parents.get(reader) is target:
                     _reparent(parents, children, reader, written_to)
-        changed += 1
+        changed = True
     for node in twinned:  # after the loop: ``costs`` name the nodes as captured
         rename_node(node, _target_name(node))
     if changed:
         graph_module.recompile()
-    return changed
 
 
 def _target_name(node: fx.Node) -> str:

@@ -349,9 +349,8 @@ def forward_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str
     of which, shapes and dtypes, but not what backward saves or allocates. That is what
     :func:`graphckpt.inplace.isolate_inplace` asks of a graph that is not final yet, in
     about half the time of :func:`profile_costs` (a 10k-node stack of in-place residual
-    blocks: 3.5 s against 7.3 s; in-place ops are never deduplicated). Without dedup, the
-    full profile."""
+    blocks: 3.5 s against 7.3 s; in-place ops are never deduplicated), with or without dedup."""
     if not dedup_enabled(dedup):
-        return profile_costs(graph_module, args, kwargs, dedup=False)
+        return node_costs(graph_module, args, kwargs, training=True, backward=False)
     return deduplicated_costs(graph_module, args, kwargs, training=True, lazy=lazy_fake_copy(graph_module),
                               backward=False)

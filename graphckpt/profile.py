@@ -288,9 +288,10 @@ def fake_copy(graph_module: fx.GraphModule) -> tuple[FakeTensorMode, fx.GraphMod
 
 def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,
                *, training: bool = True, fake: tuple[FakeTensorMode, fx.GraphModule] | None = None,
-               ) -> dict[str, NodeCost]:
+               backward: bool | None = None) -> dict[str, NodeCost]:
     """A :class:`NodeCost` for every node, from one fake-tensor run at these inputs, with
-    the module in training (default) or eval mode.
+    the module in training (default) or eval mode; ``backward=False``: a training-mode
+    forward alone, without autograd (views, shapes and dtypes, not what backward saves).
 
     The real module is not run and its buffers are not touched (it is copied to fake
     tensors first, or ``fake`` from :func:`fake_copy` is used). In training mode a fake
@@ -302,14 +303,15 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
     """
     mode, fake_module = fake or fake_copy(graph_module)
     fake_module.train(training)
+    backward = training if backward is None else backward
     real_inputs = positional_inputs(graph_module, args, kwargs or {})
     inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in real_inputs]
     for fake_input, real in zip(inputs, real_inputs, strict=True):
-        if isinstance(real, torch.Tensor) and real.requires_grad and training:
+        if isinstance(real, torch.Tensor) and real.requires_grad and backward:
             fake_input.requires_grad_(True)
-    interpreter = _CostInterpreter(fake_module, mode, backward=training)
-    with torch.enable_grad() if training else torch.no_grad():
+    interpreter = _CostInterpreter(fake_module, mode, backward=backward)
+    with torch.enable_grad() if backward else torch.no_grad():
         outputs = interpreter.run(*inputs)
-        if training:
+        if backward:
             interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
     return interpreter.costs

@@ -272,8 +272,10 @@ def _check_same_step(spec: ModelSpec, strategy: str, segments: int | None, keep_
     model.train()
     reference = copy.deepcopy(model)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(spec.seed))
-    example = x.clone().requires_grad_(spec.input_requires_grad)  # planned as trained: an exact schedule
-    if keep_values:  # holds only what its example's ops saved, and ops save more when the input needs a gradient
+    # planned on what it trains on: an exact schedule holds only what its example's ops saved,
+    # and ops save more when the input needs a gradient
+    example = x.clone().requires_grad_(spec.input_requires_grad)
+    if keep_values:
         rewritten = _rewrite_keeping_values(model, example, strategy, segments)
     elif remat:
         rewritten = _rewrite_rematerializing(model, example, strategy, segments)
