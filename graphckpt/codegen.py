@@ -43,6 +43,7 @@ from graphckpt.bodies import (
 from graphckpt.dropping import DropModule
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
+from graphckpt.planned_inputs import emit_call_checks
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
@@ -246,6 +247,9 @@ def _header(plan: Plan, method: str) -> str:
              f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}{dropping}"]
     for kept in plan.checkpoint_details:
         lines.append(f"#   keeps {kept.name}: {kept.shape} {kept.dtype} ({format_bytes(kept.bytes)})")
+    if plan.inputs_without_grad:
+        lines.append(f"#   planned for {', '.join(plan.inputs_without_grad)} without gradients: "
+                     "warns if a call passes one that requires grad")
     return "\n".join(lines) + "\n"
 
 
@@ -268,6 +272,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     for node in source.graph.nodes:
         if node.op == "placeholder":
             lookup(node)
+    emit_call_checks(top, dict(env), plan.inputs_without_grad, plan.peak_bytes)
     segments = _emit_segments(top, captured, plan.segments, env,
                               lambda name: lookup(captured.nodes[name]), prefix="segment_")
     for node in source.graph.nodes:

@@ -18,6 +18,7 @@ from torch import fx
 from graphckpt.dropout import dropout_call
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents, writes_activations
 from graphckpt.op_dedup import forward_costs, profile_costs
+from graphckpt.planned_inputs import warn_if_planned_under_autocast
 from graphckpt.profile import NodeCost
 from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
@@ -78,6 +79,7 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, {}), measured=False)
+    warn_if_planned_under_autocast()
     if writes_activations(graph_module):  # decided on a forward's views and dtypes, then profiled once
         facts = forward_costs(graph_module, args, kwargs, dedup=dedup)
         parents = view_parents(graph_module, facts)

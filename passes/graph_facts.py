@@ -107,6 +107,17 @@ def needs_grad(graph: nx.DiGraph, name: str) -> bool:
     return graph.nodes[name]["requires_grad"] and graph.nodes[name]["kind"] in ("op", "input")
 
 
+def inputs_without_grad(graph: nx.DiGraph) -> tuple[str, ...]:
+    """The graph's inputs that needed no gradient in the example it was costed on but could
+    need one in training (floating point): what ops save for backward was measured without
+    their gradient, so a plan holds more than simulated when training passes one that needs
+    it (``x * x`` on such an input saves ``x`` twice). A rewritten module checks them at
+    each call (:func:`graphckpt.planned_inputs.warn_if_needs_grad`)."""
+    return tuple(name for name, attributes in graph.nodes(data=True)
+                 if attributes["kind"] == "input" and not attributes["requires_grad"]
+                 and str(attributes.get("dtype", "")).startswith(("float", "bfloat", "complex")))
+
+
 def keeps_order(graph: nx.DiGraph, name: str) -> bool:
     """Whether ``name`` must keep its eager order relative to the other such nodes
     (random draws, and in-place writes with the readers before them)."""

@@ -18,7 +18,7 @@ from itertools import pairwise
 
 import networkx as nx
 
-from passes.graph_facts import op_nodes
+from passes.graph_facts import inputs_without_grad, op_nodes
 from passes.kept_bytes import boundary_bytes, storage_bytes
 from passes.recompute import overhead_cost, recomputed_count, with_facts
 from passes.schedule import describe as describe_schedule
@@ -44,8 +44,11 @@ class Checkpoint:
 class Plan:
     """What a strategy chose for a cost graph; ``peak_bytes`` is the simulator's estimate.
 
-    ``checkpoint_details`` describe ``checkpoints`` (for codegen's header); like the
-    segments' ``facts`` they follow from the graph and take no part in comparing plans.
+    ``checkpoint_details`` describe ``checkpoints`` (for codegen's header);
+    ``inputs_without_grad`` are the inputs the plan was simulated for without a gradient
+    (:func:`passes.graph_facts.inputs_without_grad`: the rewritten module warns when training
+    passes one needing it). Like the segments' ``facts`` they follow from the graph and take
+    no part in comparing plans.
     """
 
     strategy: str
@@ -61,6 +64,7 @@ class Plan:
     cost_unit: str = "FLOPs"  # what recompute_flops and forward_flops count ("ns": measured time)
     overhead: int = 0  # checkpointing's own cost, in cost_unit (passes.recompute.overhead_cost)
     checkpoint_details: tuple[Checkpoint, ...] = field(default=(), compare=False, repr=False)
+    inputs_without_grad: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def recomputed_segments(self) -> tuple[Segment, ...]:
@@ -143,6 +147,7 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
         cost_unit=graph.graph.get("cost_unit", "FLOPs"),
         overhead=overhead_cost(graph, segments),
         checkpoint_details=tuple(_checkpoint(graph, name) for name in checkpoints),
+        inputs_without_grad=inputs_without_grad(graph),
     )
 
 
