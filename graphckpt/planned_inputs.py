@@ -18,7 +18,8 @@ casts of gradients in backward. Measured on CPU with bf16 autocast around forwar
 MLP (24 layers of 256, batch 32: the copies of its weights outweigh its activations) peaked
 at 3.9-6.0x its fp32 plans' simulated peaks (min-cut, 0.5 and 0.3 of eager), the zoo GPT at
 0.90-1.04x; planned under autocast, 1.9-3.2x and 1.24-1.40x (16 layers of 256, batch 512:
-1.27-1.48x). So planning under
+1.27-1.48x). At the zoo MLP's peak, the end of forward, all 24 bf16 weight copies are alive
+(autocast's cache), though its recomputed segments save none of them. So planning under
 autocast (:func:`warn_if_planned_under_autocast`) and a call under it
 (:func:`warn_if_autocast`) warn that the budget is not guaranteed.
 """
