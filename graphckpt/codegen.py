@@ -247,6 +247,8 @@ def _header(plan: Plan, method: str) -> str:
              f"{len(plan.recomputed_segments)} of {len(plan.segments)} segments recomputed in backward{nesting}{dropping}"]
     for kept in plan.checkpoint_details:
         lines.append(f"#   keeps {kept.name}: {kept.shape} {kept.dtype} ({format_bytes(kept.bytes)})")
+    if plan.autocast:
+        lines.append(f"#   planned under autocast {plan.autocast}: warns if a call runs under another")
     if plan.inputs_without_grad:
         lines.append(f"#   planned for {', '.join(plan.inputs_without_grad)} without gradients: "
                      "warns if a call passes one that requires grad")
@@ -272,7 +274,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     for node in source.graph.nodes:
         if node.op == "placeholder":
             lookup(node)
-    emit_call_checks(top, dict(env), plan.inputs_without_grad, plan.peak_bytes)
+    emit_call_checks(top, dict(env), plan.inputs_without_grad, plan.peak_bytes, plan.autocast)
     segments = _emit_segments(top, captured, plan.segments, env,
                               lambda name: lookup(captured.nodes[name]), prefix="segment_")
     for node in source.graph.nodes:

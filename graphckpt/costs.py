@@ -18,7 +18,7 @@ from torch import fx
 from graphckpt.dropout import dropout_call
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents, writes_activations
 from graphckpt.op_dedup import forward_costs, profile_costs
-from graphckpt.planned_inputs import warn_if_planned_under_autocast
+from graphckpt.planned_inputs import autocast_state
 from graphckpt.profile import NodeCost
 from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
@@ -61,6 +61,7 @@ class Profile:
     selective_op_cost: int = 0  # in cost_unit: each op of a selective segment, beyond its work
     dropped_value_cost: int = 0  # in cost_unit: each value an op run by hooks drops, beyond its remake
     hooked_op_cost: int = 0  # in cost_unit: each op of a segment run by saved-tensor hooks, its packs and report
+    autocast: str = ""  # the autocast state it was profiled under ("cpu:bfloat16"; "" for none)
 
 
 COSTS = ("flops", "time")
@@ -79,7 +80,6 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, {}), measured=False)
-    warn_if_planned_under_autocast()
     if writes_activations(graph_module):  # decided on a forward's views and dtypes, then profiled once
         facts = forward_costs(graph_module, args, kwargs, dedup=dedup)
         parents = view_parents(graph_module, facts)
@@ -95,9 +95,9 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
         overheads = checkpoint_overheads(str(device))
         per_op = max(overheads.selective_op, selective_overhead_per_op(graph_module, args, kwargs))
         return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, scalar_bytes=scalar,
-                       checkpoint_call_cost=overheads.call, selective_op_cost=per_op,
+                       autocast=autocast_state(), checkpoint_call_cost=overheads.call, selective_op_cost=per_op,
                        dropped_value_cost=overheads.dropped_value, hooked_op_cost=overheads.hooked_op)
-    return Profile(costs, parents, rng_state_bytes=rng, scalar_bytes=scalar)
+    return Profile(costs, parents, rng_state_bytes=rng, scalar_bytes=scalar, autocast=autocast_state())
 
 
 def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> int:
@@ -150,7 +150,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, scalar_bytes=profile.scalar_bytes,
-                       loss=returned_loss(graph_module, profile),
+                       loss=returned_loss(graph_module, profile), autocast=profile.autocast,
                        checkpoint_call_cost=profile.checkpoint_call_cost, selective_op_cost=profile.selective_op_cost,
                        dropped_value_cost=profile.dropped_value_cost, hooked_op_cost=profile.hooked_op_cost)
     for order, node in enumerate(graph_module.graph.nodes):
@@ -188,5 +188,14 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
             shape=cost.shape,
             dtype=cost.dtype,
         )
+    graph.graph["loss_widening"] = loss_widening(graph)
     check_cost_graph(graph)
     return graph
+
+
+def loss_widening(graph: nx.DiGraph) -> int:
+    """2 when a value the model returns is a 16-bit float (bf16/fp16 under autocast): a loss
+    computed outside the model is taken to run in float32 on a copy of it
+    (``passes.costgraph``'s ``loss_widening``); else 1."""
+    returned = [value for name, kind in graph.nodes(data="kind") if kind == "output" for value in graph.predecessors(name)]
+    return 2 if any(graph.nodes[value].get("dtype") in ("bfloat16", "float16") for value in returned) else 1

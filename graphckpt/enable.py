@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from graphckpt.api import cost_model
+from graphckpt.dropping import autocast_uncached
 from graphckpt.runtime import keep_matmul_outputs
 from graphckpt.state import frozen_running_stats, running_stat_norms
 from passes.blocks import recomputed_blocks, selective_blocks
@@ -126,8 +127,9 @@ class CheckpointedForward:
             # partitioner recomputes from the graph, so there is no recompute to count or guard
             context = {"context_fn": _selective_contexts} if self.selective else {}
             return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True, **context, **kwargs)
-        return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts, **kwargs)
+        with autocast_uncached([*args, *kwargs.values()]):  # its layer's weight copies go with each op
+            return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=self._contexts, **kwargs)
 
     def _contexts(self) -> tuple[Any, Any]:
         """Forward as it is (keeping matmul outputs, if selective); the recompute counted,

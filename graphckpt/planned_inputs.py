@@ -1,5 +1,5 @@
 """A rewritten module's checks that a call runs as its plan was simulated: inputs the plan
-was made for without gradients, and autocast, which the simulator does not model.
+was made for without gradients, and the autocast state it was made under.
 
 What an op saves for backward depends on whether what it reads needs a gradient: ``x * x``
 on an input needing none saves nothing, on one needing it saves ``x`` twice. The cost graph
@@ -12,16 +12,17 @@ simulated peak. Codegen emits one :func:`warn_if_needs_grad` per such input
 check is there to read in ``print(gm.code)``; a schedule run exactly refuses instead
 (:class:`graphckpt.exact.ScheduledModule`: its backward would need values it never held).
 
-Autocast is not modelled: the copies it makes of parameters (cached until the autocast
-region ends, whether backward saves them or not) and of inputs are not counted, nor the
-casts of gradients in backward. Measured on CPU with bf16 autocast around forward, the zoo
-MLP (24 layers of 256, batch 32: the copies of its weights outweigh its activations) peaked
-at 3.9-6.0x its fp32 plans' simulated peaks (min-cut, 0.5 and 0.3 of eager), the zoo GPT at
-0.90-1.04x; planned under autocast, 1.9-3.2x and 1.24-1.40x (16 layers of 256, batch 512:
-1.27-1.48x). At the zoo MLP's peak, the end of forward, all 24 bf16 weight copies are alive
-(autocast's cache), though its recomputed segments save none of them. So planning under
-autocast (:func:`warn_if_planned_under_autocast`) and a call under it
-(:func:`warn_if_autocast`) warn that the budget is not guaranteed.
+Autocast changes what a step holds: a plan is simulated for the autocast state its graph
+was costed under (:func:`autocast_state`, kept as :attr:`passes.plan.Plan.autocast`), so
+plan under the autocast you train with; :func:`warn_if_autocast_differs` warns at a call
+under another state. Measured on CPU, bf16 autocast around the forward, zoo models at
+mincut, optimal, 0.5 and 0.7 of eager: planned in float32, steps under autocast held
+0.50-3.20x the simulated peaks (the MLP's plans run by hooks or an exact schedule keep
+autocast's cached weight copies to the end of forward); planned under autocast, 0.90-1.00x
+on the MLP, GPT, ResNet, and DenseNet but at 0.5 (1.17x), 1.07-1.15x on U-Net (not explained
+yet: both concatenate). What made the difference: checkpoint calls run with autocast's cache
+of parameter casts off (:func:`graphckpt.dropping.autocast_uncached`) and a loss outside the
+model on 16-bit outputs is priced in float32 (``loss_widening`` in :mod:`passes.costgraph`).
 """
 
 from __future__ import annotations
@@ -49,41 +50,43 @@ def warn_if_needs_grad(value: Any, name: str, planned_peak_bytes: int) -> None:
             stacklevel=2)
 
 
-def autocast_enabled() -> bool:
-    """Whether autocast is on now for the CPU or CUDA."""
-    return any(torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES)
+def autocast_state() -> str:
+    """The autocast state in force now, as ``"device:dtype"`` (``"cpu:bfloat16"``), ``""`` when off.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_state()
+    'cpu:bfloat16'
+    """
+    for device in AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            return f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
+    return ""
 
 
-def warn_if_planned_under_autocast() -> None:
-    """Warn, when a graph is costed under autocast, that its plan's peak is not what a step holds."""
-    if autocast_enabled():
-        warnings.warn("graphckpt: planning under autocast, which the memory simulator does not model yet: the "
-                      "copies autocast makes of parameters and inputs are not counted, so a step can hold more "
-                      "than the plan's simulated peak (a budget is not guaranteed; see graphckpt/planned_inputs.py "
-                      "for what was measured)", stacklevel=3)
+def warn_if_autocast_differs(planned: str, planned_peak_bytes: int) -> None:
+    """Warn when the rewritten module is called, with gradients enabled, under another
+    autocast state than its plan's (``planned``): the step may hold more than ``planned_peak_bytes``."""
+    now = autocast_state()
+    if now != planned and torch.is_grad_enabled():
+        warnings.warn(f"graphckpt: called under autocast {now or 'off'}, but the plan was made under autocast "
+                      f"{planned or 'off'}: ops make and save tensors of other dtypes than simulated, so a step "
+                      f"may hold more than its simulated peak of {format_bytes(planned_peak_bytes)}. Rewrite "
+                      "under the autocast you train with (with torch.autocast(...): graphckpt.rewrite(...))",
+                      stacklevel=2)
 
 
-def warn_if_autocast(planned_peak_bytes: int) -> None:
-    """Warn when the rewritten module is called, with gradients enabled, under autocast:
-    the step may hold more than ``planned_peak_bytes``."""
-    if torch.is_grad_enabled() and autocast_enabled():
-        warnings.warn(f"graphckpt: called under autocast, which the memory simulator does not model yet: a step "
-                      f"may hold more than the plan's simulated peak of {format_bytes(planned_peak_bytes)} (the "
-                      "copies autocast makes of parameters and inputs are not counted; a budget is not "
-                      "guaranteed)", stacklevel=2)
-
-
-for _check in (warn_if_needs_grad, warn_if_autocast):
+for _check in (warn_if_needs_grad, warn_if_autocast_differs):
     getattr(fx.node, "has_side_effect", lambda function: function)(_check)  # fx's dead-code elimination
     # keeps them though they return nothing (torch releases without the registry never drop calls)
 
 
 def emit_call_checks(graph: fx.Graph, inputs: dict[str, fx.Node], names: tuple[str, ...],
-                     planned_peak_bytes: int) -> None:
+                     planned_peak_bytes: int, planned_autocast: str) -> None:
     """Append to ``graph`` (codegen's top graph, just after its placeholders ``inputs`` by
-    name) a :func:`warn_if_autocast` call and a :func:`warn_if_needs_grad` call for each
-    input of ``names``."""
-    graph.create_node("call_function", warn_if_autocast, (planned_peak_bytes,), name="planned_without_autocast")
+    name) a :func:`warn_if_autocast_differs` call and a :func:`warn_if_needs_grad` call for
+    each input of ``names``."""
+    graph.create_node("call_function", warn_if_autocast_differs, (planned_autocast, planned_peak_bytes),
+                      name="planned_autocast")
     for name in names:
         graph.create_node("call_function", warn_if_needs_grad, (inputs[name], name, planned_peak_bytes),
                           name=f"planned_without_grad_{name}")

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
+from graphckpt.dropping import autocast_uncached
 from graphckpt.op_kinds import kept_by_selective
 from graphckpt.state import StateInput, frozen_running_stats, running_stat_norms, scratch_state, unwrap_state
 from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, op_schema, profiled_range
@@ -147,7 +148,7 @@ class SegmentModule(nn.Module):
         # the body's generated forward is called directly: fx's call wrapper would format
         # a traceback for that exception on every recompute (~0.2 ms each).
         body = self._run_body if self.state_inputs or self.remat_inputs else self.body.forward
-        with set_checkpoint_early_stop(True), profiled_range(self.label):
+        with set_checkpoint_early_stop(True), profiled_range(self.label), autocast_uncached(args):
             outputs = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=self.replays_rng,
                                  context_fn=contexts)
         for dropped in args:

@@ -45,6 +45,15 @@ Graph attributes, all optional:
     Bytes one float32 scalar takes in the model's memory (4 on CPU, a 512-byte block on a
     GPU): a step holds two from the loss until backward returns when the loss is computed
     outside the model (:func:`passes.simulate.loss_scalar_bytes`).
+``autocast`` (default ``""``)
+    The autocast state the graph was costed under, as ``"device:dtype"`` (``"cpu:bfloat16"``),
+    ``""`` for none: what ops save and make was measured so, and a plan's peak holds for
+    steps under that state (the rewritten module warns at a call under another).
+``loss_widening`` (default 1)
+    How many times the bytes of the outputs a loss computed outside the model works on: 2
+    where they are 16-bit floats (under autocast), since such a loss is taken to run in
+    float32 on a widened copy of them (``logits.float()``, as Hugging Face's losses and
+    ``graphckpt.tools.zoo.scalar_loss`` do); 1 otherwise (:func:`passes.simulate.loss_working_bytes`).
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,

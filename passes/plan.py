@@ -46,9 +46,9 @@ class Plan:
 
     ``checkpoint_details`` describe ``checkpoints`` (for codegen's header);
     ``inputs_without_grad`` are the inputs the plan was simulated for without a gradient
-    (:func:`passes.graph_facts.inputs_without_grad`: the rewritten module warns when training
-    passes one needing it). Like the segments' ``facts`` they follow from the graph and take
-    no part in comparing plans.
+    (:func:`passes.graph_facts.inputs_without_grad`) and ``autocast`` the autocast state
+    (the cost graph's): the rewritten module warns when a call differs. Like the segments'
+    ``facts`` they follow from the graph and take no part in comparing plans.
     """
 
     strategy: str
@@ -65,6 +65,7 @@ class Plan:
     overhead: int = 0  # checkpointing's own cost, in cost_unit (passes.recompute.overhead_cost)
     checkpoint_details: tuple[Checkpoint, ...] = field(default=(), compare=False, repr=False)
     inputs_without_grad: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    autocast: str = field(default="", compare=False, repr=False)
 
     @property
     def recomputed_segments(self) -> tuple[Segment, ...]:
@@ -148,6 +149,7 @@ def plan_of_segments(graph: nx.DiGraph, strategy: str, segments: Sequence[Segmen
         overhead=overhead_cost(graph, segments),
         checkpoint_details=tuple(_checkpoint(graph, name) for name in checkpoints),
         inputs_without_grad=inputs_without_grad(graph),
+        autocast=graph.graph.get("autocast", ""),
     )
 
 
