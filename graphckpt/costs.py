@@ -194,7 +194,8 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
 
 
 def loss_widening(graph: nx.DiGraph) -> int:
-    """2 when a value the model returns is a 16-bit float (bf16/fp16 under autocast): a loss
+    """2 when a value the model returns is a 16-bit float (under autocast, or a model cast to
+    bf16/fp16; priced on the safe side where its loss stays in 16 bits): a loss
     computed outside the model is taken to run in float32 on a copy of it
     (``passes.costgraph``'s ``loss_widening``); else 1."""
     returned = [value for name, kind in graph.nodes(data="kind") if kind == "output" for value in graph.predecessors(name)]
