@@ -52,9 +52,9 @@ Graph attributes, all optional:
 ``loss_widening`` (default 1)
     How many times the bytes of the outputs a loss computed outside the model works on: 2
     where they are 16-bit floats (under autocast, or a model cast to bf16/fp16), since such
-    a loss is taken to run in
-    float32 on a widened copy of them (``logits.float()``, as Hugging Face's losses and
-    ``graphckpt.tools.zoo.scalar_loss`` do); 1 otherwise (:func:`passes.simulate.loss_working_bytes`).
+    a loss is taken to run in float32 on a widened copy of them (``logits.float()``, as
+    Hugging Face's losses and ``graphckpt.tools.zoo.scalar_loss`` do); 1 otherwise
+    (:func:`passes.simulate.loss_working_bytes`).
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,
