@@ -97,10 +97,16 @@ class _Handle(SavedView):
         return self.viewed(self.remade.take(self.index))
 
 
+def _device_type(values: Sequence[Any]) -> str:
+    """The device type of the first tensor of ``values`` (``"cpu"`` when there is none):
+    whose autocast state applies to them."""
+    return next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+
+
 def autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
     """A context that runs code under the autocast state in force now, for the device of
     ``values`` (a no-op when autocast is off there)."""
-    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    device = _device_type(values)
     if not torch.is_autocast_enabled(device):
         return _NOTHING
     return torch.autocast(device, dtype=torch.get_autocast_dtype(device),
@@ -118,7 +124,7 @@ def autocast_uncached(values: Sequence[Any]) -> Iterator[None]:
     checkpoint replays the same flag in the recompute. The casts are the same, so are the
     results. Only the flag is set and restored: a body that leaves or enters an autocast
     region (a dynamo graph's ``_exit_autocast``) keeps the state it leaves."""
-    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+    device = _device_type(values)
     cached = torch.is_autocast_cache_enabled()
     if not cached or not torch.is_autocast_enabled(device):
         yield
