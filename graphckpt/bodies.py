@@ -209,7 +209,7 @@ def scheduled_module(source: Source, planned: PlannedSegment) -> ScheduledModule
     return ScheduledModule(fx.GraphModule(attribute_table(body, source.module), body, "ScheduledBody"),
                            {step.op: _step_module(source, step) for step in schedule.steps},
                            nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, kept=schedule.kept,
-                           storage_of=dict(schedule.storages), inputs_without_grad=schedule.inputs_without_grad)
+                           storage_of=dict(schedule.storages))
 
 
 def _step_module(source: Source, step: ScheduleStep) -> fx.GraphModule:

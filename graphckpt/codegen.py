@@ -49,6 +49,7 @@ from graphckpt.runtime import SegmentModule, keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
 from passes.remat import remat_sources
+from passes.schedule import plan_schedule
 from passes.segments import Segment as PlannedSegment
 from passes.units import format_bytes
 
@@ -251,7 +252,7 @@ def _header(plan: Plan, method: str) -> str:
         lines.append(f"#   planned under autocast {plan.autocast}: warns if a call runs under another")
     if plan.inputs_without_grad:
         lines.append(f"#   planned for {', '.join(plan.inputs_without_grad)} without gradients: "
-                     "warns if a call passes one that requires grad")
+                     f"{'refuses' if scheduled else 'warns at'} a call passing one that requires grad")
     return "\n".join(lines) + "\n"
 
 
@@ -274,7 +275,8 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     for node in source.graph.nodes:
         if node.op == "placeholder":
             lookup(node)
-    emit_call_checks(top, dict(env), plan.inputs_without_grad, plan.peak_bytes, plan.autocast)
+    emit_call_checks(top, dict(env), plan.inputs_without_grad, plan.peak_bytes, plan.autocast,
+                     exact=plan_schedule(plan.segments) is not None)
     segments = _emit_segments(top, captured, plan.segments, env,
                               lambda name: lookup(captured.nodes[name]), prefix="segment_")
     for node in source.graph.nodes:

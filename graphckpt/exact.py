@@ -112,14 +112,12 @@ class ScheduledModule(nn.Module):
 
     def __init__(self, body: fx.GraphModule, steps: Mapping[str, fx.GraphModule], *, nodes: Sequence[str],
                  inputs: Sequence[str], outputs: Sequence[str], kept: Sequence[str],
-                 storage_of: Mapping[str, str], inputs_without_grad: Sequence[str] = ()) -> None:
+                 storage_of: Mapping[str, str]) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "steps", dict(steps))
         self.nodes, self.inputs, self.outputs, self.kept = tuple(nodes), tuple(inputs), tuple(outputs), frozenset(kept)
         self.storage_of = dict(storage_of)  # value -> the op value whose storage it is
-        planned_without = set(inputs_without_grad)  # positions checked at each call (_check_grad_inputs)
-        self.without_grad = tuple(i for i, name in enumerate(self.inputs) if name in planned_without)
         self.step_norms = {op: norms for op, step in self.steps.items() if (norms := running_stat_norms(step.modules()))}
         self.read_by_steps = frozenset(node.args[1] for step in self.steps.values() for node in step.graph.nodes
                                        if node.op == "call_function" and node.target is operator.getitem)
@@ -127,20 +125,7 @@ class ScheduledModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.body.forward(*args, None)
-        self._check_grad_inputs(args)
         return run_body(self, _ScheduledCall(self, args), args)
-
-    def _check_grad_inputs(self, args: tuple[Any, ...]) -> None:
-        """Refuse inputs that need a gradient where the schedule's example did not: ops reading
-        them then save values for backward that the schedule does not hold."""
-        for index in self.without_grad:
-            if isinstance(args[index], torch.Tensor) and args[index].requires_grad:
-                name = self.inputs[index]
-                raise RuntimeError(
-                    f"graphckpt: input {name!r} requires grad, but the exact schedule was planned on example "
-                    "inputs where it did not, so backward would need values the schedule does not hold: rewrite "
-                    f"with example inputs that require grad as in training ({name}.requires_grad_()), or plan "
-                    "without an exact schedule (graphckpt.rewrite(..., exact=False))")
 
     def extra_repr(self) -> str:
         made = sum(1 for step in self.steps.values() for node in step.graph.nodes

@@ -9,8 +9,8 @@ alone, whose input is the previous layer's output, planned on ``torch.randn``): 
 MLP with parameter-free ops on its input, planned at 0.7 of eager, measured 14% over its
 simulated peak. Codegen emits one :func:`warn_if_needs_grad` per such input
 (:attr:`passes.plan.Plan.inputs_without_grad`) at the top of the rewritten forward, so the
-check is there to read in ``print(gm.code)``; a schedule run exactly refuses instead
-(:class:`graphckpt.exact.ScheduledModule`: its backward would need values it never held).
+check is there to read in ``print(gm.code)``; for a plan run by an exact schedule it emits
+:func:`refuse_if_needs_grad` instead: that schedule's backward would need values it never held.
 
 Autocast changes what a step holds: a plan is simulated for the autocast state its graph
 was costed under (:func:`autocast_state`, kept as :attr:`passes.plan.Plan.autocast`), so
@@ -39,16 +39,34 @@ from passes.units import format_bytes
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+def _needs_grad_now(value: Any) -> bool:
+    """Whether ``value`` is a tensor needing a gradient in a call that builds a backward graph."""
+    return isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()
+
+
 def warn_if_needs_grad(value: Any, name: str, planned_peak_bytes: int) -> None:
     """Warn when ``value``, an input the plan was made for without a gradient, needs one now
     (with gradients enabled): the step may hold more than ``planned_peak_bytes``."""
-    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+    if _needs_grad_now(value):
         warnings.warn(
             f"graphckpt: input {name!r} requires grad, but the plan was made on example inputs where it "
             "did not: ops reading it now save tensors for backward that the plan did not count, so a step "
             f"may hold more than its simulated peak of {format_bytes(planned_peak_bytes)}. Rewrite "
             f"with example inputs that require grad as in training ({name}.requires_grad_())",
             stacklevel=2)
+
+
+def refuse_if_needs_grad(value: Any, name: str, planned_peak_bytes: int) -> None:
+    """Raise when ``value``, an input an exact schedule was planned for without a gradient,
+    needs one now (with gradients enabled): ops reading it would save values for backward that
+    the schedule does not hold, so its backward would fail part-way. ``planned_peak_bytes`` is
+    unused: the signature is :func:`warn_if_needs_grad`'s, so codegen emits either."""
+    if _needs_grad_now(value):
+        raise RuntimeError(
+            f"graphckpt: input {name!r} requires grad, but the exact schedule was planned on example inputs where "
+            "it did not, so backward would need values the schedule does not hold: rewrite with example inputs "
+            f"that require grad as in training ({name}.requires_grad_()), or plan without an exact schedule "
+            "(graphckpt.rewrite(..., exact=False))")
 
 
 def autocast_state() -> str:
@@ -76,18 +94,20 @@ def warn_if_autocast_differs(planned: str, planned_peak_bytes: int) -> None:
                       stacklevel=2)
 
 
-for _check in (warn_if_needs_grad, warn_if_autocast_differs):
+for _check in (warn_if_needs_grad, refuse_if_needs_grad, warn_if_autocast_differs):
     getattr(fx.node, "has_side_effect", lambda function: function)(_check)  # fx's dead-code elimination
     # keeps them though they return nothing (torch releases without the registry never drop calls)
 
 
 def emit_call_checks(graph: fx.Graph, inputs: dict[str, fx.Node], names: tuple[str, ...],
-                     planned_peak_bytes: int, planned_autocast: str) -> None:
+                     planned_peak_bytes: int, planned_autocast: str, *, exact: bool = False) -> None:
     """Append to ``graph`` (codegen's top graph, just after its placeholders ``inputs`` by
-    name) a :func:`warn_if_autocast_differs` call and a :func:`warn_if_needs_grad` call for
-    each input of ``names``."""
+    name) a :func:`warn_if_autocast_differs` call and, for each input of ``names``, a
+    :func:`warn_if_needs_grad` call (:func:`refuse_if_needs_grad` for a plan run by an
+    ``exact`` schedule)."""
     graph.create_node("call_function", warn_if_autocast_differs, (planned_autocast, planned_peak_bytes),
                       name="planned_autocast")
+    check = refuse_if_needs_grad if exact else warn_if_needs_grad
     for name in names:
-        graph.create_node("call_function", warn_if_needs_grad, (inputs[name], name, planned_peak_bytes),
+        graph.create_node("call_function", check, (inputs[name], name, planned_peak_bytes),
                           name=f"planned_without_grad_{name}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import networkx as nx
 
 from passes.checkmate import checkmate_schedule
-from passes.graph_facts import inputs_without_grad, op_nodes, storage_root
+from passes.graph_facts import op_nodes, storage_root
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
 from passes.segments import Segment, segment_edges
@@ -88,7 +88,7 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
                                                   for i in range(training.size)) for t in range(training.size))
     storages = tuple((name, root) for name in op_nodes(graph) for root in (storage_root(graph, name),) if root in values)
     schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages,
-                        inputs_without_grad=inputs_without_grad(graph), stages=(R, executed))
+                        stages=(R, executed))
     check_schedule(graph, schedule)
     return schedule
 

@@ -51,17 +51,13 @@ class Schedule:
     the simulator's memory model (:func:`passes.training_graph.stage_peaks`), ``optimal``
     whether the solver proved no schedule of its kind under the same budget recomputes less.
     ``storages`` names, for each value whose storage an op made, that op's value (its storage
-    root: itself, or what a view or tuple element is of): saved tensors are taken from there.
-    ``inputs_without_grad`` are the graph's inputs that needed no gradient in the example the
-    schedule was planned on: an op reading one saves less for backward than it does when the
-    input needs a gradient, so the schedule holds nothing for what it would then save."""
+    root: itself, or what a view or tuple element is of): saved tensors are taken from there."""
 
     kept: tuple[str, ...]
     steps: tuple[ScheduleStep, ...]
     peak_bytes: int
     optimal: bool = False
     storages: tuple[tuple[str, str], ...] = ()  # (value, the value whose storage it is), for values of op storages
-    inputs_without_grad: tuple[str, ...] = ()
     stages: tuple[Matrix, Matrix] = field(default=((), ()), compare=False, repr=False)  # R and S as run:
     # what each stage computes and holds (passes.training_graph), from which its peak and breakdown come
 
