@@ -83,14 +83,16 @@ def autocast_state() -> str:
 
 
 def warn_if_autocast_differs(planned: str, planned_peak_bytes: int) -> None:
-    """Warn when the rewritten module is called, with gradients enabled, under another
-    autocast state than its plan's (``planned``): the step may hold more than ``planned_peak_bytes``."""
+    """Warn when the rewritten module (or a block :func:`graphckpt.enable` checkpoints) is
+    called, with gradients enabled, under another autocast state than its plan's
+    (``planned``): the step may hold more than ``planned_peak_bytes``."""
     now = autocast_state()
     if now != planned and torch.is_grad_enabled():
         warnings.warn(f"graphckpt: called under autocast {now or 'off'}, but the plan was made under autocast "
                       f"{planned or 'off'}: ops make and save tensors of other dtypes than simulated, so a step "
-                      f"may hold more than its simulated peak of {format_bytes(planned_peak_bytes)}. Rewrite "
-                      "under the autocast you train with (with torch.autocast(...): graphckpt.rewrite(...))",
+                      f"may hold more than its simulated peak of {format_bytes(planned_peak_bytes)}. Plan under "
+                      "the autocast you train with (with torch.autocast(...): graphckpt.rewrite(...), or "
+                      "graphckpt.enable(...))",
                       stacklevel=2)
 
 

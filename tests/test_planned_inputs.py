@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import graphckpt
+from graphckpt.enable import enabled_plan
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair
@@ -134,3 +135,24 @@ def test_autocast_trains_like_eager_when_planned_under_it() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rewritten = graphckpt.rewrite(model, (x,), strategy="sqrt")
         assert_trains_like(reference, model, rewritten, (x,), loss_fn=zoo.scalar_loss)
+
+
+def test_enable_planned_under_autocast_holds_its_peak_and_warns_under_another() -> None:
+    """``enable``'s checkpointed blocks check the plan's autocast state at each call, as a
+    rewritten module does: planned under bf16 the zoo GPT's step under it measures its
+    simulated peak; the same plan run without autocast held 1.23-1.35x it (measured), so
+    that call warns, and so does a plan made without autocast run under it."""
+    model, inputs = zoo.make("gpt")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graphckpt.enable(model, inputs, budget=0.5)
+    plan = enabled_plan(model)
+    assert plan.autocast == "cpu:bfloat16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # called as planned: no warning
+        measured = measure_step(_under_autocast(model), inputs, zoo.scalar_loss, repeats=1).peak_bytes
+    assert abs(measured / plan.peak_bytes - 1) <= MEASURE_TOLERANCE, (measured, plan.peak_bytes)
+    with pytest.warns(UserWarning, match=r"called under autocast off, but the plan was made under autocast cpu:bfloat16"):
+        zoo.scalar_loss(model(*inputs)).backward()
+    graphckpt.enable(model, inputs, budget=0.5)  # planned again, without autocast
+    with pytest.warns(UserWarning, match=r"called under autocast cpu:bfloat16, but the plan was made under autocast off"):
+        zoo.scalar_loss(_under_autocast(model)(*inputs)).backward()
