@@ -18,12 +18,12 @@ plan under the autocast you train with; :func:`warn_if_autocast_differs` warns a
 under another state. Measured on CPU, bf16 autocast around the forward, zoo models at
 mincut, optimal, 0.5 and 0.7 of eager: planned in float32, steps under autocast held
 0.50-3.20x the simulated peaks (the MLP's plans run by hooks or an exact schedule keep
-autocast's cached weight copies to the end of forward); planned under autocast, 0.90-1.00x
-on the MLP, GPT, ResNet, and DenseNet but at 0.5 (1.17x), 1.07-1.15x on U-Net (at both
-peaks a bf16 convolution's backward had one gradient-sized temporary more than profiled).
-What made the difference: checkpoint calls run with autocast's cache of parameter casts off
-(:func:`graphckpt.dropping.autocast_uncached`) and a loss outside the model on 16-bit
-outputs is priced in float32 (``loss_widening`` in :mod:`passes.costgraph`).
+autocast's cached weight copies to the end of forward); planned under autocast, 0.97-1.00x
+(MLP, GPT, ResNet, DenseNet, U-Net). What made the difference: checkpoint calls run with
+autocast's cache of parameter casts off (:func:`graphckpt.dropping.autocast_uncached`), a
+loss outside the model on 16-bit outputs is priced in float32 (``loss_widening`` in
+:mod:`passes.costgraph`), and a convolution's saved input counted alive during its backward
+kernel's scratch (:meth:`graphckpt.backward_record.Recorder.backward_peak`).
 """
 
 from __future__ import annotations

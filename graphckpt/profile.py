@@ -179,8 +179,9 @@ class _CostInterpreter(fx.Interpreter):
                                 for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
         nodes = {node.name: node for node in self.module.graph.nodes}
         for name, node_keys in keys.items():
-            scratch = max((KERNEL_EXTRA.get(key, 0) for key in node_keys), default=0)
-            peak = self.recorder.backward_peak(name)
+            scratches = [KERNEL_EXTRA.get(key, 0) for key in node_keys]
+            scratch = max(scratches, default=0)
+            peak = self.recorder.backward_peak(name, scratches.index(scratch) if scratch else None)
             passing = max(0, peak.bytes - self._gradient_bytes(nodes[name]))
             self.costs[name] = replace(self.costs[name], backward_extra_bytes=scratch + passing,  # on top, to be safe
                                        released_early=peak.released_before)

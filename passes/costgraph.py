@@ -148,7 +148,10 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     backward is several autograd functions (``cross_entropy_loss``: ``NllLossBackward``, then
     ``LogSoftmaxBackward``) lets the first one's saves go before the next makes its
     gradient. The simulator drops these holds before ``backward_extra_bytes``; a value is
-    freed only when nothing else holds it.
+    freed only when nothing else holds it. Only values let go before the call whose kernel
+    scratch ``backward_extra_bytes`` counts (a convolution's input, under autocast, is read
+    by ``ConvolutionBackward`` while its scratch lives, and let go before the weight cast's
+    backward).
 ``forward_extra_bytes``: ``int`` (default 0)
     Bytes the node's forward allocates beyond its value and what it saves, alive at its
     peak and freed before it returns: the temporaries of an op that runs as a chain of
