@@ -247,6 +247,16 @@ class _DedupInterpreter(_CostInterpreter):
             self.gradients.watch(node.name, list(outputs), inputs)
         return result
 
+    def add_forward_scratch(self) -> dict[str, int]:
+        """As the full profile's, and each ghost gets its representative's."""
+        added = super().add_forward_scratch()
+        for ghost, representative in self.ghosts.items():
+            if added.get(representative):
+                cost = self.costs[ghost]
+                self.costs[ghost] = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + added[representative])
+                added[ghost] = added[representative]
+        return added
+
     # ------------------------------------------------------------ checking the backward
 
     def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:
@@ -322,6 +332,7 @@ def _deduplicated_run(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping
     with torch.enable_grad() if backward else torch.no_grad():
         outputs = interpreter.run(*inputs)
         if backward:
+            interpreter.add_forward_scratch()
             try:
                 interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
             except DedupMismatch as mismatch:

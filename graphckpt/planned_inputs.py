@@ -22,8 +22,11 @@ autocast's cached weight copies to the end of forward); planned under autocast, 
 (MLP, GPT, ResNet, DenseNet, U-Net). What made the difference: checkpoint calls run with
 autocast's cache of parameter casts off (:func:`graphckpt.dropping.autocast_uncached`), a
 loss outside the model on 16-bit outputs is priced in float32 (``loss_widening`` in
-:mod:`passes.costgraph`), and a convolution's saved input counted alive during its backward
-kernel's scratch (:meth:`graphckpt.backward_record.Recorder.backward_peak`).
+:mod:`passes.costgraph`), a convolution's saved input counted alive during its backward
+kernel's scratch (:meth:`graphckpt.backward_record.Recorder.backward_peak`), and the scratch
+16-bit kernels allocate inside themselves measured: forward calls on 16-bit floats replayed
+(:meth:`graphckpt.op_kinds.OpKinds._note_narrow`), BatchNorm's backward replayed with the
+float32 statistics its kernel gets. The corpus planned under bf16: docs/corpus_autocast.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ temporaries its forward makes and frees inside itself (``forward_extra_bytes``: 
 its ATen calls create, followed until the last tensor on each is dropped).
 
 Memory a kernel allocates *inside* itself, which fake tensors cannot show, comes from
-:mod:`graphckpt.scratch` (``backward_extra_bytes``).
+:mod:`graphckpt.scratch`: every backward call's (``backward_extra_bytes``), and forward calls'
+on 16-bit floats (added to ``forward_extra_bytes``: :meth:`_CostInterpreter.add_forward_scratch`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class _CostInterpreter(fx.Interpreter):
         self.owner: dict[int, str] = {}
         self.keep_alive: list[Any] = []
         self.costs: dict[str, NodeCost] = {}
+        self.narrow_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls on 16-bit floats
         for tensor in (*module.parameters(), *module.buffers()):
             self.owner[storage_key(tensor)] = PARAM
         self.param_names = {id(p): name for name, p in module.named_parameters()}  # a tied one: its first name
@@ -103,6 +105,8 @@ class _CostInterpreter(fx.Interpreter):
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
                                         forward_extra_bytes=kinds.forward_extra_bytes())
+        if kinds.narrow_calls:
+            self.narrow_calls[node.name] = kinds.narrow_calls
         if self.backward and node.op.startswith("call_"):
             self._claim_grad_fns(result, node.name if kinds.opaque else None)
         return result
@@ -144,6 +148,20 @@ class _CostInterpreter(fx.Interpreter):
                 function.register_hook(leave)
             stack.extend(next_function for next_function, _ in function.next_functions)
         return claimed
+
+    def add_forward_scratch(self) -> dict[str, int]:
+        """Add to each node's ``forward_extra_bytes`` the most scratch any one of its forward
+        calls on 16-bit floats allocates inside its kernel (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`),
+        replaying the calls not measured before in this process (:func:`measure_kernel_scratch`),
+        on top of its temporaries, to be safe. Returns the bytes added, by node."""
+        keys = {name: [call_key(*call) for call in calls] for name, calls in self.narrow_calls.items()}
+        measure_kernel_scratch({key: call for name, calls in self.narrow_calls.items()
+                                for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
+        added = {name: scratch for name, node_keys in keys.items()
+                 if (scratch := max(KERNEL_EXTRA.get(key, 0) for key in node_keys))}
+        for name, scratch in added.items():
+            self.costs[name] = replace(self.costs[name], forward_extra_bytes=self.costs[name].forward_extra_bytes + scratch)
+        return added
 
     def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:
         """Set each node's ``backward_extra_bytes``: the most bytes any one ATen call of its
@@ -314,5 +332,6 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
     with torch.enable_grad() if backward else torch.no_grad():
         outputs = interpreter.run(*inputs)
         if backward:
+            interpreter.add_forward_scratch()
             interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
     return interpreter.costs
