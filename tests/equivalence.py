@@ -37,25 +37,27 @@ def train_step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, 
 
 
 def assert_trains_like(reference: nn.Module, model: nn.Module, rewritten: nn.Module, args: tuple,
-                       kwargs: dict | None = None, loss_fn: Callable = default_loss, seed: int = 0) -> None:
+                       kwargs: dict | None = None, loss_fn: Callable = default_loss, seed: int = 0,
+                       rtol: float = RTOL, atol: float = ATOL) -> None:
     """One training step of ``rewritten`` (sharing ``model``'s tensors) against ``reference``
-    (a deep copy of ``model`` taken before): outputs, every gradient and every buffer equal."""
+    (a deep copy of ``model`` taken before): outputs, every gradient and every buffer equal
+    (within ``rtol`` and ``atol``: float32's by default)."""
     kwargs = kwargs or {}
     expected = train_step(reference, args, kwargs, loss_fn, seed)
     actual = train_step(rewritten, args, kwargs, loss_fn, seed)
     assert len(expected) == len(actual)
     for e, a in zip(expected, actual, strict=True):
-        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
     reference_parameters = dict(reference.named_parameters())
     for name, parameter in model.named_parameters():
         want = reference_parameters[name].grad
         if want is None:
             assert parameter.grad is None, name
             continue
-        torch.testing.assert_close(parameter.grad, want, rtol=RTOL, atol=ATOL, msg=f"grad of {name}")
+        torch.testing.assert_close(parameter.grad, want, rtol=rtol, atol=atol, msg=f"grad of {name}")
     reference_buffers = dict(reference.named_buffers())
     for name, buffer in model.named_buffers():
-        torch.testing.assert_close(buffer, reference_buffers[name], rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(buffer, reference_buffers[name], rtol=rtol, atol=atol,
                                    msg=f"buffer {name}")
 
 

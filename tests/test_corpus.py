@@ -26,6 +26,7 @@ import functools
 import itertools
 
 import pytest
+import torch
 
 from passes.budget import BudgetError
 from tests.corpus import ENTRIES, FAST
@@ -38,10 +39,10 @@ ABOVE_EAGER: dict[tuple[str, str], str] = {}
 BUDGET_MISSED: dict[tuple[str, str], str] = {}
 
 
-def _param(name: str, *rest: object, known: dict | None = None) -> object:
-    """A pytest param for an entry (and a setting), ``slow`` unless the entry is in FAST;
-    an expected failure where ``known`` says why."""
-    marks = [] if name in FAST else [pytest.mark.slow]
+def _param(name: str, *rest: object, known: dict | None = None, slow: bool = False) -> object:
+    """A pytest param for an entry (and a setting), ``slow`` unless the entry is in FAST (or
+    ``slow`` always); an expected failure where ``known`` says why."""
+    marks = [] if name in FAST and not slow else [pytest.mark.slow]
     if known and (name, *rest) in known:
         marks.append(pytest.mark.xfail(reason=known[(name, *rest)], strict=False))
     return pytest.param(name, *rest, marks=marks, id="-".join(str(part) for part in (name, *rest)))
@@ -51,6 +52,13 @@ ENTRY_SETTINGS = [_param(name, setting) for name, setting in itertools.product(E
 ENTRY_PEAKS = [_param(name, setting, known=ABOVE_EAGER) for name, setting in itertools.product(ENTRIES, h.SETTINGS)]
 ENTRY_BUDGETS = [_param(name, setting, known=BUDGET_MISSED) for name, setting in itertools.product(ENTRIES, h.SETTINGS)
                  if setting != "auto"]
+_AT_THE_FLOOR = "the tightest plan under bf16 measured {:.3f}x its budget (docs/corpus_autocast.md); not found yet why"
+BUDGET_MISSED_AUTOCAST: dict[tuple[str, str], str] = {
+    ("albert", "floor"): _AT_THE_FLOOR.format(1.048), ("vit", "floor"): _AT_THE_FLOOR.format(1.052),
+    ("deit", "floor"): _AT_THE_FLOOR.format(1.052), ("wav2vec2", "floor"): _AT_THE_FLOOR.format(1.034),
+    ("hubert", "floor"): _AT_THE_FLOOR.format(1.034)}
+ENTRY_BUDGETS_AUTOCAST = [_param(name, setting, known=BUDGET_MISSED_AUTOCAST, slow=True)
+                          for name, setting in itertools.product(ENTRIES, h.SETTINGS) if setting != "auto"]
 
 
 @functools.cache
@@ -112,7 +120,12 @@ def test_measured_peak_is_at_most_eager(name: str, setting: h.Setting) -> None:
 
 @pytest.mark.parametrize(("name", "setting"), ENTRY_BUDGETS)
 def test_budget_is_met_on_the_measured_peak(name: str, setting: h.Setting) -> None:
-    entry = prepared(name)
+    _check_budget(prepared(name), name, setting)
+
+
+def _check_budget(entry: h.Prepared, name: str, setting: h.Setting) -> None:
+    """The budget is met within :data:`~tests.corpus.harness.BUDGET_SLACK` on the measured
+    peak, or ``BudgetError`` names a floor above it."""
     allowed = h.budget_bytes(entry, setting)
     try:
         plan = h.plan_for(entry, setting)
@@ -122,10 +135,25 @@ def test_budget_is_met_on_the_measured_peak(name: str, setting: h.Setting) -> No
         assert floor > allowed, f"floor {floor:,} B fits the budget {allowed:,} B: {error}"
         return
     assert plan.peak_bytes <= allowed, f"simulated {plan.peak_bytes:,} B over the budget {allowed:,} B"
-    measured = plan_measured(name, setting)
+    measured = h.measure(entry, h.rewritten(entry, plan)) if entry.autocast else plan_measured(name, setting)
     assert measured <= h.BUDGET_SLACK * allowed, (
         f"{name} budget {setting}: measured {measured:,} B is {measured / allowed:.3f}x the budget "
         f"{allowed:,} B (simulated {plan.peak_bytes:,} B)")
+
+
+@functools.cache
+def prepared_under_autocast(name: str) -> h.Prepared:
+    """The entry planned under bf16 autocast, as a user training with it calls ``rewrite``."""
+    return h.prepare(ENTRIES[name], autocast=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("name", "setting"), ENTRY_BUDGETS_AUTOCAST)
+def test_budget_is_met_under_autocast(name: str, setting: h.Setting) -> None:
+    """The same promise planned and stepped under bf16 autocast (docs/corpus_autocast.md):
+    the sweep that added it found three things the simulator missed there (a convolution's
+    input alive during its backward's scratch, a 16-bit kernel's own scratch in forward,
+    BatchNorm's backward scratch not replayed)."""
+    _check_budget(prepared_under_autocast(name), name, setting)
 
 
 GPT2_BUDGETS = (0.6, 0.8)

@@ -10,6 +10,7 @@ Hugging Face models, a scalar output as is, else the mean squares of every outpu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ Setting = str | float
 
 SETTINGS: tuple[Setting, ...] = ("auto", 0.5, 0.3, "floor")
 BUDGET_SLACK = 1.03  # a budget plan's measured peak may exceed its budget by 3% at most
+AUTOCAST_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-4}  # a step under bf16 autocast against the model's: within
+# bf16's rounding (torch.testing's rtol for bf16). A parameter used several times gets one autocast
+# cast per use in a checkpointed segment (graphckpt.dropping.autocast_uncached), so its gradients
+# are summed in float32, where eager's one cached cast sums them in bf16: ALBERT's shared layer and
+# T5's relative attention bias differed by up to 3.7e-3 relative, every other gradient equal.
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Prepared:
     captured: Captured
     cost_graph: nx.DiGraph
     floor: int | None = None
+    autocast: torch.dtype | None = None  # planned and stepped under autocast to this dtype
 
     @property
     def eager_simulated(self) -> int:
@@ -57,13 +64,20 @@ class Prepared:
         return eager_peak(self.cost_graph)
 
 
-def prepare(entry: Entry, seed: int = 0, device: str | torch.device = DEVICE) -> Prepared:
-    """Build ``entry`` (seeded) on ``device`` and capture and cost it as ``graphckpt.rewrite`` would."""
+def prepare(entry: Entry, seed: int = 0, device: str | torch.device = DEVICE,
+            autocast: torch.dtype | None = None) -> Prepared:
+    """Build ``entry`` (seeded) on ``device`` and capture and cost it as ``graphckpt.rewrite``
+    would; under ``autocast`` to that dtype when given, as a user training with it plans."""
     model, args, kwargs = entry.build(seed)
     deterministic_kernels(device)
     model, args, kwargs = model.to(device), on_device(args, device), on_device(kwargs, device)
-    captured, cost_graph = cost_model(model, args, example_kwargs=kwargs or None)
-    return Prepared(entry, model, args, kwargs, captured, cost_graph)
+    with _autocast(torch.device(device).type, autocast):
+        captured, cost_graph = cost_model(model, args, example_kwargs=kwargs or None)
+    return Prepared(entry, model, args, kwargs, captured, cost_graph, autocast=autocast)
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def plan_for(prepared: Prepared, setting: Setting) -> Plan:
@@ -125,8 +139,24 @@ def bound(module: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., A
 
 
 def measure(prepared: Prepared, module: Callable[..., Any]) -> int:
-    """Measured peak activation bytes of one training step of ``module`` on the entry's inputs."""
-    return measured_peak(bound(module, prepared.kwargs), prepared.args, model_loss)
+    """Measured peak activation bytes of one training step of ``module`` on the entry's
+    inputs; its forward under the entry's autocast, if any (backward outside, as usual)."""
+    return measured_peak(bound(_under_autocast(module, prepared), prepared.kwargs), prepared.args, model_loss)
+
+
+def entry_autocast(prepared: Prepared) -> contextlib.AbstractContextManager:
+    """The autocast the entry was planned under (a no-op context when none)."""
+    return _autocast(next(prepared.model.parameters()).device.type, prepared.autocast)
+
+
+def _under_autocast(module: Callable[..., Any], prepared: Prepared) -> Callable[..., Any]:
+    if prepared.autocast is None:
+        return module
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with entry_autocast(prepared):
+            return module(*args, **kwargs)
+    return run
 
 
 def per_block(prepared: Prepared) -> tuple[int | None, str]:
