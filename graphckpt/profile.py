@@ -24,7 +24,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from graphckpt.backward_record import Recorder
 from graphckpt.op_keys import eval_output_storage
 from graphckpt.op_kinds import GRADIENT_VIEW_OPS, OpKinds
-from graphckpt.scratch import KERNEL_EXTRA, call_key, measure_kernel_scratch
+from graphckpt.scratch import scratch_by_call
 from graphckpt.torch_compat import (
     FakeTensorMode,
     allocated_bytes,
@@ -154,11 +154,8 @@ class _CostInterpreter(fx.Interpreter):
         calls on 16-bit floats allocates inside its kernel (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`),
         replaying the calls not measured before in this process (:func:`measure_kernel_scratch`),
         on top of its temporaries, to be safe. Returns the bytes added, by node."""
-        keys = {name: [call_key(*call) for call in calls] for name, calls in self.narrow_calls.items()}
-        measure_kernel_scratch({key: call for name, calls in self.narrow_calls.items()
-                                for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
-        added = {name: scratch for name, node_keys in keys.items()
-                 if (scratch := max(KERNEL_EXTRA.get(key, 0) for key in node_keys))}
+        added = {name: scratch for name, scratches in scratch_by_call(self.narrow_calls).items()
+                 if (scratch := max(scratches, default=0))}
         for name, scratch in added.items():
             self.costs[name] = replace(self.costs[name], forward_extra_bytes=self.costs[name].forward_extra_bytes + scratch)
         return added
@@ -192,12 +189,8 @@ class _CostInterpreter(fx.Interpreter):
 
     def assign_backward_extra(self) -> None:
         """Each recorded node's ``backward_extra_bytes``, from the backward just run."""
-        keys = {name: [call_key(*call) for call in calls] for name, calls in self.recorder.calls.items()}
-        measure_kernel_scratch({key: call for name, calls in self.recorder.calls.items()
-                                for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
         nodes = {node.name: node for node in self.module.graph.nodes}
-        for name, node_keys in keys.items():
-            scratches = [KERNEL_EXTRA.get(key, 0) for key in node_keys]
+        for name, scratches in scratch_by_call(self.recorder.calls).items():
             scratch = max(scratches, default=0)
             peak = self.recorder.backward_peak(name, scratches.index(scratch) if scratch else None)
             passing = max(0, peak.bytes - self._gradient_bytes(nodes[name]))

@@ -20,7 +20,7 @@ two runs of each distinct backward kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -259,6 +259,21 @@ def _as_the_kernel_gets_them(func: Any, args: tuple) -> tuple:
         stats = tuple(replace(a, dtype=torch.float32) if isinstance(a, Layout) else a for a in args[5:7])
         return (*args[:5], *stats, *args[7:])
     return args
+
+
+def scratch_by_call(calls_by_node: Mapping[str, Sequence[Call]]) -> dict[str, list[int]]:
+    """The scratch each node's ATen calls allocate inside their kernels, call by call, in
+    the order given: calls measured before in this process are looked up in
+    ``KERNEL_EXTRA``, the others replayed once (:func:`measure_kernel_scratch`); a call that
+    cannot be replayed counts 0.
+
+    >>> scratch_by_call({})
+    {}
+    """
+    keys = {name: [call_key(*call) for call in calls] for name, calls in calls_by_node.items()}
+    measure_kernel_scratch({key: call for name, calls in calls_by_node.items()
+                            for key, call in zip(keys[name], calls, strict=True) if key not in KERNEL_EXTRA})
+    return {name: [KERNEL_EXTRA.get(key, 0) for key in node_keys] for name, node_keys in keys.items()}
 
 
 def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
