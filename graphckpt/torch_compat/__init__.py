@@ -4,9 +4,10 @@ graphckpt needs a few things torch offers only privately: fake tensors and dispa
 (to cost a graph without running it), the profiler's allocation events and memory timeline
 (to measure peaks on CPU), a storage's identity, the registries behind ``nn.Module``'s
 attributes, an fx graph's code generator, a ``SymInt``'s example value. Each is reached
-here, and only here (``tests/test_torch_compat.py`` fails naming the file and line of any
-other module that touches a private torch name), so a torch release that moves one breaks
-this module alone, and the fix is a shim here.
+here (the profiler's in :mod:`graphckpt.torch_compat.profiler`, re-exported here), and only
+here (``tests/test_torch_compat.py`` fails naming the file and line of any other module that
+touches a private torch name), so a torch release that moves one breaks
+this package alone, and the fix is a shim here.
 
 Torch versions tested: 2.13 in CI (``.ci/run``); 2.5 and 2.6 by hand (the whole default
 suite, when this module was written: 2.5 without transformers, whose releases now need torch
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -50,14 +51,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from graphckpt.torch_compat.profiler import (
+    RANGE_PREFIX,
+    allocations_under,
+    memory_timeline_allocations,
+    profiled_event_tree,
+    profiled_range,
+    profiler_enabled,
+)
+
 __all__ = [
-    "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode", "activation_memory_budget",
-    "allocated_bytes", "allocation_size", "allocations_under", "argument_names", "clear_selective_cache",
-    "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
-    "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks", "is_accumulate_grad",
-    "memory_timeline_allocations", "module_registries", "module_tree_copy", "non_persistent_buffers",
-    "op_schema", "profiled_event_tree", "profiler_enabled", "storage_alive", "storage_key", "storage_key_and_ref",
-    "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
+    "RANGE_PREFIX", "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode",
+    "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under", "argument_names",
+    "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
+    "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks",
+    "is_accumulate_grad", "memory_timeline_allocations", "module_registries", "module_tree_copy",
+    "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
+    "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves",
+    "tree_map", "tree_unflatten",
 ]
 
 
@@ -350,81 +361,3 @@ def flop_counter() -> Iterator[FlopCounterMode]:
         module_tracker.register_multi_grad_hook = register
         for handle in handles:
             handle.remove()
-
-
-# ---------------------------------------------------------------- profiler
-
-
-def profiler_enabled() -> bool:
-    """Whether a torch profiler session is running (a second one would corrupt both).
-
-    ``torch.autograd.profiler._is_profiler_enabled``. Checked on 2.5, 2.6, 2.13.
-    """
-    return bool(torch.autograd.profiler._is_profiler_enabled)
-
-
-_NO_RANGE = contextlib.nullcontext()
-RANGE_PREFIX = "graphckpt "  # what every range :func:`profiled_range` marks is named from
-
-
-def profiled_range(*words: object) -> contextlib.AbstractContextManager:
-    """A range named ``graphckpt <words>`` in the running profiler's trace
-    (``record_function``), or nothing when no profiler runs (the name is not even made):
-    a rewritten module's segments show in a user's traces at no cost to an unprofiled step."""
-    if not profiler_enabled():
-        return _NO_RANGE
-    return torch.profiler.record_function(RANGE_PREFIX + " ".join(map(str, words)))
-
-
-def profiled_event_tree(prof: torch.profiler.profile) -> list[Any]:
-    """The root events of a finished profiler session (each with ``name`` and ``children``).
-
-    ``prof.profiler.kineto_results.experimental_event_tree()``. Checked on 2.5, 2.6, 2.13.
-    """
-    results = prof.profiler.kineto_results if prof.profiler is not None else None
-    return list(results.experimental_event_tree()) if results is not None else []
-
-
-def allocations_under(event: Any) -> list[tuple[int, Hashable, int]]:
-    """Every allocation and free under a profiler event, in time order: ``(time_ns,
-    address, bytes)``, bytes negative for a free.
-
-    Events tagged ``torch._C._profiler._EventType.Allocation`` and their ``extra_fields``
-    (``ptr``, ``alloc_size``). Checked on 2.5, 2.6, 2.13.
-    """
-    from torch._C._profiler import _EventType
-
-    allocations, stack = [], [event]
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    return sorted(allocations, key=lambda allocation: allocation[0])
-
-
-def memory_timeline_allocations(prof: torch.profiler.profile,
-                                device: torch.device) -> list[tuple[Hashable | None, int]]:
-    """The storages created and destroyed on ``device`` during a profiler session run with
-    ``profile_memory=True, record_shapes=True``, in time order: ``(key, +bytes)`` for a
-    creation, ``(key, -bytes)`` for a destruction. ``key`` names one storage, or is ``None``
-    when the profiler could not tie the allocation to a tensor (a creation and destruction
-    then cannot be matched). Rows for storages that existed before, and in-place writes,
-    are left out.
-
-    ``torch.profiler._memory_profiler.MemoryProfile(...).timeline`` rows ``(time, Action,
-    (key, version), bytes)``, a ``TensorKey`` or a bare ``Key``. (``prof._memory_profile()``
-    would insist on ``with_stack=True``, which only feeds category heuristics the timeline
-    does not need.) Checked on 2.5, 2.6, 2.13.
-    """
-    from torch.profiler._memory_profiler import Action, MemoryProfile, TensorKey
-
-    results = prof.profiler.kineto_results if prof.profiler is not None else None
-    if results is None:
-        raise RuntimeError("the profiler returned no results; is another profiler (e.g. kineto/nsys) interfering?")
-    events: list[tuple[Hashable | None, int]] = []
-    for _time, action, (key, _version), size in MemoryProfile(results).timeline:
-        if key is None or key.device != device or action not in (Action.CREATE, Action.DESTROY):
-            continue
-        events.append((key if isinstance(key, TensorKey) else None, size if action == Action.CREATE else -size))
-    return events
