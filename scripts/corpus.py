@@ -21,6 +21,7 @@ import copy
 import datetime
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,13 +30,14 @@ sys.path.insert(0, str(ROOT))  # tests/corpus is not installed with the package
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from torch import nn  # noqa: E402
 
 from graphckpt.tools.bench_report import machine_line  # noqa: E402
 from passes.budget import BudgetError  # noqa: E402
 from passes.units import format_bytes  # noqa: E402
 from tests.corpus import ENTRIES  # noqa: E402
 from tests.corpus import harness as h  # noqa: E402
-from tests.equivalence import assert_trains_like  # noqa: E402
+from tests.equivalence import assert_steps_alike, assert_trains_like  # noqa: E402
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Row:
     per_block_note: str = ""
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    captured_step: str | None = None  # what a step of the captured program does unlike the model's
 
 
 def _first_line(error: BaseException) -> str:
@@ -71,22 +74,61 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
 
 
-def _trains_like(prepared: h.Prepared, plan) -> str | None:
-    """None when one seeded training step of the rewrite equals the model's, else the first
-    line of what differs (or what raised)."""
-    prepared.model.zero_grad(set_to_none=True)
-    reference = copy.deepcopy(prepared.model)
+def _differs(check: Callable[[], None]) -> str | None:
+    """None when ``check`` passes, else the first line of what differs (or what raised)."""
     try:
-        module = h.rewritten(prepared, plan)
-        keys, expected = set(module.state_dict()), set(prepared.model.state_dict())
-        if keys != expected:
-            return f"state_dict keys differ: {sorted(keys ^ expected)[:3]}"
-        with h.entry_autocast(prepared):  # forward and backward: the same for both
-            assert_trains_like(reference, prepared.model, module, prepared.args, prepared.kwargs,
-                               **(h.AUTOCAST_TOLERANCE if prepared.autocast else {}))
+        check()
     except Exception as error:  # a report row, not a crash: say what failed
         return _first_line(error)
     return None
+
+
+def _tolerance(prepared: h.Prepared) -> dict[str, float]:
+    return h.AUTOCAST_TOLERANCE if prepared.autocast else {}
+
+
+def _model_step(prepared: h.Prepared, module: nn.Module) -> str | None:
+    """None when one seeded training step of ``module`` (sharing the entry model's tensors)
+    equals the model's own, else the first line of what differs."""
+    prepared.model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(prepared.model)
+
+    def check() -> None:
+        with h.entry_autocast(prepared):  # forward and backward: the same for both
+            assert_trains_like(reference, prepared.model, module, prepared.args, prepared.kwargs,
+                               **_tolerance(prepared))
+    return _differs(check)
+
+
+def _captured_step(prepared: h.Prepared, row: Row) -> str:
+    """What differs between a step of the captured program, run as it is, and the model's
+    own ("" when nothing): measured once per entry. Export may trace a branch eager does not
+    take (Hugging Face materializes attention masks under tracing)."""
+    if row.captured_step is None:
+        row.captured_step = _model_step(prepared, prepared.captured.graph_module) or ""
+    return row.captured_step
+
+
+def _trains_like(prepared: h.Prepared, row: Row, plan) -> str | None:
+    """None when one seeded training step of the rewrite equals the model's, or equals the
+    captured program's where that already differs from the model's (reported once for the
+    entry, :func:`_captured_step`); else the first line of what differs (or what raised)."""
+    try:
+        module = h.rewritten(prepared, plan)
+    except Exception as error:  # a report row, not a crash
+        return _first_line(error)
+    keys, expected = set(module.state_dict()), set(prepared.model.state_dict())
+    if keys != expected:
+        return f"state_dict keys differ: {sorted(keys ^ expected)[:3]}"
+    differs = _model_step(prepared, module)
+    if differs is None or not _captured_step(prepared, row):
+        return differs
+
+    def like_captured() -> None:
+        with h.entry_autocast(prepared):
+            assert_steps_alike(prepared.model, prepared.captured.graph_module, module, prepared.args,
+                               prepared.kwargs, **_tolerance(prepared))
+    return differs if _differs(like_captured) else None
 
 
 def _outcome(prepared: h.Prepared, row: Row, setting: h.Setting) -> Outcome:
@@ -103,7 +145,7 @@ def _outcome(prepared: h.Prepared, row: Row, setting: h.Setting) -> Outcome:
             row.failures.append(f"{setting}: BudgetError without a floor above the budget ({error})")
         return outcome
     outcome.simulated = plan.peak_bytes
-    differs = _trains_like(prepared, plan)
+    differs = _trains_like(prepared, row, plan)
     if differs:
         row.failures.append(f"{setting}: not the model's step: {differs}")
     try:
@@ -136,6 +178,8 @@ def evaluate(name: str, device: str = "cpu", autocast: torch.dtype | None = None
     row.floor = h.floor_bytes(prepared)
     row.outcomes = [_outcome(prepared, row, setting) for setting in h.SETTINGS]
     row.per_block, row.per_block_note = h.per_block(prepared)
+    if row.captured_step:
+        row.failures.append(f"captured program: steps unlike the model, and every plan like it: {row.captured_step}")
     row.seconds = time.perf_counter() - start
     return row
 
@@ -169,7 +213,8 @@ def _row_line(row: Row) -> str:
 
 _KINDS = {"not the model's step": "a step differing from the model's", "eager's measured": "a peak above eager's",
           "its budget": "a budget missed by more than 3%", "BudgetError without": "a BudgetError not naming its floor",
-          "measuring failed": "a step that failed to run", "capture": "no capture"}
+          "measuring failed": "a step that failed to run", "capture:": "no capture",
+          "captured program": "a captured program stepping unlike the model (the plans step like it)"}
 
 
 def _summary(rows: list[Row]) -> str:

@@ -45,20 +45,53 @@ def assert_trains_like(reference: nn.Module, model: nn.Module, rewritten: nn.Mod
     kwargs = kwargs or {}
     expected = train_step(reference, args, kwargs, loss_fn, seed)
     actual = train_step(rewritten, args, kwargs, loss_fn, seed)
-    assert len(expected) == len(actual)
-    for e, a in zip(expected, actual, strict=True):
+    _assert_same_step(_after(reference, expected), _after(model, actual), rtol, atol)
+
+
+Step = tuple[list[torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]
+"""A training step's outputs, then the model's gradients and buffers after it, by name."""
+
+
+def _after(model: nn.Module, outputs: list[torch.Tensor]) -> Step:
+    return (outputs, {name: parameter.grad for name, parameter in model.named_parameters()},
+            {name: buffer.detach().clone() for name, buffer in model.named_buffers()})
+
+
+def _assert_same_step(want: Step, got: Step, rtol: float, atol: float) -> None:
+    """Outputs, every gradient (``None`` where it is ``None``) and every buffer equal."""
+    assert len(got[0]) == len(want[0])
+    for e, a in zip(want[0], got[0], strict=True):
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
-    reference_parameters = dict(reference.named_parameters())
-    for name, parameter in model.named_parameters():
-        want = reference_parameters[name].grad
-        if want is None:
-            assert parameter.grad is None, name
+    for name, expected in want[1].items():
+        if expected is None:
+            assert got[1][name] is None, name
             continue
-        torch.testing.assert_close(parameter.grad, want, rtol=rtol, atol=atol, msg=f"grad of {name}")
-    reference_buffers = dict(reference.named_buffers())
-    for name, buffer in model.named_buffers():
-        torch.testing.assert_close(buffer, reference_buffers[name], rtol=rtol, atol=atol,
-                                   msg=f"buffer {name}")
+        torch.testing.assert_close(got[1][name], expected, rtol=rtol, atol=atol, msg=f"grad of {name}")
+    for name, expected in want[2].items():
+        torch.testing.assert_close(got[2][name], expected, rtol=rtol, atol=atol, msg=f"buffer {name}")
+
+
+def _stepped(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, seed: int) -> Step:
+    """One training step of ``module`` (sharing ``model``'s tensors) from no gradients."""
+    model.zero_grad(set_to_none=True)
+    return _after(model, train_step(module, args, kwargs, loss_fn, seed))
+
+
+def assert_steps_alike(model: nn.Module, expected: nn.Module, actual: nn.Module, args: tuple,
+                       kwargs: dict | None = None, loss_fn: Callable = default_loss, seed: int = 0,
+                       rtol: float = RTOL, atol: float = ATOL) -> None:
+    """One training step of ``actual`` against one of ``expected``, two programs sharing
+    ``model``'s tensors, from the same buffers: outputs, every gradient and every buffer
+    equal. Where :func:`assert_trains_like` compares a rewrite with the model's own code,
+    this compares it with another program run on the model, such as the captured one it was
+    made from: a difference the capture already makes is then not the rewrite's."""
+    kwargs = kwargs or {}
+    before = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    want = _stepped(model, expected, args, kwargs, loss_fn, seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(before[name])
+    _assert_same_step(want, _stepped(model, actual, args, kwargs, loss_fn, seed), rtol, atol)
 
 
 def fresh_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:

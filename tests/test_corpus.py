@@ -31,7 +31,7 @@ import torch
 from passes.budget import BudgetError
 from tests.corpus import ENTRIES, FAST
 from tests.corpus import harness as h
-from tests.equivalence import assert_trains_like
+from tests.equivalence import assert_steps_alike, assert_trains_like
 
 # Promises still broken, as measured (issue 13's closing note has the numbers). Not strict:
 # these are sub-MiB models, and a miss of a few KiB can go either way on another CPU.
@@ -154,6 +154,24 @@ def test_budget_is_met_under_autocast(name: str, setting: h.Setting) -> None:
     input alive during its backward's scratch, a 16-bit kernel's own scratch in forward,
     BatchNorm's backward scratch not replayed)."""
     _check_budget(prepared_under_autocast(name), name, setting)
+
+
+AUTOCAST_STEPS = ("t5", "albert", "vit", "llama")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", AUTOCAST_STEPS)
+def test_rewrite_steps_like_the_captured_program_under_autocast(name: str) -> None:
+    """Under bf16 autocast each plan keeps the captured program's numerics, within bf16's
+    rounding (ALBERT's shared layer: one cast per use in a checkpointed segment). T5's
+    captured program itself steps unlike eager Hugging Face code there (harness,
+    ``AUTOCAST_TOLERANCE``), so the plan is compared with the program it was made from."""
+    entry = prepared_under_autocast(name)
+    for setting in ("auto", "floor"):
+        module = h.rewritten(entry, h.plan_for(entry, setting))
+        with h.entry_autocast(entry):
+            assert_steps_alike(entry.model, entry.captured.graph_module, module, entry.args, entry.kwargs,
+                               **h.AUTOCAST_TOLERANCE)
 
 
 GPT2_BUDGETS = (0.6, 0.8)

@@ -42,7 +42,12 @@ AUTOCAST_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-4}  # a step under bf16 autocas
 # bf16's rounding (torch.testing's rtol for bf16). A parameter used by several layers gets one autocast
 # cast per use in a checkpointed segment (graphckpt.dropping.autocast_uncached), so its gradients are
 # summed in float32, where eager's one cached cast sums them in bf16: ALBERT's shared layer differed by
-# 3.7e-3 of its largest element (T5's relative attention bias by 1.6e-3, beyond atol: cause not traced).
+# 3.7e-3 of its largest element. T5's decoder relative-attention bias differs by 1.6e-3 (beyond atol) in the
+# captured program already: eager Hugging Face code passes SDPA a [1, heads, q, k] bias mask broadcast over
+# the batch (no attention mask, is_causal), whose gradient SDPA's backward sums over the batch in bf16; under
+# tracing it materializes the mask, [batch, heads, q, k], summed in float32 after the cast. Eager with the
+# mask materialized steps bit for bit like every T5 plan. scripts/corpus.py reports such a difference once,
+# as the captured program's, when each plan steps like the captured program.
 
 
 @dataclass
