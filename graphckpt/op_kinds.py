@@ -1,7 +1,8 @@
 """What kinds of ATen ops a node runs, seen from under it while the profile runs it
 (:class:`OpKinds`): random draws, matmuls and convolutions (what a selective segment keeps,
-:func:`kept_by_selective`), ops that are neither views nor pointwise, and the temporaries
-its calls make and free inside the node (``forward_extra_bytes``). Split from
+:func:`kept_by_selective`), ops that are neither views nor pointwise, the temporaries
+its calls make and free inside the node (``forward_extra_bytes``), and the parameter casts
+autocast's cache keeps to the end of forward (``autocast_cache_bytes``). Split from
 :mod:`graphckpt.profile`, which runs the nodes and turns this into a ``NodeCost``."""
 
 from __future__ import annotations
@@ -13,9 +14,34 @@ from typing import Any
 import torch
 
 from graphckpt.scratch import layouts_of
-from graphckpt.torch_compat import TorchDispatchMode, allocated_bytes, draws_random_numbers, storage_key, tree_leaves
+from graphckpt.torch_compat import (
+    TorchDispatchMode,
+    allocated_bytes,
+    draws_random_numbers,
+    is_cast,
+    storage_key,
+    storage_key_and_ref,
+    tree_leaves,
+)
 
 NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def caching_devices() -> frozenset[str]:
+    """The device types whose autocast region caches parameter casts now (autocast on, its
+    cache on); asked outside any dispatch mode, which sees autocast as off."""
+    if not torch.is_autocast_cache_enabled():
+        return frozenset()
+    return frozenset(device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
+
+
+def cached_by_autocast(source: Any, cast: Any, devices: frozenset[str]) -> bool:
+    """Whether autocast's cache keeps ``cast``, a ``_to_copy`` of ``source``, until its region
+    ends: a float32 leaf that requires grad (a parameter) made 16-bit on a device whose autocast
+    caches (ATen's ``cached_cast``)."""
+    return (isinstance(source, torch.Tensor) and isinstance(cast, torch.Tensor) and source.device.type in devices
+            and source.dtype == torch.float32 and source.requires_grad and source.is_leaf
+            and cast.dtype in NARROW_FLOATS)
 
 EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
                            "mkldnn_convolution", "convolution_overrideable", "cudnn_convolution",
@@ -45,7 +71,9 @@ class OpKinds(TorchDispatchMode):
     """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
     ops that are neither views nor pointwise (``opaque``).
 
-    It follows the storages those calls make (:meth:`forward_extra_bytes`). Only an opaque
+    It follows the storages those calls make (:meth:`forward_extra_bytes`), and notes the
+    parameter casts autocast's cache will keep to the end of forward (``cached_casts``,
+    :func:`cached_by_autocast`). Only an opaque
     op can need scratch memory in its backward: views allocate nothing, and
     the derivatives of pointwise ops are pointwise ops (and sums for broadcasting), kernels
     that write straight into their outputs (every one replayed on the zoo measured 0 bytes).
@@ -57,11 +85,16 @@ class OpKinds(TorchDispatchMode):
         self.expensive = False
         self.opaque = False
         self.last = ""  # the last op: ``cat`` or ``stack`` hands its inputs views of its gradient
-        self.expensive_outputs: list[torch.Tensor] = []  # what a selective checkpoint policy keeps
+        self.expensive_outputs: list[tuple[int, Any, int]] = []  # what a selective checkpoint policy keeps:
+        # (storage key, weak reference, bytes), never the tensor, which would outlive its use here and hide a
+        # temporary from forward_extra_bytes (attention's scores: ViT under bf16 measured 66 KB over)
         self.made: list[int] = []  # bytes of each storage a call made, in order
         self.events: list[int] = []  # indices into ``made``: ``i`` made, ``-i - 1`` freed, in time order
         self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
         self.narrow_calls: list[tuple] = []  # (func, args, kwargs as layouts): see :meth:`_note_narrow`
+        self.caching = caching_devices()
+        self.cached_casts: list[tuple[int, Any, int]] = []  # (storage key, weak reference, bytes): parameter
+        # casts autocast's cache keeps to the end of forward (passes.costgraph's ``autocast_cache_bytes``)
         self.running = True
 
     def __exit__(self, *exc: Any) -> Any:
@@ -126,6 +159,9 @@ class OpKinds(TorchDispatchMode):
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
                 self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
+        if self.caching and is_cast(func) and cached_by_autocast(args[0], result, self.caching):
+            self.cached_casts.append((*storage_key_and_ref(result), allocated_bytes(result)))
         if is_expensive:
-            self.expensive_outputs.extend(t for t in tree_leaves(result) if isinstance(t, torch.Tensor))
+            self.expensive_outputs.extend((*storage_key_and_ref(t), allocated_bytes(t))
+                                          for t in tree_leaves(result) if isinstance(t, torch.Tensor))
         return result

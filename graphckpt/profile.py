@@ -32,6 +32,7 @@ from graphckpt.torch_compat import (
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
+    storage_alive,
     storage_key,
     tree_leaves,
 )
@@ -57,6 +58,7 @@ class NodeCost:
     dtype: str
     backward_extra_bytes: int = 0
     forward_extra_bytes: int = 0
+    autocast_cache_bytes: int = 0
     grad_views: bool = False
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
@@ -89,6 +91,17 @@ class _CostInterpreter(fx.Interpreter):
         for tensor in (*module.parameters(), *module.buffers()):
             self.owner[storage_key(tensor)] = PARAM
         self.param_names = {id(p): name for name, p in module.named_parameters()}  # a tied one: its first name
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The graph run once, with autocast's cache of parameter casts emptied before and
+        after: a run before this one (a retry, the forward-only profile) left the casts of
+        these parameters cached, and this run would neither make nor count them; and the
+        user's autocast region should not keep fake tensors."""
+        torch.clear_autocast_cache()
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            torch.clear_autocast_cache()
 
     def run_node(self, node: fx.Node) -> Any:
         saved: list[torch.Tensor] = []
@@ -252,7 +265,10 @@ class _CostInterpreter(fx.Interpreter):
                     names.append(name)
         shape, dtype = _describe(tensors)
         own = {storage_key(t) for t in tensors}
-        inner = {storage_key(t): allocated_bytes(t) for t in kinds.expensive_outputs}
+        inner = {key: nbytes for key, ref, nbytes in kinds.expensive_outputs  # its own output, if alive: not extra
+                 if key not in own or not storage_alive(ref)}
+        kept = {storage_key(t) for t in saved}
+        cached = {key: nbytes for key, ref, nbytes in kinds.cached_casts if key not in kept and storage_alive(ref)}
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
             alias_of=alias_of,
@@ -263,7 +279,8 @@ class _CostInterpreter(fx.Interpreter):
             random=kinds.random,
             expensive=kinds.expensive,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
-            selective_extra_bytes=sum(nbytes for key, nbytes in inner.items() if key not in own),
+            selective_extra_bytes=sum(inner.values()),
+            autocast_cache_bytes=sum(cached.values()),
             param_grad_bytes=self._param_grad_bytes(node),
             param_grads=self._param_grads(node),
             shape=shape,

@@ -24,9 +24,9 @@ import networkx as nx
 from passes.kept_bytes import shared_parameters
 
 # What an integer key names, beside the node (:func:`slot`); a value's storage is VALUE.
-SLOT_KINDS = 9
-VALUE, EXTRA, FORWARD_EXTRA, SELECTIVE_EXTRA, GRAD_PARTIAL, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, BACKWARD_EXTRA = \
-    range(SLOT_KINDS)
+SLOT_KINDS = 10
+(VALUE, EXTRA, FORWARD_EXTRA, SELECTIVE_EXTRA, GRAD_PARTIAL, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, BACKWARD_EXTRA,
+ AUTOCAST_CACHE) = range(SLOT_KINDS)
 
 
 def slot(node: int, kind: int) -> int:
@@ -53,6 +53,8 @@ class GraphIndex:
     released_early: list[tuple[int, ...]]
     saved_extra: list[int]
     forward_extra: list[int]
+    autocast_cache: list[int]
+    autocast_cached: tuple[int, ...]  # the nodes with ``autocast_cache`` bytes
     selective_extra: list[int]
     backward_extra: list[int]
     param_grad: list[int]
@@ -114,6 +116,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         released_early=[tuple(map(ids.__getitem__, early)) for early in columns["released_early"]],
         saved_extra=columns["saved_extra_bytes"],
         forward_extra=columns["forward_extra_bytes"],
+        autocast_cache=columns["autocast_cache_bytes"],
+        autocast_cached=tuple(i for i, cached in enumerate(columns["autocast_cache_bytes"]) if cached),
         selective_extra=columns["selective_extra_bytes"],
         backward_extra=columns["backward_extra_bytes"],
         param_grad=columns["param_grad_bytes"],
@@ -125,7 +129,7 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
 
 
 _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
-            "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views")
+            "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views")
 
 
 class LimitExceeded(Exception):

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from passes.sim_memory import EXTRA, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, SELECTIVE_EXTRA, LiveMemory, slot
+from passes.sim_memory import (
+    AUTOCAST_CACHE,
+    EXTRA,
+    GRAD,
+    PARAM_ACCUMULATOR,
+    PARAM_GRAD,
+    SELECTIVE_EXTRA,
+    LiveMemory,
+    slot,
+)
 
 
 def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
@@ -27,7 +36,7 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
     index = memory.index
     owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
     reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
-    saved_extra = index.saved_extra
+    saved_extra, cached = index.saved_extra, index.autocast_cache
     kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
     taken = frozenset(consumed)
     keys = None if memory.fresh else index.value_keys  # no recompute open: forward's storages, looked up
@@ -42,6 +51,8 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
                 memory.hold(value, 1, None if keys is None else keys[value])
             if saved_extra[node]:
                 memory.allocate(slot(node, EXTRA), saved_extra[node])
+        if save and cached[node] and not memory.fresh:  # forward's own code: autocast's cache is on
+            memory.allocate(slot(node, AUTOCAST_CACHE), cached[node])
         if forward_extra[node]:
             memory.touch(forward_extra[node])
         for value in reads[node]:

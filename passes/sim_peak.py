@@ -34,6 +34,7 @@ import networkx as nx
 from passes.schedule import Matrix, Schedule, plan_schedule
 from passes.segments import Segment
 from passes.sim_memory import (
+    AUTOCAST_CACHE,
     BACKWARD_EXTRA,
     EXTRA,
     FORWARD_EXTRA,
@@ -59,6 +60,7 @@ KIND_NAMES = {
     PARAM_ACCUMULATOR: "shared parameter's gradient",
     PARAM_GRAD: "parameter gradients",
     BACKWARD_EXTRA: "backward scratch",
+    AUTOCAST_CACHE: "autocast's cached cast",  # a parameter's 16-bit copy, kept to the end of forward
 }
 """What each kind of simulator storage is called in a breakdown."""
 

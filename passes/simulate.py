@@ -48,7 +48,7 @@ from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.schedule import plan_schedule
 from passes.segments import Segment, Step, make_segments
 from passes.sim_hooked import backward_hooked
-from passes.sim_memory import EXTRA, GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
+from passes.sim_memory import AUTOCAST_CACHE, EXTRA, GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
 from passes.sim_ops import run_backward, run_forward
 
 LOSS_WORKING_SET = 3
@@ -139,6 +139,9 @@ def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[
                 drawn = redrawn(graph, segment)
                 for node in memory.index.id_list(n for n in segment.nodes if n not in drawn):
                     memory.allocate(slot(node, EXTRA), memory.index.saved_extra[node])
+                for node in memory.index.id_list(segment.nodes):  # its body runs with autocast's cache on
+                    if memory.index.autocast_cache[node]:
+                        memory.allocate(slot(node, AUTOCAST_CACHE), memory.index.autocast_cache[node])
                 memory.allocate(("rng-draws", id(segment)),  # a generator state per dropout, one counted above
                                 max(len(drawn) - 1, 0) * graph.graph.get("rng_state_bytes", 0))
                 for value in (*kept_inputs(segment), *kept):  # the rest goes now
@@ -261,6 +264,8 @@ def step_peak(graph: nx.DiGraph, segments: Sequence[Segment], limit: float = flo
     hooked = {segment: last_needed(graph, segment) for segment in segments
               if segment.recompute and keeps_by_hooks(graph, segment)}  # asked in forward and backward
     _forward_sequence(memory, graph, segments, hooked)
+    for node in index.autocast_cached:  # forward's autocast region ends: its cache goes
+        memory.free(slot(node, AUTOCAST_CACHE))
     grads: set[int] = set()
     memory.allocate(("loss scalars",), loss_scalar_bytes(graph))
     memory.allocate(("loss",), loss_working_bytes(graph))

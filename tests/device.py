@@ -31,3 +31,12 @@ def on_test_device(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
     """``model`` and ``inputs`` moved to :data:`DEVICE` (deterministic kernels there)."""
     deterministic_kernels(DEVICE)
     return model.to(DEVICE), on_device(inputs, DEVICE)
+
+
+def under_autocast(module: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``module`` with its forward under ``torch.autocast`` on the CPU, backward outside, as a
+    training loop runs it."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=dtype):
+            return module(*args, **kwargs)
+    return run

@@ -13,7 +13,7 @@ import graphckpt
 from graphckpt.enable import enabled_plan
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
-from passes.simulate import eager_peak
+from tests.device import under_autocast
 from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair
 
 MEASURE_TOLERANCE = 0.03  # measured peak within 3% of the simulated one (issue 15's bar for plan kinds)
@@ -90,38 +90,12 @@ def test_integer_inputs_are_not_checked() -> None:
     assert "planned_without_grad" not in rewritten.code
 
 
-def _under_autocast(module: nn.Module):
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return module(*args)
-    return run
-
-
-@pytest.mark.parametrize(("name", "budget"), [("mlp", 0.5), ("gpt", 0.5), ("unet", 0.7), ("densenet", 0.7)])
-def test_a_plan_made_under_autocast_holds_its_simulated_peak_under_it(name: str, budget: float) -> None:
-    """Planned under bf16 autocast, a step under it measures its simulated peak: checkpoint
-    calls run without autocast's cache of parameter casts (each weight's copy went on living
-    to the end of forward: the zoo MLP measured 3.2x its simulated peak), the loss on bf16
-    outputs is priced in float32 (``loss_widening``: the zoo GPT 1.24-1.40x before), and a
-    convolution's saved input is alive during its backward kernel's scratch though the weight
-    cast's backward after it lets it go (U-Net and DenseNet 1.08x before)."""
-    model, inputs = zoo.make(name, **({"depth": 16, "width": 256, "batch": 512} if name == "mlp" else {}))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        rewritten = graphckpt.rewrite(model, inputs, budget=budget, exact=False)
-    plan = rewritten.meta["graphckpt_plan"]
-    assert plan.autocast == "cpu:bfloat16" and "planned under autocast cpu:bfloat16" in rewritten.code
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # called as planned: no warning
-        measured = measure_step(_under_autocast(rewritten), inputs, zoo.scalar_loss, repeats=1).peak_bytes
-    assert abs(measured / plan.peak_bytes - 1) <= MEASURE_TOLERANCE, (measured, plan.peak_bytes)
-
-
 def test_a_call_under_another_autocast_than_the_plan_warns() -> None:
     model, x = _model_and_input()
     rewritten = graphckpt.rewrite(model, (x,), budget=0.7)
     assert "planned_autocast = graphckpt_planned_inputs_warn_if_autocast_differs('', " in rewritten.code
     with pytest.warns(UserWarning, match=r"called under autocast cpu:bfloat16, but the plan was made under autocast off"):
-        _loss(_under_autocast(rewritten)(x)).backward()
+        _loss(under_autocast(rewritten)(x)).backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         planned_under = graphckpt.rewrite(model, (x,), budget=0.7)
     with pytest.warns(UserWarning, match=r"called under autocast off, but the plan was made under autocast cpu:bfloat16"):
@@ -152,51 +126,10 @@ def test_enable_planned_under_autocast_holds_its_peak_and_warns_under_another() 
     assert plan.autocast == "cpu:bfloat16"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # called as planned: no warning
-        measured = measure_step(_under_autocast(model), inputs, zoo.scalar_loss, repeats=1).peak_bytes
+        measured = measure_step(under_autocast(model), inputs, zoo.scalar_loss, repeats=1).peak_bytes
     assert abs(measured / plan.peak_bytes - 1) <= MEASURE_TOLERANCE, (measured, plan.peak_bytes)
     with pytest.warns(UserWarning, match=r"called under autocast off, but the plan was made under autocast cpu:bfloat16"):
         zoo.scalar_loss(model(*inputs)).backward()
     graphckpt.enable(model, inputs, budget=0.5)  # planned again, without autocast
     with pytest.warns(UserWarning, match=r"called under autocast cpu:bfloat16, but the plan was made under autocast off"):
-        zoo.scalar_loss(_under_autocast(model)(*inputs)).backward()
-
-
-class PooledLinear(nn.Module):
-    """A Linear layer, then the mean over the sequence: on CPU the ``mean`` of a bf16 tensor
-    copies it to float32 inside its kernel, where no dispatch mode sees it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(64, 1024)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x).mean(dim=1)
-
-
-def test_a_16_bit_kernels_scratch_in_forward_is_simulated() -> None:
-    """Planned under bf16, the step's peak is the pooling ``mean``'s: its input, and the copy
-    its kernel makes on CPU (twice the input, in float32); wav2vec2's pooling made it 1.05x
-    its simulated peak before forward calls on 16-bit floats were replayed
-    (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`). Holds on a machine whose kernel makes
-    no copy as well: the simulated peak is measured the same way."""
-    torch.manual_seed(0)
-    model, x = PooledLinear(), torch.randn(8, 128, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        simulated = eager_peak(graphckpt.analyze(model, (x,)).cost_graph)
-    measured = measure_step(_under_autocast(model), (x,), zoo.scalar_loss, repeats=1).peak_bytes
-    assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
-
-
-def test_batch_norm_backward_scratch_on_16_bit_inputs_is_simulated() -> None:
-    """Under autocast on CPU, BatchNorm runs on bf16 with float32 parameters; the fake kernel
-    gives its saved statistics bf16, the real one float32, so its backward's replay raised
-    "mixed dtype" and counted no scratch (an input-sized buffer): MobileNetV2 at its floor
-    measured 1.6x its simulated peak. Replayed with the statistics as the kernel gets them,
-    eager's step measures its simulated peak."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 48, 1), nn.BatchNorm2d(48), nn.Conv2d(48, 8, 1))
-    x = torch.randn(8, 3, 64, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        simulated = eager_peak(graphckpt.analyze(model, (x,)).cost_graph)
-    measured = measure_step(_under_autocast(model), (x,), zoo.scalar_loss, repeats=1).peak_bytes
-    assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
+        zoo.scalar_loss(under_autocast(model)(*inputs)).backward()

@@ -65,7 +65,7 @@ __all__ = [
     "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under", "argument_names",
     "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks",
-    "is_accumulate_grad", "memory_timeline_allocations", "module_registries", "module_tree_copy",
+    "is_accumulate_grad", "is_cast", "memory_timeline_allocations", "module_registries", "module_tree_copy",
     "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
     "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves",
     "tree_map", "tree_unflatten",
@@ -212,6 +212,12 @@ def is_accumulate_grad(function: Any) -> bool:
     """Whether an autograd graph node is a leaf's ``AccumulateGrad`` (the only kind with a
     ``variable`` attribute, the leaf it accumulates into). Checked on 2.5, 2.6, 2.13."""
     return hasattr(function, "variable")
+
+
+def is_cast(func: Any) -> bool:
+    """Whether an ATen call is ``aten._to_copy``: what a cast (``.to(dtype)``, and each of
+    autocast's) dispatches to. Checked on 2.13."""
+    return func is torch.ops.aten._to_copy.default
 
 
 # ---------------------------------------------------------------- modules and graphs
