@@ -265,8 +265,8 @@ class _CostInterpreter(fx.Interpreter):
                     names.append(name)
         shape, dtype = _describe(tensors)
         own = {storage_key(t) for t in tensors}
-        inner = {key: nbytes for key, ref, nbytes in kinds.expensive_outputs  # its own output, if alive: not extra
-                 if key not in own or not storage_alive(ref)}
+        inner = {key: nbytes for key, ref, nbytes in kinds.expensive_outputs if storage_alive(ref) and key not in own}
+        freed = sum(nbytes for _, ref, nbytes in kinds.expensive_outputs if not storage_alive(ref))  # (keys reused)
         kept = {storage_key(t) for t in saved}
         cached = {key: nbytes for key, ref, nbytes in kinds.cached_casts if key not in kept and storage_alive(ref)}
         return NodeCost(
@@ -279,7 +279,7 @@ class _CostInterpreter(fx.Interpreter):
             random=kinds.random,
             expensive=kinds.expensive,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
-            selective_extra_bytes=sum(inner.values()),
+            selective_extra_bytes=sum(inner.values()) + freed,
             autocast_cache_bytes=sum(cached.values()),
             param_grad_bytes=self._param_grad_bytes(node),
             param_grads=self._param_grads(node),
