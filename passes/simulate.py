@@ -5,7 +5,9 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
 * forward: each op allocates its new bytes (its temporaries, ``forward_extra_bytes``, for a
   moment on top of them and what it saves); a storage is freed once no later op reads it,
   no pending backward saved it and it is not a graph output. In a recomputed segment
-  nothing is saved; the segment's inputs stay alive until its backward has run.
+  nothing is saved; the segment's inputs stay alive until its backward has run. Under
+  autocast, the parameter casts autocast's cache keeps (``autocast_cache_bytes``) live from
+  their op to the end of forward, except in a checkpoint call (its cache is off).
 * rematerialized inputs (:mod:`passes.remat`): a recomputed segment keeps their sources
   instead of them; they are freed after their last forward use and made again, with the
   temporaries of their chains, at the start of the segment's recompute.
