@@ -242,9 +242,10 @@ class _CostInterpreter(fx.Interpreter):
 
     def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: OpKinds) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
-        fresh, aliased = 0, []
+        fresh, aliased, own = 0, [], set()
         for tensor in tensors:
             key = storage_key(tensor)
+            own.add(key)
             if node.op == "get_attr" and self.owner.get(key, PARAM) == PARAM:
                 self.owner[key] = node.name  # views of this buffer alias the get_attr node
             elif key in self.owner:
@@ -254,20 +255,21 @@ class _CostInterpreter(fx.Interpreter):
                 fresh += allocated_bytes(tensor)
         alias_of = aliased[0] if aliased and not fresh and aliased[0] != PARAM else None
         names, extra = [], {}  # storages saved that no value owns, each once (several backward functions may save one)
+        kept = set()
         for tensor in saved:
-            name = self.owner.get(storage_key(tensor))
+            key = storage_key(tensor)
+            kept.add(key)
+            name = self.owner.get(key)
             if name is None:
-                extra[storage_key(tensor)] = allocated_bytes(tensor)
+                extra[key] = allocated_bytes(tensor)
                 self.recorder.saves(tensor)
             elif name != PARAM:
                 self.recorder.saves_value(node.name, tensor, name)
                 if name not in names:
                     names.append(name)
         shape, dtype = _describe(tensors)
-        own = {storage_key(t) for t in tensors}
         inner = {key: nbytes for key, ref, nbytes in kinds.expensive_outputs if storage_alive(ref) and key not in own}
         freed = sum(nbytes for _, ref, nbytes in kinds.expensive_outputs if not storage_alive(ref))  # (keys reused)
-        kept = {storage_key(t) for t in saved}
         cached = {key: nbytes for key, ref, nbytes in kinds.cached_casts if key not in kept and storage_alive(ref)}
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
