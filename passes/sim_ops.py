@@ -37,6 +37,7 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
     owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
     reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
     saved_extra, cached = index.saved_extra, index.autocast_cache
+    caching = save and not memory.fresh and bool(index.autocast_cached)  # forward's own code, autocast's cache on
     kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set
     taken = frozenset(consumed)
     keys = None if memory.fresh else index.value_keys  # no recompute open: forward's storages, looked up
@@ -51,7 +52,7 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
                 memory.hold(value, 1, None if keys is None else keys[value])
             if saved_extra[node]:
                 memory.allocate(slot(node, EXTRA), saved_extra[node])
-        if save and cached[node] and not memory.fresh:  # forward's own code: autocast's cache is on
+        if caching and cached[node]:
             memory.allocate(slot(node, AUTOCAST_CACHE), cached[node])
         if forward_extra[node]:
             memory.touch(forward_extra[node])
