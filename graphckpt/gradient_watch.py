@@ -47,9 +47,11 @@ class GradientWatch:
             return
         first = first_slots(list(inputs))
         slot_of = {(id(t.grad_fn), t.output_nr): first[i] for i, t in enumerate(inputs) if t.grad_fn is not None}
-        own = set(claimed)
+        # The hook holds ids and the next functions, never its own function: that would be a
+        # cycle, and the collector frees such a chain one function per collection.
+        own = frozenset(map(id, claimed))
         for function in claimed:
-            function.register_hook(partial(self._contributed, name, function, own, slot_of))
+            function.register_hook(partial(self._contributed, name, function.next_functions, own, slot_of))
 
     def differing(self, ghosts: Mapping[str, str]) -> frozenset[str]:
         """The representatives (``ghosts``: ghost -> representative) one of whose ghosts got
@@ -62,10 +64,10 @@ class GradientWatch:
     def _arrived(self, name: str, index: int, grad: torch.Tensor) -> None:
         self.incoming.setdefault(name, {})[index] = tensor_layout(grad)
 
-    def _contributed(self, name: str, function: Any, claimed: set, slot_of: dict, grad_inputs: Any,
+    def _contributed(self, name: str, next_functions: tuple, claimed: frozenset[int], slot_of: dict, grad_inputs: Any,
                      grad_outputs: Any) -> None:
-        for (next_function, number), grad in zip(function.next_functions, grad_inputs, strict=False):
-            if grad is None or next_function is None or next_function in claimed or is_accumulate_grad(next_function):
+        for (next_function, number), grad in zip(next_functions, grad_inputs, strict=False):
+            if grad is None or next_function is None or id(next_function) in claimed or is_accumulate_grad(next_function):
                 continue
             slot = slot_of.get((id(next_function), number))
             if slot is None:
