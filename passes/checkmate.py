@@ -23,7 +23,10 @@ when a schedule kept ``chunk``'s views without the projection they are of, 18% u
 peak). A recompute reads no kept copy of an uncuttable op value ``i`` (it may have been
 overwritten): ``R[t,k] <= R[t,i]`` for ``t != home(k)``. Memory as in the paper: ``U[t,first] =
 R·m + Σ_i S[t,i]·m_i``, ``U[t,k] = U[t,k'] + R[t,k]·m_k - Σ_i m_i·F[t,i,k']`` for ``k'`` the
-previous node that may run in stage ``t``, plus the transient bytes at ``U[t,t]``. The paper
+previous node that may run in stage ``t``, plus the transient bytes at ``U[t,t]`` (and there
+an op's ``autocast_cache_bytes``, which stay to the end of forward: each forward stage's first
+``U`` holds those of the ops before it). An op's ``forward_extra_bytes`` are on top whenever it
+runs: at home in ``U[t,t]``, in a recompute ``U[t,k] + R[t,k]·extra_k <= budget``. The paper
 bounds a binary ``FREE`` from both sides with a hazard count; here ``F`` is only bounded
 above, one hazard a row: ``F[t,i,k] <= R[t,k]``, ``<= 1 - S[t+1,i]``, ``<= 1 - R[t,j]`` for
 each reader ``j > k`` of ``i``. Freeing less only costs memory, so the optimum is the same
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import networkx as nx
@@ -119,10 +122,23 @@ def _build(training: TrainingGraph, budget: float) -> Milp:
                 terms += [(("S", t, i), -mem[i]) for i in range(t)]
             else:
                 terms += [(("U", t, previous), -1.0)] + [(("F", t, i, previous), mem[i]) for i in training.frees(previous)]
-            transient = training.transient[k] / unit if k == t else 0.0
-            model.row(terms, transient, transient)
+            moment = training.transient[k] + training.cached[k] + training.run_extra[k] if k == t else 0
+            held = moment + (training.cache_entering(t) if previous is None else 0)
+            model.row(terms, held / unit, held / unit)
             previous = k
+    for memory, run, extra in recompute_temporaries(training, model.columns, unit):
+        model.row([(memory, 1.0), (run, extra)], -math.inf, budget / unit)
     return model
+
+
+def recompute_temporaries(training: TrainingGraph, columns: Iterable[tuple],
+                          unit: float) -> Iterator[tuple[tuple, tuple, float]]:
+    """``(U[t,k], R[t,k], forward_extra_k / unit)`` for each op ``k`` with forward temporaries
+    that stage ``t`` may recompute: the memory after it runs plus those, while it runs, is
+    what the budget (or the floor's peak, :mod:`passes.floor`) must hold."""
+    for key in columns:
+        if key[0] == "R" and key[1] != key[2] and training.run_extra[key[2]]:
+            yield ("U", *key[1:]), key, training.run_extra[key[2]] / unit
 
 
 def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]], t: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from passes.checkmate import _build
+from passes.checkmate import _build, recompute_temporaries
 from passes.graph_facts import op_nodes
 from passes.training_graph import no_recompute_peak, training_graph
 
@@ -54,6 +54,8 @@ def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor
     model.var(("P",), 0.0, ceiling / unit, False)
     for key in memory_columns:
         model.row([(key, 1.0), (("P",), -1.0)], -np.inf, 0.0)
+    for memory, run, extra in recompute_temporaries(training, list(model.columns), unit):
+        model.row([(memory, 1.0), (run, extra), (("P",), -1.0)], -np.inf, 0.0)
     cost = np.zeros(len(model.bounds))
     cost[model.columns[("P",)]] = 1.0
     solution = model.solve(cost, time_limit)

@@ -149,13 +149,14 @@ def schedule_breakdown(graph: nx.DiGraph, schedule: Schedule) -> PeakBreakdown:
     """What is alive at an exact schedule's peak (:mod:`passes.exact`), from the stages it
     runs (:func:`passes.training_graph.peak_moment`): values held from forward
     (``activation``), made again in that stage (``recomputed copy``), what ops save beyond
-    values, gradients, the loss; the parts add up to ``schedule.peak_bytes``."""
+    values, gradients, the loss, autocast's cached casts; the parts add up to ``schedule.peak_bytes``."""
     R, S = schedule.stages
     if not R:
         raise ValueError("schedule_breakdown: this schedule carries no stages (made without passes.exact.schedule_of)")
     training = training_graph(graph)
     stage, moment = peak_moment(training, R, S)
-    storages = sorted((_stage_storage(training, R, stage, i) for i in moment.live if training.mem[i]),
+    casts = (LiveStorage(training.about[i], KIND_NAMES[AUTOCAST_CACHE], 0, training.cached[i]) for i in moment.cached)
+    storages = sorted((*(_stage_storage(training, R, stage, i) for i in moment.live if training.mem[i]), *casts),
                       key=lambda s: (-s.bytes, s.name, s.kind))
     reached = (f"a temporary of {moment.temporary} bytes" if moment.temporary else
                _phrase(_stage_storage(training, R, stage, moment.reached)) if moment.reached is not None

@@ -23,6 +23,7 @@ backward that reads theirs, so it lives until the last of them is used.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ from passes.schedule import Matrix
 from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
 LOSS_SCALARS = "loss-scalars"  # the node of a loss computed outside the graph: its scalars, kept to the end
-FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about", "root")
+FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about", "root", "run_extra",
+          "cached")
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,13 @@ class TrainingGraph:
     n_forward: int
     about: tuple[str, ...] = ()  # the cost graph's value each node is, or is the gradient or extra of
     root: tuple[int, ...] = ()  # the node whose storage each node's value is (itself, but for a view's)
+    run_extra: tuple[int, ...] = ()  # bytes held for a moment on top whenever the node runs (forward_extra_bytes)
+    cached: tuple[int, ...] = ()  # bytes autocast's cache holds from the node's home to the end of forward
     makers: frozenset[int] = field(init=False)  # ops with an extra
     remade: frozenset[int] = field(init=False)  # makers, and values a recompute must make again: a stage may
     # both hold and recompute these
     _readers: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _cache_entering: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "makers", frozenset(h for i, h in enumerate(self.home) if h != i))
@@ -67,6 +72,7 @@ class TrainingGraph:
             for i in preds:
                 readers[i].append(k)
         object.__setattr__(self, "_readers", tuple(tuple(r) for r in readers))
+        object.__setattr__(self, "_cache_entering", tuple(itertools.accumulate(self.cached[:self.n_forward], initial=0)))
 
     @property
     def size(self) -> int:
@@ -83,6 +89,12 @@ class TrainingGraph:
             return "value" if self.home[i] == i else "extra"
         return "loss" if self.names[i] == LOSS_SCALARS else "gradient"
 
+    def cache_entering(self, t: int) -> int:
+        """Bytes autocast's cache holds entering stage ``t``: the casts of the forward ops
+        before it, until forward ends (the simulator's ``AUTOCAST_CACHE``; eager code, which
+        an exact schedule's forward is, caches them)."""
+        return self._cache_entering[t] if t < self.n_forward else 0
+
     def readers(self) -> tuple[tuple[int, ...], ...]:
         """For each node, the nodes that read it, ascending (found once, with the graph)."""
         return self._readers
@@ -96,10 +108,10 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
 
     def add(name: str, mem: int, preds: Iterable[int], *, flops: int = 0, once: bool = True, kept: bool = False,
             fresh: tuple[int, ...] = (), transient: int = 0, home: int | None = None, about: str = "",
-            root: int | None = None) -> int:
+            root: int | None = None, run_extra: int = 0, cached: int = 0) -> int:
         index = len(nodes["names"])
         values = (name, mem, flops, tuple(sorted(set(preds))), once, kept, fresh, transient,
-                  index if home is None else home, about or name, index if root is None else root)
+                  index if home is None else home, about or name, index if root is None else root, run_extra, cached)
         for key, value in zip(FIELDS, values, strict=True):
             nodes[key].append(value)
         return index
@@ -117,7 +129,8 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
                            about=k)
         fresh = tuple(index[u] for u in graph.predecessors(k) if u in index and not graph.nodes[u]["cuttable"])
         index[k] = add(k, attributes["bytes"], reads, flops=attributes["flops"], once=once, kept=k in kept, fresh=fresh,
-                       root=index.get(storage_root(graph, k)))
+                       root=index.get(storage_root(graph, k)), run_extra=attributes.get("forward_extra_bytes", 0),
+                       cached=attributes.get("autocast_cache_bytes", 0))
     n_forward = len(nodes["names"])
     trained = trained_outputs(graph)
     loss = loss_working_bytes(graph)
@@ -186,12 +199,21 @@ def stage_peaks(training: TrainingGraph, R: Matrix, S: Matrix) -> list[float]:
 class StageMoment:
     """One stage's run: its ``peak``; and, where the stage was watched for a peak, the nodes
     ``live`` when it first reached it, the ``temporary`` bytes of that moment (a node's
-    transient) and the node whose run ``reached`` it (``None``: held entering the stage)."""
+    transient, or its forward's temporaries), the node whose run ``reached`` it (``None``:
+    held entering the stage) and the forward ops whose casts autocast's cache holds."""
 
     peak: float
     live: tuple[int, ...] = ()  # ascending; a node twice when a stage holds a copy and makes it afresh
     temporary: int = 0
     reached: int | None = None
+    cached: tuple[int, ...] = ()  # forward ops whose casts autocast's cache holds then
+
+
+def _cached(training: TrainingGraph, t: int, running: int | None = None) -> tuple[int, ...]:
+    """The forward ops whose casts autocast's cache holds in stage ``t`` (entering it, or
+    once ``running`` has run)."""
+    last = t if running == t else t - 1
+    return tuple(i for i in range(min(last + 1, training.n_forward)) if training.cached[i])
 
 
 def peak_moment(training: TrainingGraph, R: Matrix, S: Matrix) -> tuple[int, StageMoment]:
@@ -206,17 +228,18 @@ def _stage(training: TrainingGraph, R: Matrix, S: Matrix, t: int, watch: float |
     """Stage ``t``'s peak; with ``watch`` (its peak), also the moment it first reaches it."""
     T, readers, mem = training.size, training.readers(), training.mem
     live = Counter(i for i in range(t) if S[t][i])  # a maker held may be made afresh for its extra: 2 copies
-    current = sum(mem[i] for i in live)
+    current = sum(mem[i] for i in live) + training.cache_entering(t)
     peak, seen = current, None
     if watch is not None and current >= watch:
-        seen = StageMoment(watch, tuple(sorted(live.elements())))
+        seen = StageMoment(watch, tuple(sorted(live.elements())), cached=_cached(training, t))
     for k in (k for k in range(t + 1) if R[t][k]):
         live[k] += 1
         current += mem[k]
-        moment = current + (training.transient[k] if k == t else 0)
+        current += training.cached[k] if k == t else 0  # its casts, cached from its run at home
+        moment = current + training.run_extra[k] + (training.transient[k] if k == t else 0)
         peak = max(peak, moment)
         if watch is not None and seen is None and moment >= watch:
-            seen = StageMoment(watch, tuple(sorted(live.elements())), moment - current, k)
+            seen = StageMoment(watch, tuple(sorted(live.elements())), moment - current, k, _cached(training, t, k))
         for i in (*training.preds[k], k):
             unread = i != k or not any(R[t][j] for j in readers[k] if j <= t)
             if unread and not (t + 1 < T and S[t + 1][i]) and not any(R[t][j] for j in readers[i] if j > k):

@@ -15,6 +15,7 @@ import graphckpt
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.simulate import eager_peak
+from passes.training_graph import no_recompute_peak
 from tests.device import under_autocast
 
 MEASURE_TOLERANCE = 0.03  # measured peak within 3% of the simulated one (issue 15's bar for plan kinds)
@@ -90,9 +91,9 @@ class SelfAttention(nn.Module):
     needs no gradient) though autocast's cache keeps each weight's bf16 copy to the end of
     forward."""
 
-    def __init__(self, width: int, heads: int = 4, layers: int = 2) -> None:
+    def __init__(self, width: int, heads: int = 4, layers: int = 2, dropout: float = 0.1) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.layers = nn.ModuleList(nn.ModuleList(nn.Linear(width, width) for _ in range(4)) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ class SelfAttention(nn.Module):
     def _attend(self, layer: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = (p(x).view(batch, length, self.heads, -1).transpose(1, 2) for p in layer[:3])
-        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout)
         return layer[3](a.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -119,6 +120,31 @@ def test_attention_and_cached_casts_under_autocast_are_simulated(width: int, sha
     model = SelfAttention(width)
     simulated, measured = _eager_peaks(model, (torch.randn(*shape),))
     assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
+
+
+@pytest.mark.xfail(reason="not traced: without dropout, attention under bf16 on CPU measures 128 KiB (one float32 "
+                          "activation of this model) over its simulated eager peak, 1.05x", strict=False)
+def test_attention_without_dropout_under_autocast_is_simulated() -> None:
+    """What the simulator misses, said plainly: the same layers without attention dropout."""
+    torch.manual_seed(0)
+    simulated, measured = _eager_peaks(SelfAttention(256, dropout=0.0), (torch.randn(4, 32, 256),))
+    assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_the_exact_solvers_memory_model_is_the_simulators_under_autocast(dropout: float) -> None:
+    """The training graph the exact solver schedules (:mod:`passes.training_graph`) holds
+    what the simulator does under autocast: each op's forward temporaries (attention's math
+    kernel in float32) while it runs, at home or recomputed, and autocast's cached casts to
+    the end of forward; without them, eager's peak in that model was under the simulator's
+    on these layers: 17% with dropout (3,015,688 bytes against 3,640,832), 3% without."""
+    torch.manual_seed(0)
+    model, x = SelfAttention(256, dropout=dropout), torch.randn(4, 32, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = graphckpt.analyze(model, (x,)).cost_graph
+    assert any(graph.nodes[n]["forward_extra_bytes"] for n in graph) and \
+        any(graph.nodes[n]["autocast_cache_bytes"] for n in graph)
+    assert no_recompute_peak(graph) == eager_peak(graph)
 
 
 def test_a_cached_cast_is_held_to_the_end_of_forward_and_not_in_a_checkpoint_call() -> None:

@@ -236,12 +236,14 @@ def test_time_limit_without_a_schedule_raises() -> None:
 
 
 @st.composite
-def small_cost_graphs(draw) -> nx.DiGraph:
+def small_cost_graphs(draw, autocast: bool = False) -> nx.DiGraph:
     """Random DAG cost graphs of 1-8 ops (rare features drawn as ``!= last``: hypothesis
     favours small integers), mostly chain-like (so that few values are graph
-    outputs, which stay alive): skips, views, saved values, extra bytes, a few
-    unrecomputable or uncuttable nodes, ops that need no gradient, ops whose backward hands
-    their inputs views of their own gradient (``grad_views``)."""
+    outputs, which stay alive): skips, views, saved values, extra bytes, forward
+    temporaries, a few unrecomputable or uncuttable nodes, ops that need no gradient, ops
+    whose backward hands their inputs views of their own gradient (``grad_views``); with
+    ``autocast``, casts autocast's cache keeps to the end of forward (a checkpoint call's
+    forward does not cache them, a schedule's does: no longer one of the MILP's schedules)."""
     graph = nx.DiGraph()
     add_value(graph, "x", kind="input", order=0, bytes=draw(st.integers(0, 40)), requires_grad=draw(st.booleans()))
     add_value(graph, "w", kind="param", order=1, bytes=0)
@@ -260,7 +262,9 @@ def small_cost_graphs(draw) -> nx.DiGraph:
                   saved=tuple(v for v in savable if draw(st.booleans())),
                   saved_extra_bytes=draw(st.sampled_from([0, 0, 5])), param_grad_bytes=draw(st.sampled_from([0, 30])),
                   requires_grad=draw(st.integers(0, 5)) != 5,
-                  grad_views=not view and draw(st.integers(0, 3)) == 3)  # a cat: its inputs' gradients are views
+                  grad_views=not view and draw(st.integers(0, 3)) == 3,  # a cat: its inputs' gradients are views
+                  forward_extra_bytes=draw(st.sampled_from([0, 0, 0, 9])),
+                  autocast_cache_bytes=draw(st.sampled_from([0, 0, 4])) if autocast else 0)
         readable.append(name)
     unread = [n for n in op_nodes(graph) if graph.out_degree(n) == 0]
     add_value(graph, "output", kind="output", order=n_ops + 2, bytes=0, reads=unread)
@@ -325,7 +329,7 @@ def test_no_strategy_beats_checkmate_at_its_own_peak(graph: nx.DiGraph, segments
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(graph=small_cost_graphs())
+@given(graph=small_cost_graphs(autocast=True))
 def test_no_recompute_peak_is_the_simulators_eager_peak(graph: nx.DiGraph) -> None:
     assert no_recompute_peak(graph) == simulate(graph, eager_segments(graph)).eager_peak_bytes
 
