@@ -104,13 +104,17 @@ def _device_type(values: Sequence[Any]) -> str:
 
 
 def autocast_now(values: Sequence[Any]) -> contextlib.AbstractContextManager:
-    """A context that runs code under the autocast state in force now, for the device of
-    ``values`` (a no-op when autocast is off there)."""
+    """A context that runs a remake (values made again without gradients, in backward:
+    a drop's, a hooked segment's, an exact schedule's step) under the autocast state in
+    force now, for the device of ``values`` (a no-op when autocast is off there), with
+    autocast's cache of parameter casts off. A remake saves nothing, so the cache only kept
+    each weight's 16-bit copy to the remake's end, beside what it made: an exact schedule of
+    two self-attention layers under bf16 on CPU measured 1.15x its simulated peak, 1.00x
+    uncached. The casts are the same, so are the results."""
     device = _device_type(values)
     if not torch.is_autocast_enabled(device):
         return _NOTHING
-    return torch.autocast(device, dtype=torch.get_autocast_dtype(device),
-                          cache_enabled=torch.is_autocast_cache_enabled())
+    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
 
 
 @contextlib.contextmanager

@@ -68,6 +68,16 @@ def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
 
 
+def mixes_float_widths(args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call reads tensors (not 0-d) of several floating dtypes: on CPU a pointwise
+    kernel copies the narrower ones to the common dtype first (TensorIterator's promotion),
+    scratch no dispatch mode sees (a float32 residual added to a bf16 attention output under
+    autocast: 128 KiB over a small self-attention model's simulated peak)."""
+    dtypes = {t.dtype for t in tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.dim() and t.dtype.is_floating_point}
+    return len(dtypes) > 1
+
+
 class OpKinds(TorchDispatchMode):
     """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
     ops that are neither views nor pointwise (``opaque``).
@@ -123,9 +133,10 @@ class OpKinds(TorchDispatchMode):
             del self.tensors[key]
 
     def _note_narrow(self, func: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
-        """Keep an opaque call on 16-bit floats for replay (:attr:`narrow_calls`): on CPU such
-        kernels allocate inside themselves, where no dispatch mode sees it (``mean`` of bf16
-        copies its input to float32, ``slow_conv2d`` builds its im2col buffer), and this
+        """Keep an opaque call (or one mixing float widths, :func:`mixes_float_widths`) on 16-bit
+        floats for replay (:attr:`narrow_calls`): on CPU such kernels allocate inside themselves,
+        where no dispatch mode sees it (``mean`` of bf16 copies its input to float32,
+        ``slow_conv2d`` builds its im2col buffer), and this
         scratch is part of the node's forward peak. wav2vec2 planned under bf16 measured 1.05x
         its simulated peak for want of its pooling ``mean``'s copy. Float32 calls are not
         replayed: the corpus keeps its budgets without it, and replays cost profile time."""
@@ -153,7 +164,7 @@ class OpKinds(TorchDispatchMode):
         self.expensive = self.expensive or is_expensive
         opaque = not (func.is_view or torch.Tag.pointwise in func.tags)
         self.opaque = self.opaque or opaque
-        if opaque:
+        if opaque or mixes_float_widths(args, kwargs or {}):
             self._note_narrow(func, args, kwargs or {})
         result = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
