@@ -223,3 +223,27 @@ def test_cuda_hand_count() -> None:
         del a, b
 
     assert peak_memory(fn, device="cuda") == 6 * MiB
+
+
+def test_measuring_leaves_none_its_references() -> None:
+    """Torch 2.13's profiler bindings drop a reference to ``None`` for each tensor whose
+    storage pointer the memory timeline reads; measuring gives them back, or a process
+    measuring many steps dies when None's count reaches zero (the bf16 corpus did, at
+    MobileNetV2)."""
+    import gc
+    import sys
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU6(), nn.Conv2d(8, 8, 3, groups=8))
+    x = torch.randn(2, 3, 16, 16)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+
+    peak_memory(step)
+    gc.collect()
+    before = sys.getrefcount(None)
+    for _ in range(5):
+        peak_memory(step)
+    gc.collect()
+    assert sys.getrefcount(None) >= before
