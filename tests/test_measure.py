@@ -5,6 +5,8 @@ All sizes are fp32, so 2**18 elements = 1 MiB.
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -230,9 +232,6 @@ def test_measuring_leaves_none_its_references() -> None:
     storage pointer the memory timeline reads; measuring gives them back, or a process
     measuring many steps dies when None's count reaches zero (the bf16 corpus did, at
     MobileNetV2)."""
-    import gc
-    import sys
-
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU6(), nn.Conv2d(8, 8, 3, groups=8))
     x = torch.randn(2, 3, 16, 16)
 

@@ -92,7 +92,6 @@ def _timeline_events(prof: torch.profiler.profile,
     return events
 
 
-
 _NONE_BALLAST: list[None] = []  # references to None that torch's profiler bindings dropped without owning them
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_NONE_BALLAST))  # never freed, not even as the interpreter exits
 
