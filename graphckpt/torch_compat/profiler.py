@@ -106,8 +106,11 @@ def memory_timeline_allocations(prof: torch.profiler.profile,
     ran None's count to zero and died, "Fatal Python error: none_dealloc". What the read
     dropped (None's count before, less after, plus the ``None`` keys the result holds) is
     kept here, in a list never freed (freed with the modules at exit, it gave the deficit
-    back); a reference too many to None is harmless.
+    back); a reference too many to None is harmless. Pythons from 3.12 on, whose None is
+    immortal, skip the count and the collection it needs.
     """
+    if sys.version_info >= (3, 12):  # None is immortal there (PEP 683): nothing to give back
+        return _timeline_events(prof, device)
     before = sys.getrefcount(None)
     events = _timeline_events(prof, device)
     gc.collect()  # the profile's own cycles hold some of those Nones until they are collected
