@@ -49,7 +49,7 @@ def chain(ops: int, sizes: list[int]) -> nx.DiGraph:
     return graph
 
 
-@settings(max_examples=25, deadline=None)  # ~1.4 s an example since drop plans joined the search
+@settings(max_examples=15, deadline=None)  # ~3 s an example (a refusal or a tight chain solves the exact MILP)
 @given(ops=st.integers(2, 40), sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=5),
        fraction=st.floats(0.05, 1.0))
 def test_fitted_plan_fits_and_recomputes_least(ops: int, sizes: list[int], fraction: float) -> None:

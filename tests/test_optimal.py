@@ -131,7 +131,7 @@ def test_a_budget_plans_from_part_of_the_table() -> None:
 
 # --- plans judged by the simulator ---------------------------------------------------------
 
-FEWER = settings(SETTINGS, max_examples=50)
+FEWER = settings(SETTINGS, max_examples=30)  # fit_budget: ~1.4 s an example
 
 
 @FEWER

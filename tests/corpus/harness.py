@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -62,6 +62,7 @@ class Prepared:
     cost_graph: nx.DiGraph
     floor: int | None = None
     autocast: torch.dtype | None = None  # planned and stepped under autocast to this dtype
+    plans: dict[Setting, Plan | BudgetError] = field(default_factory=dict)  # by setting (:func:`plan_for`)
 
     @property
     def eager_simulated(self) -> int:
@@ -87,7 +88,22 @@ def _autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.Abstrac
 
 def plan_for(prepared: Prepared, setting: Setting) -> Plan:
     """The plan ``rewrite`` makes with ``strategy="auto"`` or ``budget=setting``; raises
-    :class:`BudgetError` when no plan fits the budget."""
+    :class:`BudgetError` when no plan fits the budget. Planned once per entry and setting:
+    a refusal of a convolutional net at 0.3 takes seconds (the exact floor's solve), and
+    four checks ask for each plan."""
+    if setting not in prepared.plans:
+        try:
+            prepared.plans[setting] = _planned(prepared, setting)
+        except BudgetError as error:
+            prepared.plans[setting] = error
+    found = prepared.plans[setting]
+    if isinstance(found, BudgetError):
+        raise found
+    return found
+
+
+def _planned(prepared: Prepared, setting: Setting) -> Plan:
+    """:func:`plan_for`, planned afresh."""
     if setting == "auto":
         return plan_cost_graph(prepared.cost_graph, "auto")
     if setting == "floor":
