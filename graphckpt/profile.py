@@ -341,9 +341,13 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
         if isinstance(real, torch.Tensor) and real.requires_grad and backward:
             fake_input.requires_grad_(True)
     interpreter = _CostInterpreter(fake_module, mode, backward=backward)
-    with torch.enable_grad() if backward else torch.no_grad():
-        outputs = interpreter.run(*inputs)
-        if backward:
-            interpreter.add_forward_scratch()
-            interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
+    try:
+        with torch.enable_grad() if backward else torch.no_grad():
+            outputs = interpreter.run(*inputs)
+            if backward:
+                interpreter.add_forward_scratch()
+                interpreter.backward_extra_bytes(outputs, [v for v in inputs if isinstance(v, torch.Tensor)])
+    finally:
+        if fake is None:  # the copy made here: its graph's owning_module is the copy, a cycle
+            fake_module.graph.owning_module = None  # that held every fake submodule until a collection
     return interpreter.costs
