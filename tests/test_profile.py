@@ -168,11 +168,11 @@ def _is_own(thing: object) -> bool:
 
 def _own_cyclic_garbage(blocks: int, dedup: bool = True) -> int:
     """How many objects of the project's own (modules, functions) a profile of a stack of
-    ``blocks`` blocks (deduplicated or not) leaves in reference cycles. Garbage left by whatever ran before is
-    collected first, to the end: a cycle through an autograd function's hooks frees the
-    functions after it only at the next collection (the chain is held by C++, which the
-    collector does not see), so one collection can leave another test's graph to be found
-    during this profile."""
+    ``blocks`` blocks (deduplicated or not) leaves in reference cycles. Garbage left by
+    whatever ran before is collected first, to the end: a cycle through an autograd
+    function's hooks frees the functions after it only at the next collection (the chain is
+    held by C++, which the collector does not see), so one collection can leave another
+    test's graph to be found during this profile."""
     gm = fx.symbolic_trace(nn.Sequential(*(m for _ in range(blocks) for m in (nn.Linear(8, 8), nn.GELU()))))
     x = torch.randn(2, 8)
     prepare(gm, (x,), dedup=dedup)
