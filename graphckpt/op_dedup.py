@@ -36,6 +36,7 @@ from graphckpt.gradient_watch import GradientWatch
 from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, lazy_fake_copy, strided_bytes
 from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
+from graphckpt.op_kinds import caching_devices
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
@@ -83,6 +84,7 @@ class _DedupInterpreter(_CostInterpreter):
         self.last_recorded = False  # the node just profiled has backward calls of its own on record
         self.nodes = {node.name: node for node in lazy.module.graph.nodes}
         self.submodule = lazy.module.get_submodule
+        self.caching = caching_devices()  # autocast caches parameter casts: see _casts_cached
 
     def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
         self.last_claimed = super()._claim_grad_fns(result, name)
@@ -145,7 +147,7 @@ class _DedupInterpreter(_CostInterpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         key = self.call_key(node, args, kwargs)
         template = _MISSING if key is None else self.templates.get(key, _MISSING)
-        if isinstance(template, Template):
+        if isinstance(template, Template) and not self._casts_cached(node, template.name):
             return self._ghost(node, template, args, kwargs)
         if isinstance(template, ViewTemplate):
             result = self._view_ghost(node, template, args, kwargs)
@@ -219,6 +221,13 @@ class _DedupInterpreter(_CostInterpreter):
         if self.backward:
             self._claim_grad_fns(result, node.name if template.recorded else None)
         return result
+
+    def _casts_cached(self, node: fx.Node, representative: str) -> bool:
+        """Whether ``node`` calls ``representative``'s very parameters again (ALBERT's shared
+        layer) under an autocast that caches their casts: it makes no cast of its own, and its
+        backward adds into the same weight gradients, so it is profiled, not ghosted (a ghost
+        inherited the casts, and what the first call's backward lets go early)."""
+        return bool(self.caching) and _same_parameters(node, self.nodes[representative])
 
     def _ghost(self, node: fx.Node, template: Template, args: tuple, kwargs: dict) -> Any:
         inputs = _tensors((args, kwargs))
@@ -339,6 +348,17 @@ def _deduplicated_run(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping
                 keys = frozenset(interpreter.keys[name] for name in mismatch.representatives)
                 raise DedupMismatch(str(mismatch), keys) from None
     return interpreter.costs
+
+
+def _same_parameters(node: fx.Node, other: fx.Node) -> bool:
+    """Whether ``node`` reads the very parameters ``other`` reads: the same module called
+    again, or the same ``get_attr`` inputs."""
+    def sources(n: fx.Node) -> tuple[str, ...]:
+        if n.op == "call_module":
+            return (str(n.target),)
+        return tuple(sorted(str(i.target) for i in n.all_input_nodes if i.op == "get_attr"))
+
+    return bool(sources(node)) and sources(node) == sources(other)
 
 
 def profile_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,
