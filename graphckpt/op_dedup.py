@@ -35,7 +35,7 @@ from graphckpt.ghosts import Ghost, GhostCall, Template, ViewTemplate, first_slo
 from graphckpt.gradient_watch import GradientWatch
 from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, lazy_fake_copy, strided_bytes
-from graphckpt.op_keys import module_signature, node_key, tensor_layout, users_key
+from graphckpt.op_keys import module_signature, node_key, same_parameters, tensor_layout, users_key
 from graphckpt.op_kinds import caching_devices
 from graphckpt.profile import PARAM, NodeCost, _CostInterpreter, node_costs, positional_inputs
 from graphckpt.scratch import KERNEL_EXTRA
@@ -227,7 +227,7 @@ class _DedupInterpreter(_CostInterpreter):
         layer) under an autocast that caches their casts: it makes no cast of its own, and its
         backward adds into the same weight gradients, so it is profiled, not ghosted (a ghost
         inherited the casts, and what the first call's backward lets go early)."""
-        return bool(self.caching) and _same_parameters(node, self.nodes[representative])
+        return bool(self.caching) and same_parameters(node, self.nodes[representative])
 
     def _ghost(self, node: fx.Node, template: Template, args: tuple, kwargs: dict) -> Any:
         inputs = _tensors((args, kwargs))
@@ -348,17 +348,6 @@ def _deduplicated_run(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping
                 keys = frozenset(interpreter.keys[name] for name in mismatch.representatives)
                 raise DedupMismatch(str(mismatch), keys) from None
     return interpreter.costs
-
-
-def _same_parameters(node: fx.Node, other: fx.Node) -> bool:
-    """Whether ``node`` reads the very parameters ``other`` reads: the same module called
-    again, or the same ``get_attr`` inputs."""
-    def sources(n: fx.Node) -> tuple[str, ...]:
-        if n.op == "call_module":
-            return (str(n.target),)
-        return tuple(sorted(str(i.target) for i in n.all_input_nodes if i.op == "get_attr"))
-
-    return bool(sources(node)) and sources(node) == sources(other)
 
 
 def profile_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None,

@@ -147,6 +147,22 @@ _TRAINING_FREE_FILES = frozenset({"activation", "linear", "conv", "normalization
 _READS_TRAINING = frozenset({"RReLU", "MultiheadAttention"})
 
 
+def _parameter_sources(node: fx.Node) -> tuple[str, ...]:
+    """What names the parameters ``node`` reads: the module it calls, or its ``get_attr``
+    inputs (sorted); empty for a call that reads none by name."""
+    if node.op == "call_module":
+        return (str(node.target),)
+    return tuple(sorted(str(n.target) for n in node.all_input_nodes if n.op == "get_attr"))
+
+
+def same_parameters(node: fx.Node, other: fx.Node) -> bool:
+    """Whether ``node`` reads the very parameters ``other`` reads (the same module called
+    again, ALBERT's shared layer; or the same ``get_attr`` inputs): one key, but under an
+    autocast that caches casts the later call makes none (:mod:`graphckpt.op_dedup`)."""
+    mine = _parameter_sources(node)
+    return bool(mine) and mine == _parameter_sources(other)
+
+
 def reads_training(module: nn.Module) -> bool:
     """Whether calling ``module`` may behave differently in eval mode: True unless it and
     every submodule are ``torch.nn`` classes known not to read ``training`` (Linear,
