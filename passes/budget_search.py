@@ -111,7 +111,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
         if [s.nodes for s in kept.segments] != [s.nodes for s in chosen.segments]:  # keeps made another plan win
             origin = f"the {kept.strategy} plan with {len(kept.segments)} segments"
         chosen, origin = kept, _with_keeps_origin(kept, origin)
-    trimmed = best_without_keeps(graph, built, budget_bytes)
+    trimmed = best_without_keeps(graph, built, budget_bytes, beat=chosen.cost_key)
     if trimmed is not None and trimmed.cost_key < chosen.cost_key:
         chosen, origin = trimmed, (f"a {trimmed.strategy} plan brought under the budget by giving up kept values one "
                                    f"by one, {_kept_count(trimmed)} left")

@@ -16,6 +16,7 @@ import networkx as nx
 import pytest
 
 import passes.budget_search
+import passes.keeps
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
@@ -142,6 +143,25 @@ def test_without_keeps_fits_by_giving_up_keeps_that_lower_the_peak(seed: int) ->
     kept = {(path, n) for path, s in leaf_segments(trimmed.segments) for n in s.saved_inside}
     assert kept < set(ranked_removals(graph, start.segments))
     assert trimmed.cost_key >= start.cost_key
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_without_keeps_simulates_no_trial_that_cannot_beat_the_plan_in_hand(seed: int, monkeypatch) -> None:
+    """Told the cost of a plan in hand (``beat``), the trim simulates only trials that
+    recompute less; what it returns fits and recomputes less. With nothing to beat it finds
+    what it finds without."""
+    graph = random_cost_graph(random.Random(seed), 16)
+    start = plan_of_segments(graph, "selective", selective_whole(graph))
+    budget = start.peak_bytes - 1
+    trimmed = without_keeps(graph, start, budget, max_simulations=64)
+    assert without_keeps(graph, start, budget, max_simulations=64, beat=(float("inf"),)) == trimmed
+    beat = (start.cost_key[0] + (0 if trimmed is None else (trimmed.recompute_flops - start.recompute_flops) // 2),)
+    found = without_keeps(graph, start, budget, max_simulations=64, beat=beat)
+    assert found is None or (found.peak_bytes <= budget and found.cost_key < beat)
+    replays = []
+    monkeypatch.setattr(passes.keeps, "peak_within", lambda *args: replays.append(args))
+    assert without_keeps(graph, start, budget, max_simulations=64, beat=start.cost_key) is None  # none is cheaper
+    assert not replays
 
 
 def test_a_chain_at_torch_compiles_memory_gets_a_plan_as_cheap_as_torch_compiles() -> None:

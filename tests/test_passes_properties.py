@@ -7,6 +7,8 @@ against a brute force over all down-closed cuts, prefix costs and articulation p
 
 from __future__ import annotations
 
+import sys
+
 import networkx as nx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -29,6 +31,7 @@ from passes.kept_bytes import boundary, boundary_bytes, keep_cost
 from passes.plan import simulated
 from passes.remat import remat_chain
 from passes.segments import segment_edges, validate_plan
+from passes.sim_memory import LimitExceeded
 from passes.simulate import eager_peak, peak_exceeds, peak_within
 from passes.strategies import STRATEGIES, choose_plan
 
@@ -203,6 +206,36 @@ def test_auto_is_the_best_of_its_candidates_simulated_in_full(graph: nx.DiGraph,
         assert not peak_exceeds(graph, plan.segments, plan.peak_bytes)
         assert peak_exceeds(graph, plan.segments, plan.peak_bytes - 1) == (plan.peak_bytes > 0)
         assert peak_within(graph, plan.segments, plan.peak_bytes) == plan.peak_bytes
+
+
+@SETTINGS
+@given(graph=cost_graphs(), data=st.data())
+def test_a_plan_asked_again_gets_what_a_fresh_replay_gives(graph: nx.DiGraph, data: st.DataObject) -> None:
+    """peak_within answers a plan it replayed before from what that replay found (its peak,
+    or a peak passed before it stopped); whatever limits are asked in turn, each answer is
+    the one a full replay gives, and a plan's second ask at the same limit replays nothing."""
+    simulate_module = sys.modules["passes.simulate"]  # the module: its name is shadowed by the function
+    plan = choose_plan(graph, data.draw(st.sampled_from(["sqrt", "mincut", "articulation"])), None)
+    peak = plan.peak_bytes
+    limits = data.draw(st.lists(st.sampled_from([0, peak // 2, peak - 1, peak, peak + 1, 2 * peak]), min_size=1,
+                                max_size=6))
+    real = simulate_module.step_peak
+
+    def replayed(limit: int) -> int | None:
+        try:
+            return real(graph, plan.segments, limit)
+        except LimitExceeded:
+            return None
+
+    for limit in limits:
+        assert peak_within(graph, plan.segments, limit) == replayed(limit), limit
+    replays = []
+    simulate_module.step_peak = lambda *args: replays.append(args) or real(*args)
+    try:
+        assert peak_within(graph, plan.segments, limits[-1]) == replayed(limits[-1])
+    finally:
+        simulate_module.step_peak = real
+    assert not replays
 
 
 @SETTINGS
