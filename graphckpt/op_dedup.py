@@ -85,6 +85,7 @@ class _DedupInterpreter(_CostInterpreter):
         self.nodes = {node.name: node for node in lazy.module.graph.nodes}
         self.submodule = lazy.module.get_submodule
         self.caching = caching_devices()  # autocast caches parameter casts: see _casts_cached
+        self.leaf_inputs: set[str] = set()  # placeholders holding leaf tensors requiring grad (cast once, too)
 
     def _claim_grad_fns(self, result: Any, name: str | None) -> list[Any]:
         self.last_claimed = super()._claim_grad_fns(result, name)
@@ -143,7 +144,10 @@ class _DedupInterpreter(_CostInterpreter):
     def run_node(self, node: fx.Node) -> Any:
         if node.op not in CALLS or mutated_arguments(self.module, node):
             self._make_fake(node)
-            return super().run_node(node)
+            result = super().run_node(node)
+            if node.op == "placeholder" and isinstance(result, torch.Tensor) and result.is_leaf and result.requires_grad:
+                self.leaf_inputs.add(node.name)
+            return result
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         key = self.call_key(node, args, kwargs)
         template = _MISSING if key is None else self.templates.get(key, _MISSING)
@@ -226,8 +230,9 @@ class _DedupInterpreter(_CostInterpreter):
         """Whether ``node`` calls ``representative``'s very parameters again (ALBERT's shared
         layer) under an autocast that caches their casts: it makes no cast of its own, and its
         backward adds into the same weight gradients, so it is profiled, not ghosted (a ghost
-        inherited the casts, and what the first call's backward lets go early)."""
-        return bool(self.caching) and same_parameters(node, self.nodes[representative])
+        inherited the casts, and what the first call's backward lets go early). Parameters
+        dynamo passes a backend as graph inputs count (:attr:`leaf_inputs`)."""
+        return bool(self.caching) and same_parameters(node, self.nodes[representative], self.leaf_inputs)
 
     def _ghost(self, node: fx.Node, template: Template, args: tuple, kwargs: dict) -> Any:
         inputs = _tensors((args, kwargs))

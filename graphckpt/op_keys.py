@@ -8,7 +8,7 @@ grad mode and training. Split from :mod:`graphckpt.op_dedup` to keep each module
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -147,20 +147,24 @@ _TRAINING_FREE_FILES = frozenset({"activation", "linear", "conv", "normalization
 _READS_TRAINING = frozenset({"RReLU", "MultiheadAttention"})
 
 
-def _parameter_sources(node: fx.Node) -> tuple[str, ...]:
+def _parameter_sources(node: fx.Node, leaf_inputs: Collection[str]) -> tuple[str, ...]:
     """What names the parameters ``node`` reads: the module it calls, or its ``get_attr``
-    inputs (sorted); empty for a call that reads none by name."""
+    inputs and the graph inputs among ``leaf_inputs`` (sorted); empty for a call that reads
+    none by name."""
     if node.op == "call_module":
         return (str(node.target),)
-    return tuple(sorted(str(n.target) for n in node.all_input_nodes if n.op == "get_attr"))
+    return tuple(sorted(str(n.target) if n.op == "get_attr" else f"input {n.name}"
+                        for n in node.all_input_nodes if n.op == "get_attr" or n.name in leaf_inputs))
 
 
-def same_parameters(node: fx.Node, other: fx.Node) -> bool:
+def same_parameters(node: fx.Node, other: fx.Node, leaf_inputs: Collection[str] = ()) -> bool:
     """Whether ``node`` reads the very parameters ``other`` reads (the same module called
-    again, ALBERT's shared layer; or the same ``get_attr`` inputs): one key, but under an
-    autocast that caches casts the later call makes none (:mod:`graphckpt.op_dedup`)."""
-    mine = _parameter_sources(node)
-    return bool(mine) and mine == _parameter_sources(other)
+    again, ALBERT's shared layer; the same ``get_attr`` inputs; or the same graph inputs
+    among ``leaf_inputs``, the placeholders holding leaf tensors that require grad, as the
+    parameters dynamo passes a backend): one key, but under an autocast that caches casts
+    the later call makes none (:mod:`graphckpt.op_dedup`)."""
+    mine = _parameter_sources(node, leaf_inputs)
+    return bool(mine) and mine == _parameter_sources(other, leaf_inputs)
 
 
 def reads_training(module: nn.Module) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import networkx as nx
 import pytest
 import torch
@@ -123,6 +125,27 @@ def test_a_shared_layer_under_autocast_costs_the_same_with_and_without_dedup() -
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full, deduplicated = (cost_graph(SharedLayer(), x, dedup) for dedup in (False, True))
     assert full.nodes["layer"]["autocast_cache_bytes"] > 0
+    assert_same_graph(full, deduplicated)
+
+
+def test_a_shared_layer_dynamo_hands_a_backend_costs_the_same_with_and_without_dedup() -> None:
+    """The same under ``torch.compile``: dynamo passes the parameters to a backend as graph
+    inputs, so the shared layer's later calls read the same placeholders, not ``get_attr``
+    nodes. Their ghosts claimed the first call's casts and that its backward let ``x_1`` go
+    early, which it does not (an under-count); they are profiled now."""
+    captured = {}
+
+    def keep_graph(graph_module: fx.GraphModule, inputs: list) -> Any:
+        captured.update(graph_module=graph_module, inputs=tuple(inputs))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(SharedLayer(), backend=keep_graph)(torch.randn(4, 16))
+    gm, inputs = captured["graph_module"], captured["inputs"]
+    assert any(node.op == "placeholder" and node.name.endswith("layer_parameters_weight_") for node in gm.graph.nodes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, deduplicated = (build_cost_graph(gm, prepare(gm, inputs, None, "flops", dedup=dedup))
+                              for dedup in (False, True))
     assert_same_graph(full, deduplicated)
 
 
