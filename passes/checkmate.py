@@ -39,8 +39,9 @@ kept after :func:`last_use`; what stage ``t`` recomputes (ops with an extra asid
 only where the runtime can act, just before an op's backward (a hook on its ``grad_fn``),
 and only of pure ops: ``R[t,i] = 0`` for ``t != home(i)`` unless ``t`` is the first backward
 node of an op the runtime hooks (:func:`passes.schedule.hooked_ops`) and ``i`` a pure
-forward op (no recompute in forward, at a
-seed, or between the gradient buffers one backward node makes). What such a schedule lets
+forward op or the extra of one (no recompute in forward, at a seed, or between the gradient
+buffers one backward node makes; an extra, max-pool's indices, is made again by running its
+op with autograd on: :mod:`graphckpt.exact`). What such a schedule lets
 go where no hook fires the runtime lets go at the next hook: :func:`passes.exact.schedule_of`
 prices it so.
 
@@ -174,10 +175,13 @@ def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]
 
 
 def _pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph) -> None:
-    """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring)."""
+    """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring):
+    a hooked stage may make a pure op's value again, and its extra with it (the runtime runs
+    that op with autograd on and keeps what it saves beyond values)."""
     names, home = training.names, training.home
     hooks = {f"backward:{k}" for k in hooked_ops(graph)}
-    remakeable = {i for i in range(training.n_forward) if home[i] == i and names[i] in pure_ops(graph)}
+    pure = pure_ops(graph)  # no random op among them: a draw made again would differ
+    remakeable = {i for i in range(training.n_forward) if names[home[i]] in pure}  # values and extras
     for (kind, t, i, *_), column in model.columns.items():
         if kind == "R" and t != home[i] and not (names[t] in hooks and i in remakeable):
             model.bounds[column] = (0.0, 0.0, model.bounds[column][2])

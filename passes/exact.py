@@ -67,14 +67,17 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
     """The :class:`Schedule` of an executable MILP solution (``R``, ``S``), checked
     (:func:`passes.schedule.check_schedule`). Its peak is the solution's as the runtime runs
     it: values held in forward past their last use let go there, as eager code does, and
-    what the solution lets go where no hook fires let go at the next hook."""
+    what the solution lets go where no hook fires let go at the next hook. An extra
+    the solution makes again or does not hold into backward is the runtime's to hold, as a
+    value (:func:`_dropped_extras`); every other extra autograd holds, as ``S`` does."""
     S = _eager_in_forward(training, S)
     values = set(op_nodes(graph))
     names, first = training.names, training.n_forward
     value_ids = [i for i in range(first) if names[i] in values]
+    extra_ids = _dropped_extras(training, R, S)
     hooks, readers = {f"backward:{k}" for k in hooked_ops(graph)}, training.readers()
-    steps, held = [], {i for i in value_ids if S[first][i]}
-    kept = tuple(names[i] for i in sorted(held))
+    steps, held = [], {i for i in (*value_ids, *extra_ids) if S[first][i]}
+    kept = tuple(names[i] for i in sorted(held) if i in value_ids)
     entering: dict[int, set[int]] = {}  # values the runtime holds entering each stage past forward
     for t in range(first, training.size):
         if names[t] not in hooks:  # nothing runs here (pinned): what it lets go, the next step lets go
@@ -83,14 +86,25 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
         step, entering[t] = _step(training, R, S, t, value_ids, held, readers)
         if step is not None:
             steps.append(step)
-    held_values = set(value_ids)
+    held_values = {*value_ids, *extra_ids}
     executed = tuple(S[t] if t < first else tuple(int(i in entering[t]) if i in held_values else S[t][i]
                                                   for i in range(training.size)) for t in range(training.size))
     storages = tuple((name, root) for name in op_nodes(graph) for root in (storage_root(graph, name),) if root in values)
+    about = training.about
     schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages,
-                        stages=(R, executed))
+                        dropped_extras=tuple(about[e] for e in extra_ids),
+                        kept_extras=tuple(about[e] for e in extra_ids if S[first][e]), stages=(R, executed))
     check_schedule(graph, schedule)
     return schedule
+
+
+def _dropped_extras(training: TrainingGraph, R: Matrix, S: Matrix) -> list[int]:
+    """The extras of a solution that forward does not leave to autograd: those backward
+    makes again (autograd's copy could not be let go early) and those not held into
+    backward (only an op whose backward never runs leaves its extra unread)."""
+    first = training.n_forward
+    return [e for e in range(first) if training.role(e) == "extra"
+            and (not S[first][e] or any(R[t][e] for t in range(first, training.size)))]
 
 
 def _step(training: TrainingGraph, R: Matrix, S: Matrix, t: int, value_ids: list[int], held: set[int],
@@ -98,9 +112,11 @@ def _step(training: TrainingGraph, R: Matrix, S: Matrix, t: int, value_ids: list
     """The step before stage ``t``'s backward (``None`` when it does nothing), updating
     ``held``, what the runtime holds, as the step runs; and what it holds once it has let go
     what ``S`` holds no more, which the stage starts from. A value made again is let go right
-    after the last one made from it unless backward reads it here or ``S`` holds it on."""
-    names = training.names
+    after the last one made from it unless backward reads it here or ``S`` holds it on; so
+    is an extra made with its op (which nothing made after it reads)."""
+    names, home = training.names, training.home
     made = [i for i in value_ids if R[t][i] and i != t]
+    extras = {home[e]: e for e in range(training.n_forward) if R[t][e] and home[e] != e}  # op -> its extra
     release = sorted(i for i in held if not S[t][i])
     held -= set(release)
     entering = set(held)
@@ -108,14 +124,16 @@ def _step(training: TrainingGraph, R: Matrix, S: Matrix, t: int, value_ids: list
         return None, entering
     free = []
     for position, k in enumerate(made):
-        held.add(k)
+        made_here = (k, extras[k]) if k in extras else (k,)
+        held.update(made_here)
         later = {*made[position + 1:], t}
-        gone = [i for i in (*training.preds[k], k) if i in held and not (t + 1 < training.size and S[t + 1][i])
+        gone = [i for i in (*training.preds[k], *made_here) if i in held and not (t + 1 < training.size and S[t + 1][i])
                 and not any(j in later for j in readers[i])]
         held -= set(gone)
         free.append(tuple(names[i] for i in gone))
     return ScheduleStep(names[t].removeprefix("backward:"), tuple(names[i] for i in release),
-                        tuple(names[i] for i in made), tuple(free)), entering
+                        tuple(names[i] for i in made), tuple(free),
+                        extras=tuple(names[k] for k in made if k in extras)), entering
 
 
 def _eager_in_forward(training: TrainingGraph, S: Matrix) -> Matrix:
@@ -137,4 +155,6 @@ def _note(schedule: Schedule) -> str:
     made = schedule.made
     proof = "proven optimal among them" if schedule.optimal else "the best the solver found in its time"
     return (f"exact: the solver's schedule ({proof}): keeps {len(schedule.kept)} values from forward and "
-            f"makes {len(made)} again in {sum(1 for s in schedule.steps if s.make)} backward steps")
+            f"makes {len(made)} again in {sum(1 for s in schedule.steps if s.make)} backward steps"
+            + (f", {extras} of them with the extra their op saves" if (extras := sum(len(s.extras) for s in schedule.steps))
+               else ""))

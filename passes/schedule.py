@@ -12,6 +12,12 @@ solved for (:func:`passes.checkmate.checkmate_schedule` with ``executable=True``
 recompute in forward, none between the gradient buffers one backward node makes, and
 only pure ops made again.
 
+An op's *extra* (what it saves for backward that is no value of the graph: max-pool's
+indices) is left to autograd from forward unless the op is in ``dropped_extras``: then
+forward swaps it for a handle and backward takes it from what the steps hold, under
+:func:`extra_key` (``"extra:<op>"``), as for a value; a step makes it again by running its op
+(in ``ScheduleStep.extras``) with autograd on, keeping what the op saves.
+
 Example: a chain ``a -> b -> c -> d`` keeping ``b`` makes ``c`` again just before the
 backward of ``d`` (which saved ``c``) and lets ``c`` go before the backward of ``b``::
 
@@ -37,12 +43,15 @@ Matrix = tuple[tuple[int, ...], ...]
 class ScheduleStep:
     """Work just before the backward of ``op``: let ``release`` go (held until now, needed
     no more), then make each of ``make`` again in order, without gradients, from what is
-    held, letting ``free[i]`` go right after ``make[i]`` is made."""
+    held, letting ``free[i]`` go right after ``make[i]`` is made. An op of ``make`` also in
+    ``extras`` runs with autograd on instead, and its extra is held too (:func:`extra_key`;
+    ``release`` and ``free`` let it go by that name)."""
 
     op: str
     release: tuple[str, ...]
     make: tuple[str, ...]
     free: tuple[tuple[str, ...], ...]
+    extras: tuple[str, ...] = ()  # ops of make whose extra is made with them
 
 
 @dataclass(frozen=True)
@@ -51,13 +60,17 @@ class Schedule:
     the simulator's memory model (:func:`passes.training_graph.stage_peaks`), ``optimal``
     whether the solver proved no schedule of its kind under the same budget recomputes less.
     ``storages`` names, for each value whose storage an op made, that op's value (its storage
-    root: itself, or what a view or tuple element is of): saved tensors are taken from there."""
+    root: itself, or what a view or tuple element is of): saved tensors are taken from there.
+    ``dropped_extras``: the ops whose extra forward does not leave to autograd (each made
+    again by a step, or held from forward by the schedule: ``kept_extras``, until let go)."""
 
     kept: tuple[str, ...]
     steps: tuple[ScheduleStep, ...]
     peak_bytes: int
     optimal: bool = False
     storages: tuple[tuple[str, str], ...] = ()  # (value, the value whose storage it is), for values of op storages
+    dropped_extras: tuple[str, ...] = ()  # ops whose extra backward takes from what the steps hold
+    kept_extras: tuple[str, ...] = ()  # of those, the ops whose extra forward holds (let go later, made again)
     stages: tuple[Matrix, Matrix] = field(default=((), ()), compare=False, repr=False)  # R and S as run:
     # what each stage computes and holds (passes.training_graph), from which its peak and breakdown come
 
@@ -108,12 +121,19 @@ class ScheduleError(ValueError):
     """A schedule that cannot run on its graph: what is wrong, and at which op."""
 
 
+def extra_key(op: str) -> str:
+    """The name under which a schedule holds ``op``'s extra (the training graph's node of it)."""
+    return f"extra:{op}"
+
+
 def check_schedule(graph: nx.DiGraph, schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` unless every value a step makes is a pure op's
     (:func:`passes.graph_facts.pure_ops`) made from values held at that point, inputs or
-    parameters, and nothing is let go that is not held."""
+    parameters, every extra is a pure op's made only with it (:func:`_check_extras`), and
+    nothing is let go that is not held."""
     pure = pure_ops(graph)
-    held = set(schedule.kept)
+    _check_extras(schedule, pure)
+    held = {*schedule.kept, *map(extra_key, schedule.kept_extras)}
     free_anytime = {n for n, kind in graph.nodes(data="kind") if kind in ("input", "param")}
     for step in schedule.steps:
         _let_go(held, step.release, step.op)
@@ -125,8 +145,32 @@ def check_schedule(graph: nx.DiGraph, schedule: Schedule) -> None:
             if missing:
                 raise ScheduleError(f"before the backward of {step.op!r}: {name!r} is made from {missing}, "
                                     "which nothing holds there")
-            held.add(name)
+            held.update((name, extra_key(name)) if name in step.extras else (name,))
             _let_go(held, after, step.op)
+
+
+def _check_extras(schedule: Schedule, pure: frozenset[str]) -> None:
+    """Raise :class:`ScheduleError` unless each dropped extra is a pure op's, held from
+    forward or made by a step, and each step makes an extra only with its op and only of
+    an op whose extra forward drops (else autograd holds forward's, and the copy is waste)."""
+    dropped = set(schedule.dropped_extras)
+    made = {op for step in schedule.steps for op in step.extras}
+    for op in dropped:
+        if op not in pure:
+            raise ScheduleError(f"the extra of {op!r} is dropped in forward but {op!r} is not a pure op: only "
+                                "a pure op's extra can be made again (plan with executable=True)")
+        if op not in made and op not in schedule.kept_extras:
+            raise ScheduleError(f"the extra of {op!r} is dropped in forward, but no step makes it again and "
+                                "forward does not hold it: its backward would find it nowhere")
+    if not set(schedule.kept_extras) <= dropped:
+        raise ScheduleError(f"kept_extras {sorted(set(schedule.kept_extras) - dropped)} are not in dropped_extras: "
+                            "an extra forward holds is one autograd does not")
+    for step in schedule.steps:
+        for op in step.extras:
+            if op not in step.make or op not in dropped:
+                raise ScheduleError(f"before the backward of {step.op!r}: the extra of {op!r} is made again, "
+                                    + ("but not its op (an extra is made only by running its op)" if op not in step.make
+                                       else "but forward leaves it to autograd (add it to dropped_extras)"))
 
 
 def _let_go(held: set[str], names: tuple[str, ...], op: str) -> None:
@@ -137,6 +181,8 @@ def _let_go(held: set[str], names: tuple[str, ...], op: str) -> None:
 
 
 def describe(schedule: Schedule) -> list[str]:
-    """One line per step that makes something again, as ``print(plan)`` shows them."""
+    """One line per step that makes something again, as ``print(plan)`` shows them (and
+    which of those it runs with autograd on, for the extra each saves)."""
     return [f"before the backward of {step.op}: makes {', '.join(step.make)} again"
+            + (f"; runs {', '.join(step.extras)} with autograd on for the extra each saves" if step.extras else "")
             for step in schedule.steps if step.make]
