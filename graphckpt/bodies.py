@@ -17,7 +17,7 @@ from torch import fx, nn
 
 from graphckpt.dropout import draw, dropout_call, redraw
 from graphckpt.dropping import DropModule
-from graphckpt.exact import ScheduledModule, made
+from graphckpt.exact import ScheduledModule, made, needing_grad, with_autograd_for_saved_extras
 from graphckpt.hooked import STATES, HookedSegmentModule, keep, mark
 from passes.remat import remat_sources
 from passes.schedule import ScheduleStep
@@ -207,18 +207,22 @@ def scheduled_module(source: Source, planned: PlannedSegment) -> ScheduledModule
         env[name] = body.call_function(made, (hooks, env[name], name), name=f"made_{name}")
     return_values(body, [env[name] for name in planned.outputs])
     return ScheduledModule(fx.GraphModule(attribute_table(body, source.module), body, "ScheduledBody"),
-                           {step.op: _step_module(source, step) for step in schedule.steps},
+                           {step.op: _step_module(source, step, dict(schedule.grad_reads)) for step in schedule.steps},
                            nodes=planned.nodes, inputs=planned.inputs, outputs=planned.outputs, kept=schedule.kept,
-                           storage_of=dict(schedule.storages))
+                           storage_of=dict(schedule.storages), dropped_extras=schedule.dropped_extras,
+                           kept_extras=schedule.kept_extras)
 
 
-def _step_module(source: Source, step: ScheduleStep) -> fx.GraphModule:
+def _step_module(source: Source, step: ScheduleStep, grad_reads: Mapping[str, tuple[str, ...]]) -> fx.GraphModule:
     """What runs just before the backward of ``step.op``: let go of ``cache`` entries,
     make values again from what it holds (reads ``cache[...]``, writes them back), and let
-    go of what is needed no more right after each is made."""
+    go of what is needed no more right after each is made. An op of ``step.extras`` runs
+    with autograd on for its extra (:func:`_with_extras`), reading ``grad_reads[op]``
+    requiring grad."""
     graph = fx.Graph()
     cache = graph.placeholder("cache")
     local: dict[str, fx.Node] = {}
+    functions: dict[str, Any] = {}  # attributes of the step: the functions of ops run for their extras
 
     def read(node: fx.Node) -> fx.Node:
         if node.name not in local:
@@ -229,9 +233,40 @@ def _step_module(source: Source, step: ScheduleStep) -> fx.GraphModule:
     for name in step.release:
         graph.create_node("call_method", "pop", (cache, name), name=f"let_go_{name}")
     for name, gone in zip(step.make, step.free, strict=True):
-        local[name] = graph.node_copy(source.nodes[name], read)
+        if name in step.extras:
+            local[name] = _with_extras(graph, cache, source.nodes[name], read, grad_reads.get(name, ()), functions)
+        else:
+            local[name] = graph.node_copy(source.nodes[name], read)
         graph.call_function(operator.setitem, (cache, name, local[name]), name=f"hold_{name}")
         for value in gone:
             graph.create_node("call_method", "pop", (cache, value), name=f"let_go_{value}")
     graph.output(None)
-    return fx.GraphModule(attribute_table(graph, source.module), graph, "ScheduleStep")
+    return fx.GraphModule({**attribute_table(graph, source.module, skip=functions), **functions}, graph, "ScheduleStep")
+
+
+def _with_extras(graph: fx.Graph, cache: fx.Node, original: fx.Node, read: Any, needing: tuple[str, ...],
+                 functions: dict[str, Any]) -> fx.Node:
+    """``original`` run again in a step with autograd on, for its extra
+    (:func:`graphckpt.exact.with_autograd_for_saved_extras`): what it reads, from ``read``,
+    each of ``needing`` as a leaf requiring grad; its function an attribute of the step
+    (added to ``functions``), its module one of the model's, its method a name."""
+    grads: dict[str, fx.Node] = {}
+
+    def argument(node: fx.Node) -> fx.Node:
+        if node.name not in needing:
+            return read(node)
+        if node.name not in grads:
+            grads[node.name] = graph.call_function(needing_grad, (read(node),), name=f"{node.name}_needing_grad")
+        return grads[node.name]
+
+    args, kwargs = fx.map_arg(original.args, argument), fx.map_arg(original.kwargs, argument)
+    if original.op == "call_function":
+        target = f"{original.name}_function"
+        functions[target] = original.target
+        function: Any = graph.get_attr(target)
+    elif original.op == "call_module":
+        function = graph.create_node("get_attr", original.target, name=f"{original.name}_module")
+    else:  # call_method: the method of args[0] by name
+        function = original.target
+    return graph.call_function(with_autograd_for_saved_extras, (cache, original.name, function, args, dict(kwargs)),
+                               name=f"{original.name}_with_its_extra")

@@ -92,7 +92,10 @@ class RewrittenModule(fx.GraphModule):
         for name, scheduled in self.scheduled:
             bodies.append(f"# {name}: {scheduled.extra_repr()}{_named_code(scheduled.body, name)}")
             for op, step in scheduled.steps.items():
-                bodies.append(f"# {name}_step_{op}: runs without gradients just before the backward of {op}"
+                extras = scheduled.with_autograd(op)
+                but = (f"; but {', '.join(extras)}, run with autograd on to hold what it saves beyond values "
+                       "(its extra, such as max-pool's indices)" if extras else "")
+                bodies.append(f"# {name}_step_{op}: runs without gradients just before the backward of {op}{but}"
                               f"{_named_code(step, f'{name}_step_{op}')}")
         for name, segment in [*self.segments, *self.drops, *self.hooked]:
             bodies.append(f"# {name}: {segment.extra_repr()}{_named_code(segment.body, name)}")

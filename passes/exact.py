@@ -20,7 +20,7 @@ from __future__ import annotations
 import networkx as nx
 
 from passes.checkmate import checkmate_schedule
-from passes.graph_facts import op_nodes, storage_root
+from passes.graph_facts import needs_grad, op_nodes, storage_root
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
 from passes.segments import Segment, segment_edges
@@ -93,7 +93,9 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
     about = training.about
     schedule = Schedule(kept, tuple(steps), int(max(stage_peaks(training, R, executed), default=0)), optimal, storages,
                         dropped_extras=tuple(about[e] for e in extra_ids),
-                        kept_extras=tuple(about[e] for e in extra_ids if S[first][e]), stages=(R, executed))
+                        kept_extras=tuple(about[e] for e in extra_ids if S[first][e]),
+                        grad_reads=tuple((about[e], tuple(u for u in graph.predecessors(about[e]) if needs_grad(graph, u)))
+                                         for e in extra_ids), stages=(R, executed))
     check_schedule(graph, schedule)
     return schedule
 

@@ -71,6 +71,8 @@ class Schedule:
     storages: tuple[tuple[str, str], ...] = ()  # (value, the value whose storage it is), for values of op storages
     dropped_extras: tuple[str, ...] = ()  # ops whose extra backward takes from what the steps hold
     kept_extras: tuple[str, ...] = ()  # of those, the ops whose extra forward holds (let go later, made again)
+    grad_reads: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (op of dropped_extras, the values it reads that
+    # need a gradient): a step running it for its extra reads them requiring grad, so it saves what forward saved
     stages: tuple[Matrix, Matrix] = field(default=((), ()), compare=False, repr=False)  # R and S as run:
     # what each stage computes and holds (passes.training_graph), from which its peak and breakdown come
 
