@@ -202,6 +202,9 @@ def with_autograd_for_saved_extras(cache: StepCache, op: str, function: Any, arg
     on, for what it saves beyond values (max-pool's indices, which no step can make without
     gradients): its extras, the tensors it packs at the positions forward's extras were,
     go into ``cache`` under ``"extra:<op>"``; returns its value, detached."""
+    if op not in cache.extra_packs:
+        raise RuntimeError(f"graphckpt: a step runs {op!r} again for its extra, but forward did not drop it: the "
+                           "schedule and this module disagree (a bug: please report it with the plan)")
     positions, count = cache.extra_packs[op]
     packed: list[torch.Tensor] = []
 
