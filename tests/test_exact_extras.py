@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import networkx as nx
 import pytest
+import torch
+import torch.nn.functional as F
 
 from graphckpt.api import Analysis, analyze, generate_rewrite
 from graphckpt.tools import zoo
@@ -112,16 +114,42 @@ def _unet_plan_making_an_extra(graph: nx.DiGraph):
     return _plan_making_an_extra(graph, (0.72, 0.7, 0.74, 0.68, 0.76, 0.66))
 
 
-def test_an_exact_schedule_making_max_pools_indices_again_trains_like_eager_at_its_simulated_peak() -> None:
+class _FunctionalPoolUNet(zoo.UNet):
+    """The zoo U-Net pooling with ``F.max_pool2d`` (a function the step holds as an
+    attribute, ``max_pool2d_function``) rather than its ``nn.MaxPool2d`` (a module)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for down in self.down:
+            x = down(x)
+            skips.append(x)
+            x = F.max_pool2d(x, 2)
+        x = self.bottleneck(x)
+        for up, dec, skip in zip(self.up, self.dec, reversed(skips), strict=True):
+            x = dec(torch.cat([up(x), skip], dim=1))
+        return self.out(x)
+
+
+def _functional_pool_unet() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = _FunctionalPoolUNet(base=UNET_SIZE["base"], levels=UNET_SIZE["levels"])
+    return model, model.example_inputs(UNET_SIZE["batch"])
+
+
+@pytest.mark.parametrize(("make", "pool"), [
+    pytest.param(lambda: zoo.make("unet", **UNET_SIZE), "pool", id="module"),
+    pytest.param(_functional_pool_unet, "max_pool2d", id="function"),
+])
+def test_an_exact_schedule_making_max_pools_indices_again_trains_like_eager_at_its_simulated_peak(make, pool: str) -> None:
     """The zoo U-Net: its max-pool's indices are dropped in forward and held again from a
     step running the pool with autograd on; outputs, gradients and peak as planned."""
-    model, inputs = zoo.make("unet", **UNET_SIZE)
+    model, inputs = make()
     reference, model = fresh_pair(model)
     analysis = analyze(model, inputs)
     plan = _unet_plan_making_an_extra(analysis.cost_graph)
     assert plan is not None, "no exact schedule at 0.66-0.76 of eager makes the max-pool's indices again"
     rewritten = generate_rewrite(model, Analysis(analysis.captured, analysis.cost_graph, plan))
-    assert "exact_0_step_" in rewritten.code and "with_autograd_for_saved_extras(cache, 'pool'" in rewritten.code
+    assert "exact_0_step_" in rewritten.code and f"with_autograd_for_saved_extras(cache, '{pool}'" in rewritten.code
     assert "run with autograd on to hold what it saves beyond values" in rewritten.code
     assert_trains_like_twice(reference, model, rewritten, inputs)
     simulated = rewritten.meta["graphckpt_plan"].peak_bytes
