@@ -145,8 +145,10 @@ class ScheduledModule(nn.Module):
     graph's inputs and the call's hooks (``None`` when no backward will run) and returns its
     outputs; ``steps`` maps an op to the module that runs before its backward, taking the
     call's ``cache``; ``storage_of`` maps each value made in an op's storage to that op's value
-    (:attr:`passes.schedule.Schedule.storages`). The graph modules are plain attributes, not
-    submodules, so parameters and ``state_dict`` keys stay the model's."""
+    (:attr:`passes.schedule.Schedule.storages`); ``dropped_extras`` names the ops whose extras
+    forward swaps for handles, ``kept_extras`` those of them it holds in ``cache`` (see the
+    module's docstring). The graph modules are plain attributes, not submodules, so
+    parameters and ``state_dict`` keys stay the model's."""
 
     label = "exact"
 
@@ -177,9 +179,11 @@ class ScheduledModule(nn.Module):
     def extra_repr(self) -> str:
         made = sum(1 for step in self.steps.values() for node in step.graph.nodes
                    if node.op == "call_function" and node.target is operator.setitem)
+        extras = ', '.join(sorted(self.dropped_extras))
         return (f"runs {len(self.nodes)} nodes as eager code; keeps {', '.join(sorted(self.kept)) or 'nothing'} "
                 f"from forward and makes {made} values again in {len(self.steps)} steps, each just before "
-                "the backward of its op")
+                "the backward of its op" + (f"; takes the extras of {extras} from autograd in forward: the schedule "
+                                           "holds them" if extras else ""))
 
 
 def made(hooks: _ScheduledCall | None, value: Any, name: str) -> Any:

@@ -6,9 +6,9 @@ everything the optimum does: it holds a value through part of backward, lets it 
 makes it again later, or makes a value from a mix of kept and remade ones, one op's
 backward at a time. :func:`exact_plan` asks the MILP (:mod:`passes.checkmate`) for the
 cheapest schedule the runtime can run (``executable=True``: work only just before an op's
-backward, pure ops only) and reads it as a :class:`passes.schedule.Schedule`, carried by
-one recomputed segment over the whole graph (``Segment.schedule``), which codegen runs as a
-:class:`graphckpt.exact.ScheduledModule`.
+backward, pure ops only, and an op's extra, max-pool's indices, only with its op) and reads
+it as a :class:`passes.schedule.Schedule`, carried by one recomputed segment over the whole
+graph (``Segment.schedule``), which codegen runs as a :class:`graphckpt.exact.ScheduledModule`.
 
 On the 16-op random DAGs of ``scripts/planner_gap.py`` at 0.5 and 0.7 of eager these
 schedules recompute exactly what the unrestricted MILP's do, in 0.1-3 s; on 40 ops HiGHS
