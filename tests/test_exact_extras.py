@@ -196,3 +196,21 @@ def test_extras_held_from_forward_by_the_schedule_train_like_eager() -> None:
     rewritten = generate_rewrite(model, Analysis(analysis.captured, graph, _holding_extras_from_forward(plan)))
     assert "with_autograd_for_saved_extras" not in rewritten.code
     assert_trains_like_twice(reference, model, rewritten, inputs)
+
+
+def test_an_op_saving_other_tensors_than_in_forward_is_named() -> None:
+    """The extras are told apart by their positions among what the op packs: a run again
+    packing another number of tensors is refused, naming the op and the way out."""
+    from graphckpt.exact import StepCache, with_autograd_for_saved_extras
+
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    cache = StepCache()
+    cache.extra_packs["pool"] = ((1,), 2)  # max-pool packs its input, then its indices
+    value = with_autograd_for_saved_extras(cache, "pool", F.max_pool2d, (x, 2), {})
+    assert not value.requires_grad and cache["extra:pool"][0].dtype == torch.int64
+    cache.extra_packs["pool"] = ((1,), 3)
+    with pytest.raises(RuntimeError, match=r"'pool', run again for its extra .* saved 2 tensors where forward saved 3"
+                                           r".*exact=False"):
+        with_autograd_for_saved_extras(cache, "pool", F.max_pool2d, (x, 2), {})
+    with pytest.raises(RuntimeError, match="forward did not drop it"):
+        with_autograd_for_saved_extras(StepCache(), "pool", F.max_pool2d, (x, 2), {})
