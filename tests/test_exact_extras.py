@@ -214,3 +214,14 @@ def test_an_op_saving_other_tensors_than_in_forward_is_named() -> None:
         with_autograd_for_saved_extras(cache, "pool", F.max_pool2d, (x, 2), {})
     with pytest.raises(RuntimeError, match="forward did not drop it"):
         with_autograd_for_saved_extras(StepCache(), "pool", F.max_pool2d, (x, 2), {})
+
+
+def test_no_extra_is_made_again_under_autocast() -> None:
+    """Under autocast an extra may hold casts autocast's cache keeps to the end of forward
+    (:func:`passes.checkmate.extras_stay`): the small U-Net's budget that only making the
+    indices again meets is refused there, and a looser one is met holding them."""
+    graph = _small_unet()
+    graph.graph["autocast"] = "cpu:bfloat16"
+    assert exact_plan(graph, int(0.57 * eager_peak(graph)), time_limit=10) is None
+    plan = exact_plan(graph, int(0.7 * eager_peak(graph)), time_limit=10)
+    assert plan is not None and plan.segments[0].schedule.dropped_extras == ()
