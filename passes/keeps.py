@@ -69,10 +69,11 @@ def keepable(graph: nx.DiGraph, name: str) -> bool:
 
 def leaf_segments(segments: Sequence[Segment], at: Path = ()) -> list[tuple[Path, Segment]]:
     """Recomputed segments without children, at any depth, with their paths: the ones whose
-    recompute runs their own nodes, so that keeping one of them saves its rerun."""
+    recompute runs their own nodes, so that keeping one of them saves its rerun. Not a
+    segment run by an exact schedule: what it keeps is its schedule's."""
     found = []
     for index, segment in enumerate(segments):
-        if not segment.recompute:
+        if not segment.recompute or segment.schedule is not None:
             continue
         if segment.children:
             found += leaf_segments(segment.children, (*at, index))

@@ -21,6 +21,7 @@ from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.checkmate import _build, _pin_executable, _recompute_cost
 from passes.exact import exact_plan
+from passes.keeps import ranked_keeps
 from passes.schedule import Schedule, ScheduleError, ScheduleStep, check_schedule
 from passes.segments import validate_plan
 from passes.simulate import eager_peak
@@ -76,6 +77,7 @@ def test_an_exact_schedule_makes_an_extra_again_where_holding_it_does_not_fit() 
     assert any(step.extras == ("pool",) and "pool" in step.make for step in schedule.steps), schedule.steps
     check_schedule(graph, schedule)
     validate_plan(graph, plan.segments)
+    assert ranked_keeps(graph, plan.segments) == []  # what it keeps is its schedule's: no keep search edits it
     assert "the extra their op saves" in plan.notes[0] and "runs pool with autograd on" in str(plan)
     with pytest.raises(BudgetError):
         fit_budget(graph, budget, exact_seconds=0)  # no exact schedule: nothing fits
