@@ -175,14 +175,15 @@ def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]
             model.row([(("S", t, i), 1.0), *used], inf, 0.0)
 
 
-def _pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph) -> None:
+def _pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph, extras: bool = True) -> None:
     """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring):
     a hooked stage may make a pure op's value again, and its extra with it (the runtime runs
-    that op with autograd on and keeps what it saves beyond values)."""
+    that op with autograd on and keeps what it saves beyond values; not with ``extras``
+    false, nor under autocast: :func:`extras_stay`)."""
     names, home = training.names, training.home
     hooks = {f"backward:{k}" for k in hooked_ops(graph)}
     pure = pure_ops(graph)  # no random op among them: a draw made again would differ
-    stay = extras_stay(graph)
+    stay = not extras or extras_stay(graph)
     remakeable = {i for i in range(training.n_forward) if names[home[i]] in pure and (home[i] == i or not stay)}
     for (kind, t, i, *_), column in model.columns.items():
         if kind == "R" and t != home[i] and not (names[t] in hooks and i in remakeable):
@@ -198,6 +199,13 @@ def extras_stay(graph: nx.DiGraph) -> bool:
     bf16 copies) made again, and 6.8% over with only attention's (its log-sum-exp), while
     the schedule holding every extra measured its simulated peak exactly."""
     return bool(graph.graph.get("autocast"))
+
+
+def remakes_extras(graph: nx.DiGraph) -> bool:
+    """Whether an executable schedule of ``graph`` may make an extra again: a pure op has one
+    (:func:`_pin_executable`), and the graph was not captured under autocast."""
+    pure = pure_ops(graph)
+    return not extras_stay(graph) and any(graph.nodes[name]["saved_extra_bytes"] for name in pure)
 
 
 def _matrix(model: Milp, x: np.ndarray, name: str, T: int) -> Matrix:
@@ -315,10 +323,12 @@ def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float =
 
 
 def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0,
-                       executable: bool = False, beat: float | None = None) -> CheckmateResult | None:
+                       executable: bool = False, beat: float | None = None,
+                       extras: bool = True) -> CheckmateResult | None:
     """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits;
-    ``executable``: among the schedules :mod:`passes.exact` runs only; ``beat``: only
-    schedules recomputing fewer FLOPs than that (a plan in hand's), ``None`` when none does.
+    ``executable``: among the schedules :mod:`passes.exact` runs only (with ``extras``
+    false, those holding every extra from forward); ``beat``: only schedules recomputing
+    fewer FLOPs than that (a plan in hand's), ``None`` when none does.
 
     Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`SolveTimeout` (a
     :class:`TimeoutError`) when the time limit passes before any schedule that fits is found.
@@ -333,7 +343,7 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     training = training_graph(graph)
     model = _build(training, budget_bytes)
     if executable:
-        _pin_executable(model, training, graph)
+        _pin_executable(model, training, graph, extras)
     cost = _recompute_cost(model, training, tie_break=executable)
     divisor = math.gcd(*training.flops) or 1
     forward = sum(training.flops[: training.n_forward])

@@ -17,9 +17,11 @@ often stops at its time limit, and then the schedule is the best it found.
 
 from __future__ import annotations
 
+import time
+
 import networkx as nx
 
-from passes.checkmate import checkmate_schedule
+from passes.checkmate import CheckmateResult, checkmate_schedule, remakes_extras
 from passes.graph_facts import needs_grad, op_nodes, storage_root
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
@@ -42,18 +44,44 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     the full solve's time."""
     if time_limit <= 0 or len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
         return None
-    try:
-        result = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat)
-    except TimeoutError:
-        return None
+    result, optimal = _cheapest_schedule(graph, budget_bytes, time_limit, beat)
     if result is None:
         return None
     training = training_graph(graph)
-    schedule = schedule_of(graph, training, result.R, result.S, optimal=result.status == "optimal")
+    schedule = schedule_of(graph, training, result.R, result.S, optimal=optimal)
     if schedule.peak_bytes > budget_bytes:  # what it lets go where no hook fires held too long
         return None
     return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)],
                             notes=(_note(schedule),), peak_bytes=schedule.peak_bytes)
+
+
+MIN_EXTRAS_SECONDS = 0.5  # the least time left worth a second solve that may make extras again
+
+
+def _cheapest_schedule(graph: nx.DiGraph, budget_bytes: float, time_limit: float,
+                       beat: float | None) -> tuple[CheckmateResult | None, bool]:
+    """The cheapest executable schedule found in ``time_limit`` seconds, and whether it is
+    proven cheapest: first among those holding every extra from forward, then, in the time
+    left, among those that may make one again (told to beat the first). The wider search is
+    the harder one: asked first, it left DenseNet at its tightest budget (0.54 of eager)
+    with a plan recomputing 1.65x the optimum, which the narrower one finds in the 5 s."""
+    started = time.perf_counter()
+    try:
+        held = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat,
+                                  extras=False)
+    except TimeoutError:
+        held = None
+    left = time_limit - (time.perf_counter() - started)
+    if left < MIN_EXTRAS_SECONDS or not remakes_extras(graph):
+        return held, held is not None and held.status == "optimal"
+    cheaper = beat if held is None else held.recompute_flops if beat is None else min(beat, held.recompute_flops)
+    try:
+        made = checkmate_schedule(graph, budget_bytes, time_limit=left, executable=True, beat=cheaper)
+    except TimeoutError:  # none better found in time: the first stands, not proven among the wider kind
+        return held, False
+    if made is None:  # none better, proven
+        return held, held is not None and held.status == "optimal"
+    return made, made.status == "optimal"
 
 
 def scheduled_segment(graph: nx.DiGraph, schedule: Schedule) -> Segment:

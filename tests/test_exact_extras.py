@@ -19,9 +19,10 @@ from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
-from passes.checkmate import _build, _pin_executable, _recompute_cost
-from passes.exact import exact_plan
+from passes.checkmate import _build, _pin_executable, _recompute_cost, checkmate_schedule
+from passes.exact import exact_plan, schedule_of, scheduled_segment
 from passes.keeps import ranked_keeps
+from passes.plan import plan_of_segments
 from passes.schedule import Schedule, ScheduleError, ScheduleStep, check_schedule
 from passes.segments import validate_plan
 from passes.simulate import eager_peak
@@ -104,10 +105,18 @@ def test_check_schedule_names_what_is_wrong_with_an_extra() -> None:
 
 
 def _plan_making_an_extra(graph: nx.DiGraph, fractions: tuple[float, ...]):
-    """The first exact plan of ``graph`` at these fractions of eager whose steps make an
-    extra again (the solver picks among schedules of equal recompute: not every one does)."""
-    plans = (exact_plan(graph, int(fraction * eager_peak(graph)), time_limit=20) for fraction in fractions)
-    return next((p for p in plans if p is not None and any(s.extras for s in p.segments[0].schedule.steps)), None)
+    """The first plan of ``graph`` at these fractions of eager running the executable MILP's
+    schedule with extras allowed (one solve: :func:`passes.exact.exact_plan` takes one
+    holding them where it recomputes as little) whose steps make an extra again (the solver
+    picks among schedules of equal recompute: not every one does)."""
+    for fraction in fractions:
+        result = checkmate_schedule(graph, int(fraction * eager_peak(graph)), time_limit=20, executable=True)
+        if result is None:
+            continue
+        schedule = schedule_of(graph, training_graph(graph), result.R, result.S)
+        if any(step.extras for step in schedule.steps):
+            return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)], peak_bytes=schedule.peak_bytes)
+    return None
 
 
 def _unet_plan_making_an_extra(graph: nx.DiGraph):
