@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from graphckpt.api import Analysis, analyze, generate_rewrite
 from graphckpt.tools import zoo
-from graphckpt.tools.measure import measure_step
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.checkmate import _build, _pin_executable, _recompute_cost, checkmate_schedule
@@ -28,7 +27,7 @@ from passes.segments import validate_plan
 from passes.simulate import eager_peak
 from passes.training_graph import training_graph
 from tests.equivalence import assert_trains_like_twice, fresh_pair
-from tests.test_exact import MEASURE_TOLERANCE
+from tests.test_exact import assert_peak_as_simulated
 
 UNET_SIZE = {"base": 4, "levels": 1, "batch": 16}  # scripts/planner_gap.py's ZOO_SIZES["unet"]
 
@@ -163,9 +162,7 @@ def test_an_exact_schedule_making_max_pools_indices_again_trains_like_eager_at_i
     assert "exact_0_step_" in rewritten.code and f"with_autograd_for_saved_extras(cache, '{pool}'" in rewritten.code
     assert "run with autograd on to hold what it saves beyond values" in rewritten.code
     assert_trains_like_twice(reference, model, rewritten, inputs)
-    simulated = rewritten.meta["graphckpt_plan"].peak_bytes
-    measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
-    assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
+    assert_peak_as_simulated(rewritten, inputs)
 
 
 def test_an_exact_schedule_making_batchnorms_statistics_again_trains_like_eager_at_its_simulated_peak() -> None:
@@ -180,9 +177,7 @@ def test_an_exact_schedule_making_batchnorms_statistics_again_trains_like_eager_
     assert plan is not None, "no exact schedule at 0.65-0.8 of eager makes a BatchNorm's statistics again"
     rewritten = generate_rewrite(model, Analysis(analysis.captured, analysis.cost_graph, plan))
     assert_trains_like_twice(reference, model, rewritten, inputs)  # buffers (running statistics) included
-    simulated = rewritten.meta["graphckpt_plan"].peak_bytes
-    measured = measure_step(rewritten, inputs, zoo.scalar_loss, repeats=1).peak_bytes
-    assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
+    assert_peak_as_simulated(rewritten, inputs)
 
 
 def _holding_extras_from_forward(plan):
