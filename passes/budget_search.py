@@ -28,12 +28,13 @@ from passes.keeps import (
     selective_start,
 )
 from passes.optimal import DynamicProgram, plan_for_budget
+from passes.peak_queries import forward_floor
 from passes.plan import Candidate, Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
 from passes.relaxed import Rounded, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, search
 from passes.segments import PlanError, Segment
-from passes.simulate import eager_peak, forward_floor
+from passes.simulate import eager_peak
 from passes.units import format_bytes
 
 

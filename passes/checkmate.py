@@ -179,12 +179,13 @@ def _pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph, ext
     """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring):
     a hooked stage may make a pure op's value again, and its extra with it (the runtime runs
     that op with autograd on and keeps what it saves beyond values; not with ``extras``
-    false, nor under autocast: :func:`extras_stay`)."""
+    false: :func:`remakeable_extras`)."""
     names, home = training.names, training.home
     hooks = {f"backward:{k}" for k in hooked_ops(graph)}
     pure = pure_ops(graph)  # no random op among them: a draw made again would differ
-    stay = not extras or extras_stay(graph)
-    remakeable = {i for i in range(training.n_forward) if names[home[i]] in pure and (home[i] == i or not stay)}
+    with_extra = remakeable_extras(graph) if extras else frozenset()
+    remakeable = {i for i in range(training.n_forward)
+                  if (names[i] in pure if home[i] == i else names[home[i]] in with_extra)}
     for (kind, t, i, *_), column in model.columns.items():
         if kind == "R" and t != home[i] and not (names[t] in hooks and i in remakeable):
             model.bounds[column] = (0.0, 0.0, model.bounds[column][2])
@@ -201,11 +202,13 @@ def extras_stay(graph: nx.DiGraph) -> bool:
     return bool(graph.graph.get("autocast"))
 
 
-def remakes_extras(graph: nx.DiGraph) -> bool:
-    """Whether an executable schedule of ``graph`` may make an extra again: a pure op has one
-    (:func:`_pin_executable`), and the graph was not captured under autocast."""
-    pure = pure_ops(graph)
-    return not extras_stay(graph) and any(graph.nodes[name]["saved_extra_bytes"] for name in pure)
+def remakeable_extras(graph: nx.DiGraph) -> frozenset[str]:
+    """The ops whose extra an executable schedule may make again: pure ops with one (the
+    runtime runs the op again with autograd on: :mod:`graphckpt.exact`), none on a graph
+    captured under autocast (:func:`extras_stay`)."""
+    if extras_stay(graph):
+        return frozenset()
+    return frozenset(name for name in pure_ops(graph) if graph.nodes[name]["saved_extra_bytes"])
 
 
 def _matrix(model: Milp, x: np.ndarray, name: str, T: int) -> Matrix:

@@ -18,11 +18,12 @@ import networkx as nx
 
 from passes.drops import drop_order, dropped_or_none
 from passes.graph_facts import op_nodes, pure_ops
+from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
 from passes.remat import MAX_REMAT_OPS, ChainTooLong, held_at_each, remat_chain
 from passes.segments import Segment
-from passes.simulate import eager_segments, peak_within
+from passes.simulate import eager_segments
 
 DROPS_MAX_OPS = 1500  # larger graphs: each validity check walks the whole plan, ~30 ms at 10k ops
 

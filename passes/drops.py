@@ -24,11 +24,12 @@ import networkx as nx
 
 from passes.graph_facts import node_attribute, op_nodes
 from passes.keeps import keepable
+from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
 from passes.remat import rematerializable, with_remat
 from passes.segments import PlanError, Segment, make_segments
-from passes.simulate import eager_segments, peak_within, simulate
+from passes.simulate import eager_segments, simulate
 
 
 def dropped_segments(graph: nx.DiGraph, dropped: Iterable[str], base: Sequence[Segment] = ()) -> tuple[Segment, ...]:

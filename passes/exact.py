@@ -21,7 +21,7 @@ import time
 
 import networkx as nx
 
-from passes.checkmate import CheckmateResult, checkmate_schedule, remakes_extras
+from passes.checkmate import CheckmateResult, checkmate_schedule, remakeable_extras
 from passes.graph_facts import needs_grad, op_nodes, storage_root
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
@@ -72,9 +72,9 @@ def _cheapest_schedule(graph: nx.DiGraph, budget_bytes: float, time_limit: float
     except TimeoutError:
         held = None
     left = time_limit - (time.perf_counter() - started)
-    if left < MIN_EXTRAS_SECONDS or not remakes_extras(graph):
+    if left < MIN_EXTRAS_SECONDS or not remakeable_extras(graph):
         return held, held is not None and held.status == "optimal"
-    cheaper = beat if held is None else held.recompute_flops if beat is None else min(beat, held.recompute_flops)
+    cheaper = min((c for c in (beat, held and held.recompute_flops) if c is not None), default=None)
     try:
         made = checkmate_schedule(graph, budget_bytes, time_limit=left, executable=True, beat=cheaper)
     except TimeoutError:  # none better found in time: the first stands, not proven among the wider kind

@@ -17,10 +17,10 @@ import networkx as nx
 from passes.cuts import op_layout
 from passes.graph_facts import op_nodes
 from passes.heuristics import articulation_candidate, blocks_candidate, mincut_candidate, sqrt_candidate
+from passes.peak_queries import forward_floor
 from passes.plan import Candidate, Plan, selective, simulated
 from passes.recompute import cost_key
 from passes.segments import make_segments
-from passes.simulate import forward_floor
 
 
 def segment_counts(graph: nx.DiGraph) -> list[int]:
@@ -111,7 +111,7 @@ def cheapest_fitting(graph: nx.DiGraph, flat: list[Candidate], budget_bytes: int
     and the ``flat`` candidates, and the candidates it simulated.
 
     Simulating a plan is what costs; pricing it and bounding its peak from below
-    (:func:`passes.simulate.forward_floor`) are cheap. So candidates are simulated cheapest
+    (:func:`passes.peak_queries.forward_floor`) are cheap. So candidates are simulated cheapest
     first, only while they could still win and when their bound fits. When none fits,
     every candidate is simulated, so the error can name the smallest peak.
     """

@@ -38,9 +38,10 @@ from passes.cuts import (
     op_layout,
     prefix_costs,
 )
+from passes.peak_queries import peak_exceeds
 from passes.plan import Candidate, Plan, Progress, from_positions, plan_of_segments, simulated
 from passes.segments import make_segments, validate_plan
-from passes.simulate import eager_segments, peak_exceeds
+from passes.simulate import eager_segments
 
 
 def sqrt_candidate(graph: nx.DiGraph, segments: int | None = None) -> Candidate:

@@ -27,11 +27,11 @@ import networkx as nx
 
 from passes.dp_table import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.graph_facts import op_nodes
+from passes.peak_queries import forward_floor, peak_within
 from passes.plan import Candidate, Plan, plan_of_segments, selective
 from passes.recompute import cost_key, rerun_nodes
 from passes.remat import validate_remat
 from passes.segments import PlanError, Segment, make_segments
-from passes.simulate import forward_floor, peak_within
 
 MAX_SIMULATIONS = 40
 SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
@@ -186,7 +186,7 @@ def selective_whole(graph: nx.DiGraph) -> tuple[Segment, ...]:
 def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:
     """:func:`selective_whole` as a plan, when it could fit ``budget_bytes`` or be trimmed
     under it (:data:`NEARLY_FITS`): its lower bound on the peak
-    (:func:`passes.simulate.forward_floor`) is checked before it is simulated, which on a
+    (:func:`passes.peak_queries.forward_floor`) is checked before it is simulated, which on a
     50k-op graph takes a second."""
     segments = selective_whole(graph)
     if not segments or forward_floor(graph, segments) > NEARLY_FITS * budget_bytes:

@@ -31,10 +31,10 @@ from passes.checkmate import MAX_OPS, relaxed_holds
 from passes.graph_facts import op_nodes
 from passes.hooked import holdable, keeps_by_hooks, remake_phrase
 from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
+from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
 from passes.segments import Segment
-from passes.simulate import peak_within
 
 RELAXED_MAX_OPS = MAX_OPS
 RELAXED_SECONDS = 3.0  # the LP relaxation's limit: random DAGs of 60 ops solve it in 0.8-2.9 s on a 2-core

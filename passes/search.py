@@ -29,11 +29,12 @@ from passes.cuts import op_layout
 from passes.graph_facts import op_nodes
 from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
+from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
 from passes.remat import rematerializable, with_remat
 from passes.segments import PlanError, Segment, make_segments, nested
-from passes.simulate import peak_within, simulate
+from passes.simulate import simulate
 
 SEARCH_MAX_OPS = 64  # larger graphs: too few moves for the time a simulation takes there
 SEARCHED_OPS = 24000  # ops x moves of a search's first climbs: 1500 moves at 16 ops, 375 at 64
@@ -133,7 +134,7 @@ def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_byt
     """:func:`score` of ``segments`` when it is no worse than ``bar``, else ``None``, asking
     the simulator as little as that takes: beside a plan that fits, one recomputing more is
     worse whatever its peak (no replay), and a replay stops once the peak is further over the
-    budget than ``bar``'s (:func:`passes.simulate.peak_within`). Most of a search's moves are
+    budget than ``bar``'s (:func:`passes.peak_queries.peak_within`). Most of a search's moves are
     rejected, so this is what its time goes on."""
     key = cost_key(graph, segments)
     if bar[0] == 0 and key > bar[1:]:

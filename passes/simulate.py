@@ -47,8 +47,6 @@ from passes.graph_facts import (
     leaves_nothing,
     needs_grad,
     op_nodes,
-    per_graph_value,
-    storage_root,
 )
 from passes.hooked import keeps_by_hooks, redrawn
 from passes.hooked_lifetimes import held_in_forward, last_needed
@@ -315,72 +313,9 @@ def forward_flops(graph: nx.DiGraph) -> int:
     return _FORWARD_FLOPS[graph]
 
 
-def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
-    """Bytes alive when forward ends that a plan cannot avoid: the inputs of its recomputed
-    segments and the values they keep from forward (those backward needs, for a segment run by
-    hooks), each storage once. A lower bound on
-    its simulated peak, in O(kept values): a plan above the budget by this alone need not
-    be simulated."""
-    segments = [s for s in segments if s.recompute]
-    roots: set[str] = set()
-    for segment in segments:
-        if leaves_nothing(graph, segment):
-            continue
-        values = (*kept_inputs(segment), *segment.saved_inside)
-        if keeps_by_hooks(graph, segment):
-            needed = last_needed(graph, segment)
-            values = tuple(v for v in values if v in needed)
-        roots.update(storage_root(graph, value) for value in values)
-    inner = sum(graph.nodes[value]["selective_extra_bytes"] for segment in segments for value in segment.saved_inside)
-    return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
-
-
-def peak_within(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) -> int | None:
-    """A plan's simulated peak when it is at most ``limit`` bytes, else ``None``, found by a
-    replay that stops where the peak goes above: the plan searches ask of each trial only
-    whether it fits (or beats a peak), and a trial that does not is dropped for part of a
-    simulation (at 50k nodes the √n candidate of :func:`passes.heuristics.auto_plan` went
-    above the articulation plan's peak early in backward). A plan replayed before is not
-    replayed again when what that replay found answers (:func:`_replays`)."""
-    segments = tuple(segments)
-    replays = _replays(graph)
-    known = replays.get(segments)
-    if known is not None and (known.whole or known.peak > limit):
-        return None if known.peak > limit and known.peak > 0 else known.peak  # (a step holding nothing never stops)
-    try:
-        peak = step_peak(graph, segments, limit)
-    except LimitExceeded as over:
-        replays[segments] = _Replay(over.args[0], whole=False)
-        return None
-    replays[segments] = _Replay(peak, whole=True)
-    return peak
-
-
-@dataclass(frozen=True)
-class _Replay:
-    """What one replay of a plan found: its ``peak``, or (``whole`` false) a peak it passed
-    before it stopped above its limit, a lower bound on the plan's."""
-
-    peak: int
-    whole: bool
-
-
-@per_graph_value
-def _replays(graph: nx.DiGraph) -> dict[tuple[Segment, ...], _Replay]:
-    """The replays :func:`peak_within` made of ``graph``'s plans (a cache filled as asked).
-    The plan searches try some plans more than once (on 500-op random graphs one keep
-    search trial in eight is a plan an earlier trial found above the same budget)."""
-    return {}
-
-
-def peak_exceeds(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) -> bool:
-    """Whether a plan's simulated peak goes above ``limit`` bytes (:func:`peak_within`)."""
-    return peak_within(graph, segments, limit) is None
-
-
 def simulate(graph: nx.DiGraph, segments: Iterable[Segment], peak_bytes: int | None = None) -> Simulation:
     """Peak bytes and recompute FLOPs of a training step run with ``segments``; ``peak_bytes``
-    is their peak when the caller has just replayed them (:func:`peak_within`: a search's
+    is their peak when the caller has just replayed them (:func:`passes.peak_queries.peak_within`: a search's
     winning trial), so that the step is not replayed again (a second at 50k ops)."""
     segments = tuple(segments)
     recompute_flops, recompute_bytes = recompute_totals(graph, segments)

@@ -15,8 +15,9 @@ from passes.budget_search import fit_budget
 from passes.costgraph import add_value
 from passes.flat_plans import candidate_plans, candidates, cheapest_fitting
 from passes.graph_facts import op_nodes
+from passes.peak_queries import forward_floor
 from passes.plan import Plan, simulated
-from passes.simulate import eager_peak, forward_floor
+from passes.simulate import eager_peak
 from tests.equivalence import assert_trains_like, fresh_pair
 from tests.test_optimal import graphs_with_matmuls
 

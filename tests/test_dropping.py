@@ -211,7 +211,7 @@ def test_the_drop_scan_finds_the_shortest_fitting_prefix_asking_fit_of_plans_it_
 
     import passes.drop_scan as drops
     from passes.drops import dropped_or_none
-    from passes.simulate import peak_within
+    from passes.peak_queries import peak_within
 
     scan = _scan_of_a_dag()
     ends = set(accumulate(len(run) for run in scan.runs))
@@ -235,8 +235,8 @@ def test_a_prefix_too_dear_that_does_not_fit_ends_the_drop_scan() -> None:
     bisection below it that could only confirm that."""
     import passes.drop_scan as drops
     from passes.drops import dropped_or_none
+    from passes.peak_queries import peak_within
     from passes.recompute import cost_key
-    from passes.simulate import peak_within
 
     scan = _scan_of_a_dag()
     first_end = len(scan.runs[0]) + len(scan.runs[1])  # the second fit test's count
