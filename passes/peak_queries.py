@@ -56,6 +56,10 @@ def forward_floor(graph: nx.DiGraph, segments: Iterable[Segment]) -> int:
     return inner + sum(graph.nodes[root]["bytes"] for root in roots if graph.nodes[root]["kind"] == "op")
 
 
+REPLAYS_KEPT = 4096  # replays remembered per graph: one fit_budget of a 500-op graph tries ~1500 plans, and a
+# graph planned at many budgets (a benchmark's) would otherwise hold every plan of every search
+
+
 def peak_within(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) -> int | None:
     """A plan's simulated peak when it is at most ``limit`` bytes, else ``None``, found by a
     replay that stops where the peak goes above: the plan searches ask of each trial only
@@ -68,6 +72,8 @@ def peak_within(graph: nx.DiGraph, segments: Iterable[Segment], limit: float) ->
     known = replays.get(segments)
     if known is not None and (known.whole or known.peak > limit):
         return None if known.peak > limit and known.peak > 0 else known.peak  # (a step holding nothing never stops)
+    if len(replays) >= REPLAYS_KEPT:  # the oldest first: a search asks again of what it tried last
+        del replays[next(iter(replays))]
     try:
         peak = step_peak(graph, segments, limit)
     except LimitExceeded as over:

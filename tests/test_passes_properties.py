@@ -30,7 +30,7 @@ from passes.kept_bytes import boundary, boundary_bytes, keep_cost
 from passes.peak_queries import peak_exceeds, peak_within
 from passes.plan import simulated
 from passes.remat import remat_chain
-from passes.segments import segment_edges, validate_plan
+from passes.segments import make_segments, segment_edges, validate_plan
 from passes.sim_memory import LimitExceeded
 from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES, choose_plan
@@ -237,6 +237,28 @@ def test_a_plan_asked_again_gets_what_a_fresh_replay_gives(graph: nx.DiGraph, da
         peak_queries.step_peak = real
     assert not replays
 
+
+
+def test_the_replay_memo_forgets_its_oldest_plan_past_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peak_within remembers at most REPLAYS_KEPT plans of a graph: past that the plan
+    remembered longest is replayed again when asked, the later ones are not."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=8, requires_grad=False)
+    previous = "x"
+    for order in range(1, 7):
+        add_value(graph, f"op{order}", kind="op", order=order, bytes=100, reads=[previous], saved=(previous,))
+        previous = f"op{order}"
+    add_value(graph, "out", kind="output", order=7, bytes=0, reads=[previous])
+    ops = op_nodes(graph)
+    plans = [make_segments(graph, [(ops[:cut], True), (ops[cut:], False)]) for cut in (2, 3, 4)]
+    monkeypatch.setattr(peak_queries, "REPLAYS_KEPT", 2)
+    peaks = [peak_within(graph, plan, float("inf")) for plan in plans]
+    real, replayed = peak_queries.step_peak, []
+    monkeypatch.setattr(peak_queries, "step_peak", lambda *args: replayed.append(args[1]) or real(*args))
+    assert [peak_within(graph, plan, float("inf")) for plan in (plans[2], plans[1])] == peaks[:0:-1]
+    assert not replayed
+    assert peak_within(graph, plans[0], float("inf")) == peaks[0]
+    assert replayed == [plans[0]]
 
 @SETTINGS
 @given(graph=cost_graphs(), data=st.data())
