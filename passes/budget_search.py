@@ -14,7 +14,7 @@ from passes.blocks import block_mixes
 from passes.budget import unreachable
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
-from passes.exact import EXACT_TIME_LIMIT, exact_plan
+from passes.exact import EXACT_TIME_LIMIT, exact_plan, floor_plan
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
@@ -98,9 +98,14 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                 exact = exact_plan(graph, budget_bytes, exact_seconds)  # the solver's schedule may reach lower still
                 if exact is not None:
                     return _chosen(exact, budget_bytes, flat, tried, "the exact solver's schedule (passes.exact)")
+                lowest = floor_plan(graph, exact_seconds)  # the floor of the widest plans (the least recompute's
+                if lowest is not None and lowest.peak_bytes <= budget_bytes:  # solve may not have found one in time)
+                    return _chosen(lowest, budget_bytes, flat, tried, "the exact solver's schedule of least peak "
+                                   "(passes.exact.floor_plan)")
                 floor = true_floor(graph)
                 raise unreachable(graph, budget_bytes,
-                                  [*tried, program.smallest(), *([searched] if searched else [])],
+                                  [*tried, program.smallest(), *([searched] if searched else []),
+                                   *([lowest] if lowest else [])],
                                   None if floor is None else floor.peak_bytes)
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     if kept_first is None:  # not filled yet (a search toward the floor may have added plans)

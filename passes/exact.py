@@ -22,6 +22,7 @@ import time
 import networkx as nx
 
 from passes.checkmate import CheckmateResult, checkmate_schedule, remakeable_extras
+from passes.floor import least_peak_schedule
 from passes.graph_facts import needs_grad, op_nodes, storage_root
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
@@ -53,6 +54,23 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
         return None
     return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)],
                             notes=(_note(schedule),), peak_bytes=schedule.peak_bytes)
+
+
+def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT) -> Plan | None:
+    """The plan running the executable schedule of least peak found in ``time_limit``
+    seconds (of those, the one recomputing least): the floor of graphckpt's plans where the
+    other strategies' plans stop above it, which a refused budget names; ``None`` where
+    :func:`exact_plan` makes none (``time_limit`` 0, a graph too large or without hooks) or
+    the solve found none in time. Its peak is the schedule's as the runtime runs it, at or
+    above the solver's."""
+    if time_limit <= 0 or len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
+        return None
+    found = least_peak_schedule(graph, time_limit, executable=True)
+    if found is None:
+        return None
+    schedule = schedule_of(graph, training_graph(graph), found.R, found.S, optimal=found.floor.proven)
+    return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)],
+                            notes=(_note(schedule, "the least peak"),), peak_bytes=schedule.peak_bytes)
 
 
 MIN_EXTRAS_SECONDS = 0.5  # the least time left worth a second solve that may make extras again
@@ -181,10 +199,10 @@ def _eager_in_forward(training: TrainingGraph, S: Matrix) -> Matrix:
     return tuple(tuple(row) for row in rows)
 
 
-def _note(schedule: Schedule) -> str:
+def _note(schedule: Schedule, aim: str = "the least recompute") -> str:
     made = schedule.made
     proof = "proven optimal among them" if schedule.optimal else "the best the solver found in its time"
-    return (f"exact: the solver's schedule ({proof}): keeps {len(schedule.kept)} values from forward and "
+    return (f"exact: the solver's schedule of {aim} ({proof}): keeps {len(schedule.kept)} values from forward and "
             f"makes {len(made)} again in {sum(1 for s in schedule.steps if s.make)} backward steps"
             + (f", {extras} of them with the extra their op saves" if (extras := sum(len(s.extras) for s in schedule.steps))
                else ""))

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from passes.checkmate import _build, recompute_temporaries
+from passes.checkmate import _build, _matrix, _pin_executable, _recompute_cost, recompute_temporaries
 from passes.graph_facts import op_nodes
-from passes.training_graph import no_recompute_peak, training_graph
+from passes.highs import Milp
+from passes.training_graph import Matrix, TrainingGraph, no_recompute_peak, training_graph
 
 FLOOR_MAX_OPS = 40
 FLOOR_TIME_LIMIT = 5.0
@@ -44,11 +45,34 @@ def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor
     """The least peak any recompute schedule of ``graph`` reaches in the simulator's model of
     memory, or ``None`` for graphs over :data:`FLOOR_MAX_OPS` ops or a solve that found no
     schedule in ``time_limit`` seconds."""
+    found = least_peak_schedule(graph, time_limit)
+    return None if found is None else found.floor
+
+
+@dataclass(frozen=True)
+class LeastPeak:
+    """The schedule of least peak the solver found (``R``, ``S``, as
+    :class:`passes.checkmate.CheckmateResult` gives them) and its :class:`Floor`."""
+
+    floor: Floor
+    R: Matrix
+    S: Matrix
+
+
+def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
+                        executable: bool = False) -> LeastPeak | None:
+    """The schedule of ``graph`` of least peak found in ``time_limit`` seconds, among every
+    recompute schedule or, ``executable``, among those :mod:`passes.exact` runs (the floor
+    of graphckpt's widest plans); ``None`` over :data:`FLOOR_MAX_OPS` ops or when the solve
+    found none in time."""
     if len(op_nodes(graph)) > FLOOR_MAX_OPS:
         return None
     training = training_graph(graph)
     ceiling = no_recompute_peak(graph)  # every schedule fits under eager's own peak
     model = _build(training, ceiling)
+    if executable:
+        _pin_executable(model, training, graph)
+    recompute = _least_recompute_among_least_peaks(model, training) if executable else np.zeros(len(model.bounds))
     unit = max(max(training.mem, default=0), 1)
     memory_columns = [key for key in model.columns if key[0] == "U"]
     model.var(("P",), 0.0, ceiling / unit, False)
@@ -56,11 +80,27 @@ def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor
         model.row([(key, 1.0), (("P",), -1.0)], -np.inf, 0.0)
     for memory, run, extra in recompute_temporaries(training, list(model.columns), unit):
         model.row([(memory, 1.0), (run, extra), (("P",), -1.0)], -np.inf, 0.0)
-    cost = np.zeros(len(model.bounds))
-    cost[model.columns[("P",)]] = 1.0
+    cost = np.append(recompute, 1.0)  # P, the last column
     solution = model.solve(cost, time_limit)
     if solution.x is None:
         return None
     peak = float(solution.x[model.columns[("P",)]]) * unit
-    lower = peak if solution.status == "optimal" else min(peak, float(solution.bound) * unit)
-    return Floor(peak_bytes=peak, lower_bound_bytes=lower)
+    bound = (float(solution.bound) - (RECOMPUTE_WEIGHT if executable else 0.0)) * unit  # less what recompute adds
+    lower = peak if solution.status == "optimal" else min(peak, max(bound, 0.0))
+    T = training.size
+    return LeastPeak(Floor(peak_bytes=peak, lower_bound_bytes=lower),
+                     _matrix(model, solution.x, "R", T), _matrix(model, solution.x, "S", T))
+
+
+RECOMPUTE_WEIGHT = 1e-3  # what all recompute may weigh in the executable floor's objective, in units of its peak
+
+
+def _least_recompute_among_least_peaks(model: Milp, training: TrainingGraph) -> np.ndarray:
+    """An objective, beside the peak's, that makes of schedules peaking alike the one
+    recomputing least: the floor's schedule is a plan a user may run (the peak alone leaves
+    the solver free to recompute anything that does not raise it). All of it weighs at most
+    :data:`RECOMPUTE_WEIGHT` of the unit the peak is counted in, so the peak found is within
+    that of the least."""
+    cost = _recompute_cost(model, training)
+    most = training.size * float(cost.sum())  # no schedule runs a column more than once a stage
+    return cost * (RECOMPUTE_WEIGHT / max(most, 1.0))

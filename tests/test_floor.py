@@ -11,10 +11,12 @@ import pytest
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
+from passes.exact import floor_plan
 from passes.floor import FLOOR_MAX_OPS, true_floor
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak
 from scripts.planner_gap import random_cost_graph
+from tests.test_exact_extras import _small_unet
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -29,16 +31,21 @@ def test_true_floor_is_below_every_plan_and_reachable(seed: int) -> None:
 
 def test_budget_error_names_both_floors() -> None:
     # Seed 1's graph had a gap until plans could rematerialize inputs: its plans now reach
-    # the true floor (test_plans_reach_the_true_floor_of_a_graph_they_missed); seed 2's has one.
+    # the true floor (test_plans_reach_the_true_floor_of_a_graph_they_missed); seed 2's has one
+    # to the plans of every strategy but the exact solver's, whose schedules reach it.
     graph = random_cost_graph(random.Random(2), 10)
     smallest = DynamicProgram(graph).smallest().peak_bytes
     floor = true_floor(graph, time_limit=20)
     assert floor is not None and floor.peak_bytes < smallest  # this graph has a gap to show
     with pytest.raises(BudgetError) as raised:
-        fit_budget(graph, int(floor.peak_bytes) - 1)
+        fit_budget(graph, int(floor.peak_bytes) - 1, exact_seconds=0)
     error = raised.value
     assert error.true_floor_bytes is not None and error.true_floor_bytes < error.smallest_peak_bytes
     assert "true floor" in str(error) and "does not meet" in str(error)
+    with pytest.raises(BudgetError) as exact:
+        fit_budget(graph, int(floor.peak_bytes) - 1)
+    assert exact.value.strategy == "exact" and exact.value.smallest_peak_bytes <= math.ceil(floor.peak_bytes)
+    assert "true floor" not in str(exact.value)  # the floor named is the true one
 
 
 def test_plans_reach_the_true_floor_of_a_graph_they_missed() -> None:
@@ -60,3 +67,37 @@ def test_no_true_floor_on_large_graphs() -> None:
     with pytest.raises(BudgetError) as raised:
         fit_budget(graph, int(0.05 * eager_peak(graph)))
     assert raised.value.true_floor_bytes is None and "true floor" not in str(raised.value)
+
+
+def test_a_refused_budget_names_the_exact_schedules_floor_and_that_budget_is_met() -> None:
+    """Below every plan, BudgetError names the least peak of the widest plans, the exact
+    solver's schedules (:func:`passes.exact.floor_plan`), not the other strategies' floor, and
+    a budget at the peak it names is met. The small U-Net: mincut reaches 0.59x of eager, a
+    schedule making pool's indices again 0.55x."""
+    graph = _small_unet()
+    lowest = floor_plan(graph, time_limit=20)
+    assert lowest is not None and lowest.segments[0].schedule is not None
+    assert floor_plan(graph, time_limit=0) is None  # exact=False: no such plan
+    with pytest.raises(BudgetError) as others:
+        fit_budget(graph, lowest.peak_bytes - 1, exact_seconds=0)
+    with pytest.raises(BudgetError) as caught:
+        fit_budget(graph, lowest.peak_bytes - 1)
+    error = caught.value
+    assert error.strategy == "exact" and error.smallest_peak_bytes < others.value.smallest_peak_bytes
+    assert error.at_peak is not None and error.at_peak.peak_bytes == error.smallest_peak_bytes
+    assert error.true_floor_bytes <= error.smallest_peak_bytes
+    assert fit_budget(graph, error.smallest_peak_bytes).peak_bytes <= error.smallest_peak_bytes
+
+
+def test_a_budget_the_least_recompute_solve_misses_is_met_by_the_least_peak_schedule(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where only exact schedules fit and the solve for the least recompute finds none (its
+    time ran out), the schedule of least peak that fits is the plan, not a refusal."""
+    import passes.budget_search as budget_search
+
+    graph = _small_unet()
+    budget = int(0.57 * eager_peak(graph))  # only exact schedules fit (tests/test_exact_extras.py)
+    monkeypatch.setattr(budget_search, "exact_plan", lambda *args, **kwargs: None)
+    plan = fit_budget(graph, budget)
+    assert plan.peak_bytes <= budget and "least peak" in plan.notes[0]
+    assert plan.segments[0].schedule is not None
