@@ -23,6 +23,7 @@ from passes.keeps import (
     MANY_STARTS_UP_TO,
     best_with_keeps,
     best_without_keeps,
+    filled_again,
     leaf_segments,
     least_with_keeps,
     selective_start,
@@ -136,6 +137,9 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if unsimulated is not None and unsimulated.cost_key < chosen.cost_key:
         start = f"the {unsimulated.strategy} plan with {len(unsimulated.segments)} segments"
         chosen, origin = unsimulated, f"{_with_keeps_origin(unsimulated, start)} (a flat plan rated dearer before its keeps)"
+    again = filled_again(graph, chosen, budget_bytes)
+    if again.cost_key < chosen.cost_key:
+        chosen, origin = again, f"{origin}, then more of its values kept in the memory left"
     exact = exact_plan(graph, budget_bytes, exact_seconds, beat=chosen.cost_key[0])
     if exact is not None and exact.cost_key < chosen.cost_key:
         chosen, origin = exact, f"the exact solver's schedule (passes.exact), recomputing less than {origin}"

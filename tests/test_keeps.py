@@ -24,7 +24,9 @@ from graphckpt.tools.measure import measure_step
 from passes.budget_search import fit_budget
 from passes.graph_facts import op_nodes
 from passes.keeps import (
+    REFILL_SLACK,
     add_keeps,
+    filled_again,
     keepable,
     leaf_segments,
     ranked_keeps,
@@ -38,6 +40,7 @@ from passes.plan import Plan, plan_of_segments
 from passes.relaxed import relaxed_plans
 from passes.segments import make_segments, validate_plan
 from passes.simulate import eager_peak, simulate
+from passes.strategies import choose_plan
 from scripts.planner_gap import random_cost_graph
 from tests.equivalence import assert_trains_like_twice, zoo_pair
 
@@ -198,3 +201,18 @@ def test_a_flat_plan_the_search_never_simulated_is_filled_with_keeps_too(monkeyp
     assert plan.peak_bytes <= plan_cost_graph(graph, "auto").peak_bytes
     assert plan.recompute_flops < without.recompute_flops
     assert "a flat plan rated dearer before its keeps" in plan.notes[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plan_whose_fill_ran_out_of_simulations_is_filled_again_in_the_memory_left(seed: int) -> None:
+    """filled_again keeps more where a fill stopped early (one simulation here, as a fill of a
+    730-op graph stops after 10 at LLaMA's): less recompute, still under the budget, and a
+    plan leaving at most REFILL_SLACK of the budget spare is handed back as it is."""
+    graph = random_cost_graph(random.Random(seed), 60)
+    plan = choose_plan(graph, "sqrt", None)
+    budget = int(1.3 * plan.peak_bytes)
+    stopped = with_keeps(graph, plan, budget, max_simulations=1)
+    again = filled_again(graph, stopped, budget)
+    assert again.cost_key < stopped.cost_key and again.peak_bytes <= budget
+    assert again.peak_bytes == simulate(graph, again.segments).peak_bytes
+    assert filled_again(graph, stopped, stopped.peak_bytes / (1 - REFILL_SLACK / 2)) is stopped
