@@ -99,8 +99,10 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                 exact = exact_plan(graph, budget_bytes, exact_seconds)  # the solver's schedule may reach lower still
                 if exact is not None:
                     return _chosen(exact, budget_bytes, flat, tried, "the exact solver's schedule (passes.exact)")
-                lowest = floor_plan(graph, exact_seconds)  # the floor of the widest plans (the least recompute's
-                if lowest is not None and lowest.peak_bytes <= budget_bytes:  # solve may not have found one in time)
+                # the floor of the widest plans: named if the refusal stands, the plan if it fits (the
+                # solve for the least recompute may have found no schedule in its time)
+                lowest = floor_plan(graph, exact_seconds)
+                if lowest is not None and lowest.peak_bytes <= budget_bytes:
                     return _chosen(lowest, budget_bytes, flat, tried, "the exact solver's schedule of least peak "
                                    "(passes.exact.floor_plan)")
                 floor = true_floor(graph)

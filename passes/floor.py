@@ -102,5 +102,5 @@ def _least_recompute_among_least_peaks(model: Milp, training: TrainingGraph) -> 
     :data:`RECOMPUTE_WEIGHT` of the unit the peak is counted in, so the peak found is within
     that of the least."""
     cost = _recompute_cost(model, training)
-    most = training.size * float(cost.sum())  # no schedule runs a column more than once a stage
+    most = float(cost.sum())  # every R column at 1: more than any schedule recomputes
     return cost * (RECOMPUTE_WEIGHT / max(most, 1.0))
