@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import networkx as nx
 
 from passes.plan import Plan
+from passes.schedule import plan_schedule
 from passes.segments import Segment
 from passes.sim_peak import PeakBreakdown, peak_breakdown
 from passes.units import format_bytes, parse_size
@@ -138,7 +139,7 @@ def unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
     """The error for a budget below every plan's peak: the smallest of ``plans``, the
     heaviest values it keeps, and the true floor when it is known and lower."""
     best = min(plans, key=lambda p: p.peak_bytes)
-    heaviest = sorted(best.checkpoints, key=lambda v: -graph.nodes[v]["bytes"])[:5]
+    heaviest = _heaviest_held(graph, best)
     reason = _reason(budget_bytes, best.peak_bytes, best.eager_peak_bytes, best.strategy, len(best.segments))
     floor = None if true_floor_bytes is None else math.ceil(true_floor_bytes)
     return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}."
@@ -147,6 +148,16 @@ def unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
                        segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor,
                        cost_graph=graph, smallest_segments=best.segments)
+
+
+def _heaviest_held(graph: nx.DiGraph, plan: Plan) -> list[str]:
+    """The five largest values ``plan`` keeps from forward, of those alive at its peak when a
+    schedule runs it (:mod:`passes.exact`: it lets some go in backward, before its peak)."""
+    kept = plan.checkpoints
+    if plan_schedule(plan.segments) is not None:
+        alive = {storage.name for storage in peak_breakdown(graph, plan.segments).storages}
+        kept = [value for value in kept if value in alive]
+    return sorted(kept, key=lambda v: -graph.nodes[v]["bytes"])[:5]
 
 
 def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:
