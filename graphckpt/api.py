@@ -64,7 +64,7 @@ def check_options(strategy: str, segments: int | None = None, budget: Budget | N
 def exact_seconds(exact: bool | float) -> float:
     """The seconds a plan may spend in the exact solver for the ``exact=`` option: ``True``
     the default (:data:`passes.exact.EXACT_TIME_LIMIT`), ``False`` none, a number that many
-    (its smaller sub-MIPs may take up to 28% more: :data:`passes.checkmate.FREED_AT`).
+    (its smaller sub-MIPs may take up to 28% more: :data:`passes.guided_solve.FREED_AT`).
 
     >>> exact_seconds(True), exact_seconds(False), exact_seconds(60)
     (5.0, 0.0, 60.0)

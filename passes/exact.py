@@ -36,14 +36,14 @@ EXACT_TIME_LIMIT = 5.0  # seconds a budget plan may spend in the solver
 def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT_TIME_LIMIT,
                beat: float | None = None) -> Plan | None:
     """The plan running the cheapest executable schedule under ``budget_bytes`` found in
-    ``time_limit`` seconds (and up to 28% more: :data:`passes.checkmate.FREED_AT`); ``None``
+    ``time_limit`` seconds (and up to 28% more: :data:`passes.guided_solve.FREED_AT`); ``None``
     when ``time_limit`` is 0 (the user asked for no such schedule:
     ``graphckpt.rewrite(..., exact=False)``), above :data:`EXACT_MAX_OPS` ops, on a graph
     whose runtime has no hooks (``hooks``), when no schedule fits or none is found in time.
     With ``beat`` (a plan in hand's recompute), also ``None`` when no schedule recomputes
     less: the solver, told so, prunes what cannot beat it and proves that in a fraction of
     the full solve's time."""
-    if time_limit <= 0 or len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
+    if not _solvable(graph, time_limit):
         return None
     result, optimal = _cheapest_schedule(graph, budget_bytes, time_limit, beat)
     if result is None:
@@ -52,8 +52,7 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     schedule = schedule_of(graph, training, result.R, result.S, optimal=optimal)
     if schedule.peak_bytes > budget_bytes:  # what it lets go where no hook fires held too long
         return None
-    return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)],
-                            notes=(_note(schedule),), peak_bytes=schedule.peak_bytes)
+    return _schedule_plan(graph, schedule, "the least recompute")
 
 
 def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT) -> Plan | None:
@@ -63,14 +62,25 @@ def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT) -> Plan 
     :func:`exact_plan` makes none (``time_limit`` 0, a graph too large or without hooks) or
     the solve found none in time. Its peak is the schedule's as the runtime runs it, at or
     above the solver's."""
-    if time_limit <= 0 or len(op_nodes(graph)) > EXACT_MAX_OPS or not graph.graph.get("hooks", True):
+    if not _solvable(graph, time_limit):
         return None
     found = least_peak_schedule(graph, time_limit, executable=True)
     if found is None:
         return None
     schedule = schedule_of(graph, training_graph(graph), found.R, found.S, optimal=found.floor.proven)
-    return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)],
-                            notes=(_note(schedule, "the least peak"),), peak_bytes=schedule.peak_bytes)
+    return _schedule_plan(graph, schedule, "the least peak")
+
+
+def _solvable(graph: nx.DiGraph, time_limit: float) -> bool:
+    """Whether exact schedules are sought for ``graph``: time given (``exact=False`` gives
+    none), at most :data:`EXACT_MAX_OPS` ops, and a runtime with hooks (``hooks``)."""
+    return time_limit > 0 and len(op_nodes(graph)) <= EXACT_MAX_OPS and bool(graph.graph.get("hooks", True))
+
+
+def _schedule_plan(graph: nx.DiGraph, schedule: Schedule, aim: str) -> Plan:
+    """``schedule`` as a plan: one recomputed segment it runs, its peak the schedule's."""
+    return plan_of_segments(graph, "exact", [scheduled_segment(graph, schedule)], notes=(_note(schedule, aim),),
+                            peak_bytes=schedule.peak_bytes)
 
 
 MIN_EXTRAS_SECONDS = 0.5  # the least time left worth a second solve that may make extras again
@@ -199,7 +209,7 @@ def _eager_in_forward(training: TrainingGraph, S: Matrix) -> Matrix:
     return tuple(tuple(row) for row in rows)
 
 
-def _note(schedule: Schedule, aim: str = "the least recompute") -> str:
+def _note(schedule: Schedule, aim: str) -> str:
     made = schedule.made
     proof = "proven optimal among them" if schedule.optimal else "the best the solver found in its time"
     return (f"exact: the solver's schedule of {aim} ({proof}): keeps {len(schedule.kept)} values from forward and "
