@@ -34,7 +34,9 @@ class BudgetError(ValueError):
     ``smallest_peak_bytes`` is the floor of graphckpt's plans; ``true_floor_bytes`` the least
     peak any recompute schedule reaches (:func:`passes.floor.true_floor`, the exact MILP, on
     graphs small enough to solve; ``None`` otherwise). Between the two lie budgets that a
-    schedule meets and no plan graphckpt builds yet does. ``at_peak`` is what is alive at
+    schedule meets and no plan graphckpt builds yet does. ``floor_bound_bytes`` is what that
+    solve proved: no schedule peaks below it (``floor_proven`` when it is the true floor
+    itself; a solve stopped at its time limit proves less). ``at_peak`` is what is alive at
     the smallest plan's peak (:func:`passes.sim_peak.peak_breakdown`, replayed when first
     asked: a caller trying budgets until one fits never pays for it): what to shrink
     (``graphckpt inspect --budget ... --peak`` prints it, naming nodes from ``cost_graph``).
@@ -43,10 +45,11 @@ class BudgetError(ValueError):
     def __init__(self, message: str, *, budget_bytes: int | None = None, smallest_peak_bytes: int | None = None,
                  eager_peak_bytes: int | None = None, strategy: str | None = None,
                  segment_count: int | None = None, kept_values: Sequence[str] = (),
-                 true_floor_bytes: int | None = None, cost_graph: nx.DiGraph | None = None,
-                 smallest_segments: Sequence[Segment] = ()) -> None:
+                 true_floor_bytes: int | None = None, floor_bound_bytes: int | None = None,
+                 cost_graph: nx.DiGraph | None = None, smallest_segments: Sequence[Segment] = ()) -> None:
         super().__init__(message)
         self.true_floor_bytes = true_floor_bytes
+        self.floor_bound_bytes = floor_bound_bytes
         self.cost_graph = cost_graph
         self._smallest_segments = tuple(smallest_segments)
         self._at_peak: PeakBreakdown | None = None
@@ -63,6 +66,12 @@ class BudgetError(ValueError):
         if self._at_peak is None and self.cost_graph is not None:
             self._at_peak = peak_breakdown(self.cost_graph, self._smallest_segments)
         return self._at_peak
+
+    @property
+    def floor_proven(self) -> bool:
+        """The exact solver proved ``true_floor_bytes`` least (``False`` when it is unknown)."""
+        return (self.true_floor_bytes is not None and self.floor_bound_bytes is not None
+                and self.floor_bound_bytes >= self.true_floor_bytes)
 
     @property
     def reason(self) -> str:
@@ -135,19 +144,32 @@ def read_budget(text: str) -> Budget:
 
 
 def unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
-                 true_floor_bytes: float | None = None) -> BudgetError:
+                true_floor_bytes: float | None = None, floor_bound_bytes: float | None = None) -> BudgetError:
     """The error for a budget below every plan's peak: the smallest of ``plans``, the
-    heaviest values it keeps, and the true floor when it is known and lower."""
+    heaviest values it keeps, the true floor when it is known and lower, and what the exact
+    solver proved no schedule peaks below (``floor_bound_bytes``)."""
     best = min(plans, key=lambda p: p.peak_bytes)
     heaviest = _heaviest_held(graph, best)
     reason = _reason(budget_bytes, best.peak_bytes, best.eager_peak_bytes, best.strategy, len(best.segments))
     floor = None if true_floor_bytes is None else math.ceil(true_floor_bytes)
-    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}."
-                       f"{_floor_note(floor, best.peak_bytes, best.eager_peak_bytes, budget_bytes)} Raise the budget.",
+    bound = _proven_below(true_floor_bytes, floor_bound_bytes)
+    notes = (_floor_note(floor, best.peak_bytes, best.eager_peak_bytes, budget_bytes)
+             + _bound_note(bound, floor, best.eager_peak_bytes, budget_bytes))
+    return BudgetError(f"{reason}, kept values include {', '.join(heaviest) or 'none'}.{notes} Raise the budget.",
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
                        segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor,
-                       cost_graph=graph, smallest_segments=best.segments)
+                       floor_bound_bytes=bound, cost_graph=graph, smallest_segments=best.segments)
+
+
+def _proven_below(true_floor_bytes: float | None, floor_bound_bytes: float | None) -> int | None:
+    """The solver's proven bound in whole bytes: the floor itself (rounded up, as it is named)
+    when the bound is within a byte of it, else the bound rounded down, still a bound."""
+    if true_floor_bytes is None or floor_bound_bytes is None:
+        return None
+    if floor_bound_bytes >= true_floor_bytes - 1:
+        return math.ceil(true_floor_bytes)
+    return math.floor(floor_bound_bytes)
 
 
 def _heaviest_held(graph: nx.DiGraph, plan: Plan) -> list[str]:
@@ -170,3 +192,16 @@ def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budge
             "this budget, by recomputing values from several kept ones just before each use, "
             "which graphckpt's plans express only in part (each value made again at every use, with a "
             "whole segment's keep set).")
+
+
+def _bound_note(bound: int | None, floor: int | None, eager_peak_bytes: int, budget_bytes: int) -> str:
+    """A sentence on what the exact solver proved: that no schedule meets the budget, or,
+    its solve stopped at its time limit below the floor it named, that one it did not find
+    may; nothing where it proved nothing, or the floor named already meets the budget."""
+    if bound is None or floor is None or bound <= 0 or floor <= budget_bytes:
+        return ""
+    below = f"{format_bytes(bound, 'MiB')} ({bound / max(eager_peak_bytes, 1):.2f}x eager)"
+    if bound > budget_bytes:
+        return f" No recompute schedule meets this budget: the exact solver proved none peaks below {below}."
+    return (f" The exact solver stopped at its time limit having proved only that no schedule peaks below "
+            f"{below}: one it did not find may meet this budget.")

@@ -109,7 +109,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                 raise unreachable(graph, budget_bytes,
                                   [*tried, program.smallest(), *([searched] if searched else []),
                                    *([lowest] if lowest else [])],
-                                  None if floor is None else floor.peak_bytes)
+                                  *((floor.peak_bytes, floor.lower_bound_bytes) if floor else ()))
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     if kept_first is None:  # not filled yet (a search toward the floor may have added plans)
         built = _to_fill(graph, program, tried, budget_bytes)

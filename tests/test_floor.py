@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from passes.budget import BudgetError
+from passes.budget import BudgetError, unreachable
 from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
 from passes.exact import floor_plan
@@ -17,6 +17,8 @@ from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak
 from scripts.planner_gap import random_cost_graph
 from tests.test_exact_extras import _small_unet
+
+pytestmark = pytest.mark.full_solver_time  # floors are what the solver finds in its time
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -59,6 +61,35 @@ def test_plans_reach_the_true_floor_of_a_graph_they_missed() -> None:
         fit_budget(graph, int(floor.peak_bytes) - 1)
     assert raised.value.smallest_peak_bytes == raised.value.true_floor_bytes
     assert "true floor" not in str(raised.value)
+    assert raised.value.floor_proven, "a 10-op graph's floor is proven in well under its 5 s"
+    assert "No recompute schedule meets this budget: the exact solver proved none peaks below" in str(raised.value)
+
+
+NONE_MEETS = "No recompute schedule meets this budget: the exact solver proved none peaks below"
+MAY_MEET = "stopped at its time limit having proved only that no schedule peaks below"
+
+
+@pytest.mark.parametrize(("bound", "budget", "says"), [
+    (900, 800, NONE_MEETS),
+    (700, 800, MAY_MEET),
+    (1000, 800, NONE_MEETS),  # proven: the bound is the floor
+    (None, 800, None),
+    (0, 800, None),  # a bound of nothing proves nothing
+    (700, 1000, None),  # the floor named meets the budget already (graphckpt's plans do not)
+])
+def test_a_refusal_says_what_the_solver_proved_of_the_floor(bound: int | None, budget: int, says: str | None) -> None:
+    """The floor named (a schedule found at 1000 B) comes with what its solve proved: the
+    budget out of reach of every schedule, or a longer solve might still meet it."""
+    graph = random_cost_graph(random.Random(0), 8)
+    plan = fit_budget(graph, eager_peak(graph), exact_seconds=0)
+    error = unreachable(graph, budget, [plan], 1000.0, bound)
+    assert error.floor_proven == (bound == 1000)
+    assert error.floor_bound_bytes == bound
+    if says is None:
+        assert "exact solver" not in str(error)
+    else:
+        assert f"{says} 0.00 MiB ({bound / plan.eager_peak_bytes:.2f}x eager)" in str(error), str(error)
+        assert (MAY_MEET in str(error)) == (says == MAY_MEET)
 
 
 def test_no_true_floor_on_large_graphs() -> None:
