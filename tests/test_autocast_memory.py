@@ -134,6 +134,7 @@ def test_a_pointwise_op_mixing_float_widths_is_simulated_with_its_promoted_copy(
     assert abs(measured / simulated - 1) <= MEASURE_TOLERANCE, (measured, simulated)
 
 
+@pytest.mark.full_solver_time  # a schedule the solver must find in its 20 s
 def test_an_exact_schedule_under_autocast_holds_its_simulated_peak() -> None:
     """An exact schedule's steps (and every remake) run with autocast's cache off: with it
     on, each weight cast a step made stayed to the step's end beside what it made again

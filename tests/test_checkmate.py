@@ -19,6 +19,8 @@ from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
 from passes.training_graph import no_recompute_peak, peak_moment, stage_peaks, training_graph
 
+pytestmark = pytest.mark.full_solver_time  # the MILP's answers: proofs of least recompute, monotone in the budget
+
 UNIT = 10
 
 

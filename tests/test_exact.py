@@ -27,6 +27,8 @@ from passes.simulate import eager_peak
 from tests.equivalence import assert_trains_like_twice, fresh_pair
 from tests.test_checkmate import assert_valid_schedule, small_cost_graphs
 
+pytestmark = pytest.mark.full_solver_time  # what the exact solver's schedules recompute and that they are found
+
 MEASURE_TOLERANCE = 0.03  # measured peak within 3% of the simulated one (the bar)
 
 

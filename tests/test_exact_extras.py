@@ -29,6 +29,8 @@ from passes.training_graph import training_graph
 from tests.equivalence import assert_trains_like_twice, fresh_pair
 from tests.test_exact import assert_peak_as_simulated
 
+pytestmark = pytest.mark.full_solver_time  # schedules the solver must find: extras made again or held
+
 UNET_SIZE = {"base": 4, "levels": 1, "batch": 16}  # scripts/planner_gap.py's ZOO_SIZES["unet"]
 
 
