@@ -378,6 +378,7 @@ def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
     _check_same_step(spec, "exact", None, exact=True)
 
 
+@pytest.mark.full_solver_time  # its exact schedules: as many as 2 s a solve finds (a few seconds in all)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=model_specs(), segments=SEGMENT_COUNTS)
 @example(spec=INPLACE_CHAIN, segments=[None, None, None, None, None])
@@ -390,6 +391,7 @@ def test_rewrite_trains_like_eager(spec: ModelSpec, segments: list[int | None]) 
 
 
 @pytest.mark.slow
+@pytest.mark.full_solver_time
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=model_specs(max_steps=24), segments=SEGMENT_COUNTS)
 def test_rewrite_trains_like_eager_many_models(spec: ModelSpec, segments: list[int | None]) -> None:
