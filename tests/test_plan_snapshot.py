@@ -13,6 +13,7 @@ from tests.plan_snapshot import SNAPSHOT, graph_from_data, plans_of
 ENTRIES = json.loads(SNAPSHOT.read_text())
 
 
+@pytest.mark.full_solver_time  # ResNet's `optimal` is an exact schedule: a shorter solve may not find it
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_zoo_plans_unchanged(name):
     entry = ENTRIES[name]
