@@ -15,8 +15,9 @@ from graphckpt import op_dedup
 from graphckpt.capture import capture
 from graphckpt.costs import build_cost_graph, prepare
 from graphckpt.inplace import view_parents
-from graphckpt.op_keys import reads_training
+from graphckpt.op_keys import module_signature, reads_training
 from graphckpt.profile import fake_copy, node_costs
+from graphckpt.torch_compat import FakeTensor
 from tests.plan_snapshot import plans_of
 
 ZOO_NAMES = ["mlp", "resnet", "gpt", "unet", "densenet"]
@@ -158,7 +159,7 @@ def test_repeats_are_ghosts_and_the_real_model_keeps_its_tensors() -> None:
     assert costs == node_costs(gm, (x,), fake=fake_copy(gm))
     assert len(lazy.fakes) < len(params)  # only representatives' parameters were faked
     assert {name: p for name, p in model.named_parameters()} == params
-    assert all(not isinstance(p, op_dedup.FakeTensor) for p in gm.parameters())
+    assert all(not isinstance(p, FakeTensor) for p in gm.parameters())
 
 
 def test_dedup_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,7 +170,7 @@ def test_dedup_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_module_signature_tells_configurations_apart() -> None:
-    signature = op_dedup.module_signature
+    signature = module_signature
     assert signature(nn.Linear(4, 4)) == signature(nn.Linear(4, 4))
     assert signature(nn.Linear(4, 4)) != signature(nn.Linear(4, 4, bias=False))
     assert signature(nn.Dropout(0.1)) != signature(nn.Dropout(0.2))
@@ -291,8 +292,8 @@ def test_exported_hugging_face_models_cost_the_same_with_dedup_mostly_in_one_run
     original = op_dedup._deduplicated_run
     monkeypatch.setattr(op_dedup, "_deduplicated_run", lambda *a, **k: runs.append(k["training"]) or original(*a, **k))
     views: list[str] = []
-    view_ghost = op_dedup._DedupInterpreter._view_ghost
-    monkeypatch.setattr(op_dedup._DedupInterpreter, "_view_ghost",
+    view_ghost = op_dedup.DedupInterpreter._view_ghost
+    monkeypatch.setattr(op_dedup.DedupInterpreter, "_view_ghost",
                         lambda self, node, *a: views.append(node.name) or view_ghost(self, node, *a))
     assert op_dedup.profile_costs(gm, (), inputs) == node_costs(gm, (), inputs)
     assert views and runs == ([True, True] if family == "t5" else [True])
