@@ -93,7 +93,7 @@ class CheckmateResult:
     recompute_lower_bound: float = 0.0  # proven: no schedule under the budget recomputes less
 
 
-def _build(training: TrainingGraph, budget: float) -> Milp:
+def build_milp(training: TrainingGraph, budget: float) -> Milp:
     """The variables and constraints above; memory in units of the largest node size."""
     T, readers, last, home = training.size, training.readers(), last_use(training), training.home
     unit = max(max(training.mem, default=0), 1)
@@ -170,7 +170,7 @@ def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]
             model.row([(("S", t, i), 1.0), *used], inf, 0.0)
 
 
-def _pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph, extras: bool = True) -> None:
+def pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph, extras: bool = True) -> None:
     """Restrict ``model`` to schedules :mod:`passes.exact` can run (see the module's docstring):
     a hooked stage may make a pure op's value again, and its extra with it (the runtime runs
     that op with autograd on and keeps what it saves beyond values; not with ``extras``
@@ -206,7 +206,7 @@ def remakeable_extras(graph: nx.DiGraph) -> frozenset[str]:
     return frozenset(name for name in pure_ops(graph) if graph.nodes[name]["saved_extra_bytes"])
 
 
-def _matrix(model: Milp, x: np.ndarray, name: str, T: int) -> Matrix:
+def matrix_of(model: Milp, x: np.ndarray, name: str, T: int) -> Matrix:
     """Rounded 0/1 values of the ``R`` or ``S`` variables as a ``T x T`` matrix."""
     def value(t: int, i: int) -> int:
         column = model.columns.get((name, t, i))
@@ -214,7 +214,7 @@ def _matrix(model: Milp, x: np.ndarray, name: str, T: int) -> Matrix:
     return tuple(tuple(value(t, i) for i in range(T)) for t in range(T))
 
 
-def _recompute_cost(model: Milp, training: TrainingGraph, tie_break: bool = False) -> np.ndarray:
+def recompute_objective(model: Milp, training: TrainingGraph, tie_break: bool = False) -> np.ndarray:
     """The objective: each forward op's FLOPs per run, over their common divisor; with
     ``tie_break``, plus its bytes scaled so that all of them weigh less than half a unit: of
     schedules recomputing the same FLOPs, one writing less (FLOPs-free ops such as ``cat``
@@ -238,8 +238,8 @@ def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float =
     if len(op_nodes(graph)) > MAX_OPS:
         raise ValueError(f"relaxed_holds: {len(op_nodes(graph))} op nodes, more than {MAX_OPS}")
     training = training_graph(graph)
-    model = _build(training, budget_bytes)
-    solution = model.solve(_recompute_cost(model, training), time_limit, relaxed=True)
+    model = build_milp(training, budget_bytes)
+    solution = model.solve(recompute_objective(model, training), time_limit, relaxed=True)
     if solution.status != "optimal" or solution.x is None:
         return None
     first = training.n_forward
@@ -266,10 +266,10 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     if budget_bytes < 0:
         return None
     training = training_graph(graph)
-    model = _build(training, budget_bytes)
+    model = build_milp(training, budget_bytes)
     if executable:
-        _pin_executable(model, training, graph, extras)
-    cost = _recompute_cost(model, training, tie_break=executable)
+        pin_executable(model, training, graph, extras)
+    cost = recompute_objective(model, training, tie_break=executable)
     divisor = math.gcd(*training.flops) or 1
     forward = sum(training.flops[: training.n_forward])
     cutoff = None if beat is None else (beat + forward) / divisor - 0.5  # FLOPs are whole multiples of the
@@ -283,7 +283,7 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
         raise SolveTimeout(f"checkmate_schedule: no schedule found within {time_limit}s ({solution.status})",
                            proven if beat is None else min(proven, beat))
     T = training.size
-    R, S = _matrix(model, solution.x, "R", T), _matrix(model, solution.x, "S", T)
+    R, S = matrix_of(model, solution.x, "R", T), matrix_of(model, solution.x, "S", T)
     total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
     if beat is not None and total - forward >= beat:  # HiGHS prunes by the cutoff, but may still answer
         return None  # with a schedule above it found before (and call it optimal)

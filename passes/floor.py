@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from passes.checkmate import _build, _matrix, _pin_executable, _recompute_cost, recompute_temporaries
+from passes.checkmate import build_milp, matrix_of, pin_executable, recompute_objective, recompute_temporaries
 from passes.graph_facts import op_nodes
 from passes.highs import Milp
 from passes.training_graph import Matrix, TrainingGraph, no_recompute_peak, training_graph
@@ -69,9 +69,9 @@ def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
         return None
     training = training_graph(graph)
     ceiling = no_recompute_peak(graph)  # every schedule fits under eager's own peak
-    model = _build(training, ceiling)
+    model = build_milp(training, ceiling)
     if executable:
-        _pin_executable(model, training, graph)
+        pin_executable(model, training, graph)
     recompute = _least_recompute_among_least_peaks(model, training) if executable else np.zeros(len(model.bounds))
     unit = max(max(training.mem, default=0), 1)
     memory_columns = [key for key in model.columns if key[0] == "U"]
@@ -89,7 +89,7 @@ def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
     lower = peak if solution.status == "optimal" else min(peak, max(bound, 0.0))
     T = training.size
     return LeastPeak(Floor(peak_bytes=peak, lower_bound_bytes=lower),
-                     _matrix(model, solution.x, "R", T), _matrix(model, solution.x, "S", T))
+                     matrix_of(model, solution.x, "R", T), matrix_of(model, solution.x, "S", T))
 
 
 RECOMPUTE_WEIGHT = 1e-3  # what all recompute may weigh in the executable floor's objective, in units of its peak
@@ -101,6 +101,6 @@ def _least_recompute_among_least_peaks(model: Milp, training: TrainingGraph) -> 
     the solver free to recompute anything that does not raise it). All of it weighs at most
     :data:`RECOMPUTE_WEIGHT` of the unit the peak is counted in, so the peak found is within
     that of the least."""
-    cost = _recompute_cost(model, training)
+    cost = recompute_objective(model, training)
     most = float(cost.sum())  # every R column at 1: more than any schedule recomputes
     return cost * (RECOMPUTE_WEIGHT / max(most, 1.0))

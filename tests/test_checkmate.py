@@ -187,11 +187,11 @@ def test_too_many_ops_is_refused() -> None:
 def test_a_fixed_model_keeps_what_it_fixes() -> None:
     """What the guided solve builds on (:func:`passes.guided_solve.guided_solve`): fixing
     columns at an optimum's values leaves that optimum, in a new model."""
-    from passes.checkmate import _build, _recompute_cost
+    from passes.checkmate import build_milp, recompute_objective
 
     training = training_graph(chain(12))
-    model = _build(training, 6 * UNIT)
-    cost = _recompute_cost(model, training)
+    model = build_milp(training, 6 * UNIT)
+    cost = recompute_objective(model, training)
     best = model.solve(cost, 20)
     assert best.status == "optimal" and best.x is not None
     assert float(cost @ best.x) == pytest.approx(best.objective)  # the solution read back is the one reported
@@ -203,12 +203,12 @@ def test_a_fixed_model_keeps_what_it_fixes() -> None:
 def test_the_freed_neighbourhoods_fix_at_zero_only_what_the_relaxation_barely_holds() -> None:
     """The smaller sub-MIPs of the guided solve fix each ``S`` the LP relaxation holds at most
     a threshold at 0 and leave the others free, smallest sub-MIP (most fixed) first."""
-    from passes.checkmate import _build, _recompute_cost
+    from passes.checkmate import build_milp, recompute_objective
     from passes.guided_solve import FREED_AT, freed_neighbourhoods
 
     training = training_graph(chain(12))
-    model = _build(training, 4 * UNIT)
-    relaxation = model.solve(_recompute_cost(model, training), 20, relaxed=True)
+    model = build_milp(training, 4 * UNIT)
+    relaxation = model.solve(recompute_objective(model, training), 20, relaxed=True)
     S = [column for key, column in model.columns.items() if key[0] == "S"]
     held = {column: relaxation.x[column] for column in S}
     assert any(0.1 < share < 0.9 for share in held.values())  # a fractional relaxation: the case they are for
@@ -222,12 +222,12 @@ def test_the_freed_neighbourhoods_fix_at_zero_only_what_the_relaxation_barely_ho
 @pytest.mark.parametrize("graph, budget", [(chain(10), 55), (chain(12), 65), (chain(12), 78), (diamond_with_skip(), 68)])
 def test_the_guided_solve_proves_the_plain_solves_optimum(graph: nx.DiGraph, budget: int) -> None:
     """Starting from sub-MIPs changes how fast a schedule is found, never which is least."""
-    from passes.checkmate import _build, _recompute_cost
+    from passes.checkmate import build_milp, recompute_objective
     from passes.guided_solve import guided_solve
 
     training = training_graph(graph)
-    model = _build(training, budget)
-    cost = _recompute_cost(model, training)
+    model = build_milp(training, budget)
+    cost = recompute_objective(model, training)
     plain, guided = model.solve(cost, 30), guided_solve(model, cost, 30, None)
     assert plain.status == guided.status == "optimal"
     assert guided.objective == pytest.approx(plain.objective)

@@ -1,6 +1,6 @@
 """Exact schedules that make an op's *extra* again (what it saves for backward that is no
 value of the graph: max-pool's indices): the solver may make it at a hooked stage with its
-pure op (:func:`passes.checkmate._pin_executable`), the schedule says so
+pure op (:func:`passes.checkmate.pin_executable`), the schedule says so
 (``Schedule.dropped_extras``, ``ScheduleStep.extras``), and the runtime runs that op with
 autograd on to hold what it saves (:func:`graphckpt.exact.with_autograd_for_saved_extras`).
 Apart from :mod:`tests.test_exact` to keep each module short."""
@@ -18,7 +18,7 @@ from graphckpt.api import Analysis, analyze, generate_rewrite
 from graphckpt.tools import zoo
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
-from passes.checkmate import _build, _pin_executable, _recompute_cost, checkmate_schedule
+from passes.checkmate import build_milp, checkmate_schedule, pin_executable, recompute_objective
 from passes.exact import exact_plan, schedule_of, scheduled_segment
 from passes.keeps import ranked_keeps
 from passes.plan import plan_of_segments
@@ -56,12 +56,12 @@ def _status_holding_extras(graph: nx.DiGraph, budget: float) -> str:
     """The executable MILP's status with every extra held from forward, as before extras
     could be made again (``R[t, extra] = 0`` but at its op's home stage)."""
     training = training_graph(graph)
-    model = _build(training, budget)
-    _pin_executable(model, training, graph)
+    model = build_milp(training, budget)
+    pin_executable(model, training, graph)
     for (kind, t, i, *_), column in model.columns.items():
         if kind == "R" and training.role(i) == "extra" and t != training.home[i]:
             model.bounds[column] = (0.0, 0.0, model.bounds[column][2])
-    return model.solve(_recompute_cost(model, training), 10).status
+    return model.solve(recompute_objective(model, training), 10).status
 
 
 def test_an_exact_schedule_makes_an_extra_again_where_holding_it_does_not_fit() -> None:
