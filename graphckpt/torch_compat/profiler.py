@@ -112,8 +112,26 @@ def memory_timeline_allocations(prof: torch.profiler.profile,
     if sys.version_info >= (3, 12):  # None is immortal there (PEP 683): nothing to give back
         return _timeline_events(prof, device)
     before = sys.getrefcount(None)
-    events = _timeline_events(prof, device)
-    gc.collect()  # the profile's own cycles hold some of those Nones until they are collected
+    with _collecting_only_new_objects():
+        events = _timeline_events(prof, device)
+        gc.collect()  # the profile's own cycles hold some of those Nones until they are collected
     held = sum(key is None for key, _ in events)
     _NONE_BALLAST.extend([None] * (max(before - sys.getrefcount(None) + held, 0) + 8))  # and a margin
     return events
+
+
+@contextlib.contextmanager
+def _collecting_only_new_objects():
+    """Within it, a ``gc.collect()`` scans only the objects made inside it: every older one
+    is frozen (``gc.freeze``) and thawed on the way out. The memory timeline's cycles are all
+    new; a full collection in a test process or a benchmark took 0.25-0.3 s a measurement,
+    more than reading the timeline (stop 66). Where the process froze objects itself
+    (``gc.get_freeze_count()``), nothing is frozen here: thawing would thaw its objects too."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
