@@ -20,13 +20,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 QUICK_SOLVE_SECONDS = 1.0
-"""The most seconds one HiGHS solve may take in a test not marked ``full_solver_time``.
+"""The most seconds one HiGHS solve, or one guided solve of the recompute MILP (its LP
+relaxation and sub-MIPs together: :func:`passes.guided_solve.guided_solve`), may take in a
+test not marked ``full_solver_time``.
 
 A budget plan of a graph of up to 40 ops asks the exact solver for up to 5 s a solve, and a
 refused budget solves twice more for its floors; most tests check what any plan must do
 (fit, train like eager, hold its simulated peak), whatever schedule the solver found in its
 time. Capping their solves keeps every solver path running in less of the suite's time
-(about 600 of its 2000 test-seconds were HiGHS's, stop 65); tests of what the solver finds
+(about 600 of its 2000 test-seconds were HiGHS's, stop 65; capped a solve at a time, a
+guided solve of six still took 6 s: ResNet's plan in the zoo tests, stop 66); tests of what the solver finds
 (a schedule it proves least, a floor it names) carry the marker and get the product's limits."""
 
 
@@ -35,11 +38,16 @@ def quick_solver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """Every solve capped at :data:`QUICK_SOLVE_SECONDS` unless the test is marked."""
     if request.node.get_closest_marker("full_solver_time") is not None:
         return
+    import passes.checkmate
     from passes.highs import Milp
 
-    solve = Milp.solve
+    solve, guided = Milp.solve, passes.checkmate.guided_solve
 
     def capped(self: Milp, cost, time_limit: float, *args, **kwargs):
         return solve(self, cost, min(time_limit, QUICK_SOLVE_SECONDS), *args, **kwargs)
 
+    def guided_capped(model: Milp, cost, time_limit: float, *args, **kwargs):
+        return guided(model, cost, min(time_limit, QUICK_SOLVE_SECONDS), *args, **kwargs)
+
     monkeypatch.setattr(Milp, "solve", capped)
+    monkeypatch.setattr(passes.checkmate, "guided_solve", guided_capped)

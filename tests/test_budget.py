@@ -20,6 +20,7 @@ from passes.plan import Plan, simulated
 from passes.simulate import eager_peak
 from tests.equivalence import assert_trains_like, fresh_pair
 from tests.test_optimal import graphs_with_matmuls
+from tests.thorough import examples
 
 
 @pytest.mark.parametrize(("budget", "expected"), [
@@ -50,7 +51,7 @@ def chain(ops: int, sizes: list[int]) -> nx.DiGraph:
     return graph
 
 
-@settings(max_examples=15, deadline=None)  # ~3 s an example (a refusal or a tight chain solves the exact MILP)
+@settings(max_examples=examples(15), deadline=None)  # ~3 s an example (a refusal or a tight chain solves the exact MILP)
 @given(ops=st.integers(2, 40), sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=5),
        fraction=st.floats(0.05, 1.0))
 def test_fitted_plan_fits_and_recomputes_least(ops: int, sizes: list[int], fraction: float) -> None:
@@ -77,7 +78,7 @@ def test_forward_floor_is_a_lower_bound_on_the_simulated_peak(graph) -> None:
         assert forward_floor(graph, candidate.segments) <= simulated(graph, candidate).peak_bytes, candidate.strategy
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(graphs_with_matmuls(max_ops=12), st.floats(0.05, 1.0))
 def test_lazy_search_finds_what_simulating_every_candidate_finds(graph, fraction: float) -> None:
     """Simulating only candidates that could win picks a plan as cheap as the exhaustive

@@ -18,6 +18,7 @@ from passes.graph_facts import op_nodes
 from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
 from passes.training_graph import no_recompute_peak, peak_moment, stage_peaks, training_graph
+from tests.thorough import examples
 
 pytestmark = pytest.mark.full_solver_time  # the MILP's answers: proofs of least recompute, monotone in the budget
 
@@ -315,7 +316,7 @@ def check_strategies(graph: nx.DiGraph, segments: int | None) -> None:
 
 
 FEW = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-MANY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FRACTIONS = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3)
 SEGMENTS = st.sampled_from([None, 2, 3])
 

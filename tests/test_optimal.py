@@ -30,6 +30,7 @@ from passes.simulate import eager_peak
 from passes.strategies import choose_plan
 from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair, zoo_pair
 from tests.test_passes_properties import SETTINGS, cost_graphs
+from tests.thorough import examples
 
 BRUTE_FORCE_SLOTS = 40
 
@@ -131,7 +132,7 @@ def test_a_budget_plans_from_part_of_the_table() -> None:
 
 # --- plans judged by the simulator ---------------------------------------------------------
 
-FEWER = settings(SETTINGS, max_examples=30)  # fit_budget: ~1.4 s an example
+FEWER = settings(SETTINGS, max_examples=examples(30))  # fit_budget: ~1.4 s an example
 
 
 @FEWER

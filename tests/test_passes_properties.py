@@ -34,6 +34,7 @@ from passes.segments import make_segments, segment_edges, validate_plan
 from passes.sim_memory import LimitExceeded
 from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES, choose_plan
+from tests.thorough import examples
 
 
 class CostGraph(nx.DiGraph):
@@ -51,7 +52,7 @@ class CostGraph(nx.DiGraph):
         return "\n".join(lines)
 
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _mostly_true(draw, one_in: int) -> bool:
@@ -145,7 +146,7 @@ def test_every_strategy_gives_a_valid_plan(strategy: str, graph: nx.DiGraph, seg
     assert_valid_plan(graph, strategy, segments)
 
 
-@settings(SETTINGS, max_examples=20)  # 1-3 s an example, up to 6 s (its dynamic program, and the exact solver's
+@settings(SETTINGS, max_examples=examples(20))  # 1-3 s an example, up to 6 s (its dynamic program, and the exact solver's
 # two solves on a graph with an extra: passes.exact), the others' 0.05 s
 @given(graph=cost_graphs(), segments=st.sampled_from([None, 1, 2, 3, 5]))
 @example(graph=unrecomputable_op_reading_an_uncuttable_value(), segments=2)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphckpt
+from tests.thorough import examples
 
 WIDTH, BATCH = 8, 4
 STRATEGY_NAMES = ("sqrt", "articulation", "mincut", "auto", "optimal")
@@ -379,7 +380,7 @@ def _check_every_strategy(spec: ModelSpec, segments: list[int | None]) -> None:
 
 
 @pytest.mark.full_solver_time  # its exact schedules: as many as 2 s a solve finds (a few seconds in all)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=model_specs(), segments=SEGMENT_COUNTS)
 @example(spec=INPLACE_CHAIN, segments=[None, None, None, None, None])
 @example(spec=DROPOUT_ORDER, segments=[2, 2, 2, 2, None])

@@ -35,6 +35,7 @@ from passes.recompute import recompute_steps, recomputed_nodes
 from passes.segments import Segment, make_segments, nested
 from tests.device import DEVICE
 from tests.equivalence import assert_trains_like
+from tests.thorough import examples
 
 DEPTH, WIDTH = 16, 128  # 16 x (Linear + GELU): ops layers_0 (Linear) .. layers_31 (GELU)
 
@@ -234,7 +235,7 @@ class _Residual(torch.nn.Module):
         return x + self.linear(x)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(sorted(OPS)), min_size=10, max_size=20), st.floats(0.45, 0.95))
 # Draws that found rematerializing plans peaking above their simulation: a source kept inside
 # a selective segment and not returned by it (1.27x), sources kept alive by a selective call (1.14x);
