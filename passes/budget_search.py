@@ -100,15 +100,16 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                 if exact is not None:
                     return _chosen(exact, budget_bytes, flat, tried, "the exact solver's schedule (passes.exact)")
                 # the floor of the widest plans: named if the refusal stands, the plan if it fits (the
-                # solve for the least recompute may have found no schedule in its time)
-                lowest = floor_plan(graph, exact_seconds)
+                # solve for the least recompute may have found no schedule in its time); both floor
+                # solves look only below the smallest peak of the plans in hand
+                planned = [*tried, program.smallest(), *([searched] if searched else [])]
+                lowest = floor_plan(graph, exact_seconds, below=min(p.peak_bytes for p in planned))
                 if lowest is not None and lowest.peak_bytes <= budget_bytes:
                     return _chosen(lowest, budget_bytes, flat, tried, "the exact solver's schedule of least peak "
                                    "(passes.exact.floor_plan)")
-                floor = true_floor(graph)
-                raise unreachable(graph, budget_bytes,
-                                  [*tried, program.smallest(), *([searched] if searched else []),
-                                   *([lowest] if lowest else [])],
+                planned += [lowest] if lowest else []
+                floor = true_floor(graph, below=min(p.peak_bytes for p in planned))
+                raise unreachable(graph, budget_bytes, planned,
                                   *((floor.peak_bytes, floor.lower_bound_bytes) if floor else ()))
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)
     if kept_first is None:  # not filled yet (a search toward the floor may have added plans)

@@ -55,17 +55,18 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     return _schedule_plan(graph, schedule, "the least recompute")
 
 
-def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT) -> Plan | None:
+def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT, below: float | None = None) -> Plan | None:
     """The plan running the executable schedule of least peak found in ``time_limit``
     seconds (of those, the one recomputing least): the floor of graphckpt's plans where the
     other strategies' plans stop above it, which a refused budget names; ``None`` where
     :func:`exact_plan` makes none (``time_limit`` 0, a graph too large or without hooks) or
-    the solve found none in time. Its peak is the schedule's as the runtime runs it, at or
-    above the solver's."""
+    the solve found none in time (with ``below``, the peak of a plan in hand: none peaking
+    less, :func:`passes.floor.least_peak_schedule`). Its peak is the schedule's as the
+    runtime runs it, at or above the solver's."""
     if not _solvable(graph, time_limit):
         return None
-    found = least_peak_schedule(graph, time_limit, executable=True)
-    if found is None:
+    found = least_peak_schedule(graph, time_limit, executable=True, below=below)
+    if found is None or found.R is None or found.S is None:
         return None
     schedule = schedule_of(graph, training_graph(graph), found.R, found.S, optimal=found.floor.proven)
     return _schedule_plan(graph, schedule, "the least peak")

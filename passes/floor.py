@@ -14,6 +14,7 @@ there gives the smallest peak it found and the bound it proved.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import networkx as nx
@@ -41,30 +42,39 @@ class Floor:
         return self.peak_bytes - self.lower_bound_bytes < 1
 
 
-def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT) -> Floor | None:
+def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT, below: float | None = None) -> Floor | None:
     """The least peak any recompute schedule of ``graph`` reaches in the simulator's model of
     memory, or ``None`` for graphs over :data:`FLOOR_MAX_OPS` ops or a solve that found no
-    schedule in ``time_limit`` seconds."""
-    found = least_peak_schedule(graph, time_limit)
+    schedule in ``time_limit`` seconds and proved nothing. With ``below``, the peak of a plan
+    in hand, only schedules peaking less are sought (:func:`least_peak_schedule`): where
+    none is found, the floor is that plan's peak, with what the solve proved of it."""
+    found = least_peak_schedule(graph, time_limit, below=below)
     return None if found is None else found.floor
 
 
 @dataclass(frozen=True)
 class LeastPeak:
     """The schedule of least peak the solver found (``R``, ``S``, as
-    :class:`passes.checkmate.CheckmateResult` gives them) and its :class:`Floor`."""
+    :class:`passes.checkmate.CheckmateResult` gives them; ``None`` when it found none below
+    the plan in hand) and its :class:`Floor`."""
 
     floor: Floor
-    R: Matrix
-    S: Matrix
+    R: Matrix | None = None
+    S: Matrix | None = None
 
 
 def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
-                        executable: bool = False) -> LeastPeak | None:
+                        executable: bool = False, below: float | None = None) -> LeastPeak | None:
     """The schedule of ``graph`` of least peak found in ``time_limit`` seconds, among every
     recompute schedule or, ``executable``, among those :mod:`passes.exact` runs (the floor
     of graphckpt's widest plans); ``None`` over :data:`FLOOR_MAX_OPS` ops or when the solve
-    found none in time."""
+    found none in time and proved nothing.
+
+    With ``below``, the peak of a plan in hand, the solve looks only for schedules peaking
+    less (a cutoff: :meth:`passes.highs.Milp.solve`) and often proves there is none in a
+    fraction of its time; where it finds none, the answer has no schedule and its floor is
+    ``below``, with the bound the solve proved. On a refused budget the zoo ResNet's two
+    floor solves found nothing below the plans' floor in their 5 s each (stop 66)."""
     if len(op_nodes(graph)) > FLOOR_MAX_OPS:
         return None
     training = training_graph(graph)
@@ -73,6 +83,7 @@ def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
     if executable:
         pin_executable(model, training, graph)
     recompute = _least_recompute_among_least_peaks(model, training) if executable else np.zeros(len(model.bounds))
+    weight = RECOMPUTE_WEIGHT if executable else 0.0  # at most what recompute adds to the objective
     unit = max(max(training.mem, default=0), 1)
     memory_columns = [key for key in model.columns if key[0] == "U"]
     model.var(("P",), 0.0, ceiling / unit, False)
@@ -81,11 +92,15 @@ def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
     for memory, run, extra in recompute_temporaries(training, list(model.columns), unit):
         model.row([(memory, 1.0), (run, extra), (("P",), -1.0)], -np.inf, 0.0)
     cost = np.append(recompute, 1.0)  # P, the last column
-    solution = model.solve(cost, time_limit)
+    solution = model.solve(cost, time_limit, cutoff=None if below is None else below / unit + weight)
+    bound = (float(solution.bound) - weight) * unit  # less what recompute adds
+    peak = math.inf if solution.x is None else float(solution.x[model.columns[("P",)]]) * unit
+    if below is not None and peak >= below:  # none below the plan in hand
+        proven = below if solution.status == "infeasible" else min(max(bound, 0.0), below)
+        return LeastPeak(Floor(peak_bytes=below, lower_bound_bytes=proven)) if math.isfinite(bound) or \
+            solution.status == "infeasible" else None
     if solution.x is None:
         return None
-    peak = float(solution.x[model.columns[("P",)]]) * unit
-    bound = (float(solution.bound) - (RECOMPUTE_WEIGHT if executable else 0.0)) * unit  # less what recompute adds
     lower = peak if solution.status == "optimal" else min(peak, max(bound, 0.0))
     T = training.size
     return LeastPeak(Floor(peak_bytes=peak, lower_bound_bytes=lower),

@@ -12,7 +12,7 @@ from passes.budget import BudgetError, unreachable
 from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
 from passes.exact import floor_plan
-from passes.floor import FLOOR_MAX_OPS, true_floor
+from passes.floor import FLOOR_MAX_OPS, Floor, true_floor
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak
 from scripts.planner_gap import random_cost_graph
@@ -132,3 +132,21 @@ def test_a_budget_the_least_recompute_solve_misses_is_met_by_the_least_peak_sche
     plan = fit_budget(graph, budget)
     assert plan.peak_bytes <= budget and "least peak" in plan.notes[0]
     assert plan.segments[0].schedule is not None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_floor_solves_given_a_plan_in_hand_look_only_below_it(seed: int) -> None:
+    """``below`` (the smallest peak of the plans a refused budget tried) makes both floor
+    solves look only for schedules peaking less: where none does, the true floor named is
+    ``below`` itself, proven (the caller's plan reaches it), and no floor plan is made;
+    above the floor, each is found as without it."""
+    graph = random_cost_graph(random.Random(seed), 10)
+    floor = true_floor(graph, time_limit=20)
+    lowest = floor_plan(graph, time_limit=20)
+    assert floor is not None and floor.proven and lowest is not None
+    under = floor.peak_bytes * (1 - 1e-3)  # below the proven floor: no schedule peaks less
+    assert true_floor(graph, time_limit=20, below=under) == Floor(peak_bytes=under, lower_bound_bytes=under)
+    above = true_floor(graph, time_limit=20, below=floor.peak_bytes * 1.2)
+    assert above is not None and above.proven and above.peak_bytes == pytest.approx(floor.peak_bytes)
+    assert floor_plan(graph, time_limit=20, below=under) is None
+    assert floor_plan(graph, time_limit=20, below=lowest.peak_bytes * 1.2).peak_bytes == lowest.peak_bytes
