@@ -96,9 +96,11 @@ def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
     bound = (float(solution.bound) - weight) * unit  # less what recompute adds
     peak = math.inf if solution.x is None else float(solution.x[model.columns[("P",)]]) * unit
     if below is not None and peak >= below:  # none below the plan in hand
-        proven = below if solution.status == "infeasible" else min(max(bound, 0.0), below)
-        return LeastPeak(Floor(peak_bytes=below, lower_bound_bytes=proven)) if math.isfinite(bound) or \
-            solution.status == "infeasible" else None
+        if solution.status == "infeasible":  # proven: none peaks less
+            return LeastPeak(Floor(peak_bytes=below, lower_bound_bytes=below))
+        if not math.isfinite(bound):
+            return None
+        return LeastPeak(Floor(peak_bytes=below, lower_bound_bytes=min(max(bound, 0.0), below)))
     if solution.x is None:
         return None
     lower = peak if solution.status == "optimal" else min(peak, max(bound, 0.0))

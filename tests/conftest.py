@@ -28,9 +28,10 @@ A budget plan of a graph of up to 40 ops asks the exact solver for up to 5 s a s
 refused budget solves twice more for its floors; most tests check what any plan must do
 (fit, train like eager, hold its simulated peak), whatever schedule the solver found in its
 time. Capping their solves keeps every solver path running in less of the suite's time
-(about 600 of its 2000 test-seconds were HiGHS's, stop 65; capped a solve at a time, a
-guided solve of six still took 6 s: ResNet's plan in the zoo tests, stop 66); tests of what the solver finds
-(a schedule it proves least, a floor it names) carry the marker and get the product's limits."""
+(about 600 of its 2000 test-seconds were HiGHS's, stop 65; capped one solve at a time, a
+guided solve, six solves, still took about 6 s on the zoo ResNet, stop 66); tests of what
+the solver finds (a schedule it proves least, a floor it names) carry the marker and get
+the product's limits."""
 
 
 @pytest.fixture(autouse=True)

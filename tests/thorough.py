@@ -1,10 +1,10 @@
 """How many examples a slow property test draws.
 
 The default run (the README's test command, CI) draws a third of a slow property test's
-full count, at least three, besides its explicit ``@example`` cases: the suite keeps to
-about ten minutes on two cores and every property still runs on fresh random draws each
-time. ``GRAPHCKPT_THOROUGH=1`` draws the full count (as the runs before stop 66 did, about
-four minutes more of two cores). Property tests whose examples take well under a second in
+full count, at least three, besides its explicit ``@example`` cases: the default run keeps
+near ten minutes on two cores (11:33 on the 2-core VM at stop 66, 17:11 before) and every
+property still runs on fresh random draws each time. ``GRAPHCKPT_THOROUGH=1`` draws the
+full count, as the runs before stop 66 did (a few minutes more). Property tests whose examples take well under a second in
 all keep a fixed count. A test of 12 examples draws 4 by default, 12 when thorough.
 """
 
