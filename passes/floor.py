@@ -116,10 +116,10 @@ def _solve_below(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     """``model`` solved for ``cost`` in ``time_limit`` seconds; with ``cutoff`` (the objective
     of a plan in hand), first for :data:`CUTOFF_SHARE` of the time pruned by it (HiGHS often
     proves in a second that nothing is lower: the zoo ResNet's executable floor in 1.3 s
-    where the plain solve ran its 5 s), then, where that found and proved nothing, without
-    it for the rest: pruned for the whole time, a 16-op DAG's executable floor went
-    unfound that the plain solve finds in the same 5 s (stop 66). The answer's bound is
-    the better of what either proved."""
+    where the plain solve ran its 5 s), then, where that proved nothing, without it for the
+    rest: pruned for the whole time, a 16-op DAG's executable floor went unfound that the
+    plain solve finds in the same 5 s (stop 66). The answer is the better schedule of the
+    two solves, its bound the better of what either proved."""
     if cutoff is None:
         return model.solve(cost, time_limit)
     started = time.perf_counter()
