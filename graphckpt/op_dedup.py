@@ -1,19 +1,20 @@
 """Profile each distinct op once: repeated nodes share one fake-tensor measurement.
 
 A stack of identical blocks repeats the same call (same op or module configuration, same
-argument layouts, same aliasing) thousands of times; :mod:`graphckpt.profile` ran every one
-on fake tensors, forward and backward, at about 6 ms a node. Here the first node of each
-kind (its *representative*) is profiled as before, and a later node with the same
-:func:`call_key` becomes a *ghost* (:mod:`graphckpt.ghosts`): a cheap autograd function
-that makes outputs of the representative's layouts and, in backward, gradients for its
-inputs, and takes the representative's figures (names of saved values remapped to its own
-inputs, its own parameters). A call that makes no memory (a view, a reshape that can view,
-a check) is run as it is by its copies instead, unmeasured: half the nodes of an exported
-model. Nothing is guessed silently: after the backward, each ghost's incoming gradient
-layouts and the gradient layouts it handed upstream are checked against what its
-representative got and gave; a difference makes the run start again with the keys that
-differed profiled node by node, and after :data:`RETRIES` runs (or at a node that cannot be
-keyed) the whole profile runs without dedup, so figures are always those of the full run.
+argument layouts, same aliasing) thousands of times; :mod:`graphckpt.profile` ran every
+one on fake tensors, forward and backward, at about 6 ms a node. Here the first node of
+each kind (its *representative*) is profiled as before, and a later node with the same key
+(:meth:`~graphckpt.dedup_interpreter.DedupInterpreter.call_key`) becomes a *ghost*
+(:mod:`graphckpt.ghosts`): a cheap autograd function that makes outputs of the
+representative's layouts and, in backward, gradients for its inputs, and takes the
+representative's figures (names of saved values remapped to its own inputs, its own
+parameters). A call that makes no memory (a view, a reshape that can view, a check) is run
+as it is by its copies instead, unmeasured: half the nodes of an exported model. Nothing
+is guessed silently: after the backward, each ghost's incoming gradient layouts and the
+gradient layouts it handed upstream are checked against what its representative got and
+gave; a difference makes the run start again with the keys that differed profiled node by
+node, and after :data:`RETRIES` runs (or at a node that cannot be keyed) the whole profile
+runs without dedup, so figures are always those of the full run.
 
 Keys are :mod:`graphckpt.op_keys`'s (how a value is used is part of one, so attention's
 key projection, read through a transpose, is not a ghost of its query projection). Off with

@@ -14,6 +14,7 @@ from torch import fx, nn
 from graphckpt import op_dedup
 from graphckpt.capture import capture
 from graphckpt.costs import build_cost_graph, prepare
+from graphckpt.dedup_interpreter import DedupInterpreter
 from graphckpt.inplace import view_parents
 from graphckpt.op_keys import module_signature, reads_training
 from graphckpt.profile import fake_copy, node_costs
@@ -292,8 +293,8 @@ def test_exported_hugging_face_models_cost_the_same_with_dedup_mostly_in_one_run
     original = op_dedup._deduplicated_run
     monkeypatch.setattr(op_dedup, "_deduplicated_run", lambda *a, **k: runs.append(k["training"]) or original(*a, **k))
     views: list[str] = []
-    view_ghost = op_dedup.DedupInterpreter._view_ghost
-    monkeypatch.setattr(op_dedup.DedupInterpreter, "_view_ghost",
+    view_ghost = DedupInterpreter._view_ghost
+    monkeypatch.setattr(DedupInterpreter, "_view_ghost",
                         lambda self, node, *a: views.append(node.name) or view_ghost(self, node, *a))
     assert op_dedup.profile_costs(gm, (), inputs) == node_costs(gm, (), inputs)
     assert views and runs == ([True, True] if family == "t5" else [True])
