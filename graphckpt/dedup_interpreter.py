@@ -261,17 +261,13 @@ class DedupInterpreter(_CostInterpreter):
         differing = self.gradients.differing(self.ghosts)
         if differing:
             raise DedupMismatch(f"ghosts of {sorted(differing)[:3]} got other gradients", differing)
-        shared: dict[str, tuple[int, int]] = {}
         for ghost, representative in self.ghosts.items():
             calls = self.recorder.calls.get(representative)
             if not calls:
                 continue
-            if representative not in shared:
-                scratch = max(KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls)
-                shared[representative] = scratch, self.recorder.backward_peak(representative).bytes
-            scratch, peak = shared[representative]
-            passing = max(0, peak - self._gradient_bytes(self.nodes[ghost]))
-            self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=scratch + passing,
+            scratches = [KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls]
+            extra, _ = self.backward_extra(self.nodes[ghost], representative, scratches)
+            self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=extra,
                                         released_early=self._ghost_released(ghost, representative))
 
     def _ghost_released(self, ghost: str, representative: str) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 from graphckpt.api import cost_model
+from graphckpt.backward_record import RELEASED, Recorder
 from graphckpt.costs import prepare
 from graphckpt.profile import _CostInterpreter, fake_copy, node_costs
 from graphckpt.torch_compat import FakeTensorMode
@@ -154,6 +155,24 @@ def test_the_backward_recorder_is_on_only_while_a_recorded_node_runs() -> None:
     with pytest.raises(RuntimeError, match="no backward"):
         failing.sum().backward()
     assert _get_current_dispatch_mode_stack() == []
+
+
+def test_a_calls_scratch_sits_on_what_is_held_while_it_runs() -> None:
+    """What each backward call's kernel scratch sits on: what the calls before it made and
+    have not freed, net of the saved extras released before it, and its own results; what
+    is freed or released once it returns, not yet. A bf16 linear's backward under autocast
+    as the recorder sees it: two ``mm`` (input and weight gradients in bf16), the saved
+    casts released, then the float32 copies of the gradients, each bf16 one freed after."""
+    recorder = Recorder()
+    grad_input, grad_weight, input_copy, weight_copy = (object() for _ in range(4))
+    recorder.events["linear"] = [(grad_input, 64), (grad_weight, 128), (RELEASED, -64), (RELEASED, -128),
+                                 (input_copy, 128), (grad_input, 0), (weight_copy, 256), (grad_weight, 0)]
+    recorder.call_starts["linear"] = [0, 1, 4, 6]
+    recorder.ends["linear"] = 8
+    saved_casts = 64 + 128  # made in forward: their release takes the count below where backward started
+    assert recorder.held_after_calls("linear") == [64, 64 + 128, 64 + 128 - saved_casts + 128,
+                                                   128 + 128 - saved_casts + 256]
+    assert recorder.backward_peak("linear").bytes == 128 + 128 - saved_casts + 256
 
 
 def _is_own(thing: object) -> bool:
