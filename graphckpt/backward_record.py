@@ -1,8 +1,9 @@
 """What one node's backward makes, recorded during the profile's fake backward: the ATen
 calls it runs (for :func:`graphckpt.scratch.measure_kernel_scratch` to replay), the storages
 they make and free, and the saved tensors it lets go on the way. From these,
-``backward_extra_bytes`` (the gradients passed from one of its calls to the next) and
-``released_early`` (:meth:`Recorder.backward_peak`).
+``backward_extra_bytes`` (the gradients passed from one of its calls to the next, and what each
+call's kernel scratch sits on: :meth:`Recorder.held_after_calls`) and ``released_early``
+(:meth:`Recorder.backward_peak`).
 """
 
 from __future__ import annotations
@@ -170,9 +171,11 @@ def _running_bytes(events: list[tuple[object, int]]) -> Iterator[int]:
     sizes: dict[object, int] = {}
     current = 0
     for token, nbytes in events:
-        if nbytes == 0 and not isinstance(token, tuple):
+        if isinstance(token, tuple):  # (RELEASED, value)
+            pass
+        elif nbytes == 0:  # a storage freed
             current -= sizes.pop(token, 0)
-        elif not isinstance(token, tuple):
+        else:  # a storage made, or (RELEASED, -bytes) a saved extra released
             if token is not RELEASED:
                 sizes[token] = nbytes
             current += nbytes
