@@ -142,6 +142,12 @@ class Recorder(TorchDispatchMode):
                 peak, before = current, tuple(released)
         return BackwardPeak(peak, before)
 
+    def allocates(self, owner: str) -> bool:
+        """Whether ``owner``'s backward made any new storage (a result that is not one of its
+        call's inputs): ``add``'s backward passing its gradient through makes none."""
+        return any(nbytes > 0 and token is not RELEASED and not isinstance(token, tuple)
+                   for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)])
+
     def held_after_calls(self, owner: str) -> list[int]:
         """Bytes ``owner``'s backward holds (counted as :meth:`backward_peak` counts them)
         while each of its calls runs, call by call: what was made before it and not freed,

@@ -268,7 +268,8 @@ class DedupInterpreter(_CostInterpreter):
             scratches = [KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls]
             extra, _ = self.backward_extra(self.nodes[ghost], representative, scratches)
             self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=extra,
-                                        released_early=self._ghost_released(ghost, representative))
+                                        released_early=self._ghost_released(ghost, representative),
+                                        backward_allocates=self.recorder.allocates(representative))
 
     def _ghost_released(self, ghost: str, representative: str) -> tuple[str, ...]:
         """The representative's ``released_early``, named by the ghost's own saved values

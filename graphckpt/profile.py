@@ -64,6 +64,7 @@ class NodeCost:
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
     param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
     released_early: tuple[str, ...] = ()  # the cost graph's attribute: saved values let go before backward's peak
+    backward_allocates: bool = False  # the cost graph's attribute: its backward makes a new storage
     eval_alias_of: str | None = None  # owner of the input memory the node returns in eval mode (a Dropout's input)
 
 
@@ -206,7 +207,8 @@ class _CostInterpreter(fx.Interpreter):
         for name, scratches in scratch_by_call(self.recorder.calls).items():
             extra, peak = self.backward_extra(nodes[name], name, scratches)
             self.costs[name] = replace(self.costs[name], backward_extra_bytes=extra,
-                                       released_early=peak.released_before)
+                                       released_early=peak.released_before,
+                                       backward_allocates=self.recorder.allocates(name))
 
     def backward_extra(self, node: fx.Node, owner: str, scratches: list[int]) -> tuple[int, BackwardPeak]:
         """``node``'s ``backward_extra_bytes``, from its backward as the recorder saw it run

@@ -152,6 +152,13 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     scratch ``backward_extra_bytes`` counts (a convolution's input, under autocast, is read
     by ``ConvolutionBackward`` while its scratch lives, and let go before the weight cast's
     backward).
+``backward_allocates``: ``bool`` (default ``False``)
+    Whether the node's backward makes any new storage, as the profile's fake backward saw it:
+    float32's ``add`` passes its gradient through and makes none; under autocast an ``add``
+    of a float32 and a bf16 value casts the bf16 one's gradient. An op ending a recomputed
+    segment that saves nothing runs its backward before the recompute (torch recomputes at
+    the first unpack), and what it makes lives through it: the simulator runs such trailing
+    ops' backward first when one of them allocates (:func:`passes.simulate.trailing_backward`).
 ``forward_extra_bytes``: ``int`` (default 0)
     Bytes the node's forward allocates beyond its value and what it saves, alive at its
     peak and freed before it returns: the temporaries of an op that runs as a chain of
@@ -221,6 +228,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "param_grads": tuple,
     "backward_extra_bytes": int,
     "released_early": tuple,
+    "backward_allocates": bool,
     "forward_extra_bytes": int,
     "autocast_cache_bytes": int,
     "label": str,
@@ -245,6 +253,7 @@ DEFAULTS: Mapping[str, Any] = {
     "param_grads": (),
     "backward_extra_bytes": 0,
     "released_early": (),
+    "backward_allocates": False,
     "forward_extra_bytes": 0,
     "autocast_cache_bytes": 0,
 }
