@@ -183,7 +183,8 @@ def _backward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence
 def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, grads: set[int],
                          cached: bool) -> None:
     """Recompute a segment as far as :func:`recompute_steps` runs it (its children as a plan
-    of their own), then run its backward."""
+    of their own), then run its backward; the backward of the ops :func:`trailing_backward`
+    names runs before the recompute."""
     index = memory.index
     ran, stop = recompute_steps(graph, segment)
     first = trailing_backward(graph, segment)
