@@ -145,8 +145,7 @@ class Recorder(TorchDispatchMode):
     def allocates(self, owner: str) -> bool:
         """Whether ``owner``'s backward made any new storage (a result that is not one of its
         call's inputs): ``add``'s backward passing its gradient through makes none."""
-        return any(nbytes > 0 and token is not RELEASED and not isinstance(token, tuple)
-                   for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)])
+        return any(_made(token, nbytes) for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)])
 
     def held_after_calls(self, owner: str) -> list[int]:
         """Bytes ``owner``'s backward holds (counted as :meth:`backward_peak` counts them)
@@ -164,11 +163,16 @@ class Recorder(TorchDispatchMode):
             end = starts[index + 1] if index + 1 < len(starts) else len(events)
             made = 0
             for token, nbytes in events[start:end]:  # its results come first, then what follows it
-                if isinstance(token, tuple) or token is RELEASED or nbytes == 0:
+                if not _made(token, nbytes):
                     break
                 made += nbytes
             held.append((running[start - 1] if start else 0) + made)
         return held
+
+
+def _made(token: object, nbytes: int) -> bool:
+    """Whether an event is a storage made (not one freed, nor a save released)."""
+    return nbytes > 0 and token is not RELEASED and not isinstance(token, tuple)
 
 
 def _running_bytes(events: list[tuple[object, int]]) -> Iterator[int]:

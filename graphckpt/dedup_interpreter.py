@@ -261,15 +261,20 @@ class DedupInterpreter(_CostInterpreter):
         differing = self.gradients.differing(self.ghosts)
         if differing:
             raise DedupMismatch(f"ghosts of {sorted(differing)[:3]} got other gradients", differing)
+        recorded: dict[str, tuple[int, bool]] = {}  # representative -> (most its backward holds, allocates)
         for ghost, representative in self.ghosts.items():
             calls = self.recorder.calls.get(representative)
             if not calls:
                 continue
-            scratches = [KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls]
-            extra, _ = self.backward_extra(self.nodes[ghost], representative, scratches)
-            self.costs[ghost] = replace(self.costs[ghost], backward_extra_bytes=extra,
+            if representative not in recorded:
+                scratches = [KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls]
+                recorded[representative] = (self.backward_most(representative, scratches)[0],
+                                            self.recorder.allocates(representative))
+            most, allocates = recorded[representative]
+            self.costs[ghost] = replace(self.costs[ghost],
+                                        backward_extra_bytes=max(0, most - self._gradient_bytes(self.nodes[ghost])),
                                         released_early=self._ghost_released(ghost, representative),
-                                        backward_allocates=self.recorder.allocates(representative))
+                                        backward_allocates=allocates)
 
     def _ghost_released(self, ghost: str, representative: str) -> tuple[str, ...]:
         """The representative's ``released_early``, named by the ghost's own saved values

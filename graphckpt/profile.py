@@ -205,24 +205,24 @@ class _CostInterpreter(fx.Interpreter):
         """Each recorded node's ``backward_extra_bytes``, from the backward just run."""
         nodes = {node.name: node for node in self.module.graph.nodes}
         for name, scratches in scratch_by_call(self.recorder.calls).items():
-            extra, peak = self.backward_extra(nodes[name], name, scratches)
-            self.costs[name] = replace(self.costs[name], backward_extra_bytes=extra,
+            most, peak = self.backward_most(name, scratches)
+            self.costs[name] = replace(self.costs[name],
+                                       backward_extra_bytes=max(0, most - self._gradient_bytes(nodes[name])),
                                        released_early=peak.released_before,
                                        backward_allocates=self.recorder.allocates(name))
 
-    def backward_extra(self, node: fx.Node, owner: str, scratches: list[int]) -> tuple[int, BackwardPeak]:
-        """``node``'s ``backward_extra_bytes``, from its backward as the recorder saw it run
-        under ``owner`` (the node itself, or the representative whose backward a ghost's
-        copies) and each of its calls' kernel ``scratches``: the most its backward holds above
-        the gradients the simulator gives it (:meth:`_gradient_bytes`), at the peak of what
-        it makes or while a call's scratch sits on what that call and those before it made;
-        with :meth:`Recorder.backward_peak` taken at the moment of that scratch."""
+    def backward_most(self, owner: str, scratches: list[int]) -> tuple[int, BackwardPeak]:
+        """The most ``owner``'s recorded backward holds, given each of its calls' kernel
+        ``scratches``: at the peak of what it makes, or while a call's scratch sits on what
+        that call and those before it made; with :meth:`Recorder.backward_peak` taken at the
+        moment of that scratch. A node's ``backward_extra_bytes`` is what this is above the
+        gradients the simulator gives it (:meth:`_gradient_bytes`): the node's own, or a
+        ghost's, whose representative ``owner`` is."""
         moments = [held + scratch for held, scratch in
                    zip(self.recorder.held_after_calls(owner), scratches, strict=True)]
         at = max((i for i, scratch in enumerate(scratches) if scratch), key=moments.__getitem__, default=None)
         peak = self.recorder.backward_peak(owner, at)
-        most = max(peak.bytes, moments[at] if at is not None else 0)
-        return max(0, most - self._gradient_bytes(node)), peak
+        return max(peak.bytes, moments[at] if at is not None else 0), peak
 
     def _gradient_bytes(self, node: fx.Node) -> int:
         """Bytes of the gradients the simulator gives ``node``'s backward: one buffer the
