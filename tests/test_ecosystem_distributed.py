@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
+import os
+import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -182,7 +184,11 @@ def worker(rank: int, init_file: str, out_dir: str, scenarios: tuple[str, ...]) 
 
     One thread per process, as torchrun sets it: two ranks of two OpenMP threads each on a
     2-core machine spin against each other and make a step a hundred times slower. A rank
-    killed by a signal prints its Python stack first (``faulthandler``), so a crash says where."""
+    killed by a signal prints its Python stack first (``faulthandler``), so a crash says where.
+
+    Once its results are written the rank leaves with ``os._exit``: CI saw both ranks abort at
+    interpreter teardown ("terminate called without an active exception", no Python frame), a
+    C++ thread still joinable while static objects were destroyed, after every check had run."""
     faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -197,6 +203,9 @@ def worker(rank: int, init_file: str, out_dir: str, scenarios: tuple[str, ...]) 
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(directory: Path, scenarios: tuple[str, ...]) -> dict[str, list[str]]:
