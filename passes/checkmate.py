@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import networkx as nx
@@ -120,22 +120,39 @@ def build_milp(training: TrainingGraph, budget: float) -> Milp:
             else:
                 terms += [(("U", t, previous), -1.0)] + [(("F", t, i, previous), mem[i]) for i in training.frees(previous)]
             moment = training.transient[k] + training.cached[k] + training.run_extra[k] if k == t else 0
+            extra = training.extra_node(k) if k == t else None
+            if extra is not None:  # its extra, when forward drops it, held for a moment all the same
+                terms.append((("R", t, extra), mem[extra]))
+                moment += training.mem[extra]
             held = moment + (training.cache_entering(t) if previous is None else 0)
             model.row(terms, held / unit, held / unit)
             previous = k
-    for memory, run, extra in recompute_temporaries(training, model.columns, unit):
-        model.row([(memory, 1.0), (run, extra)], -math.inf, budget / unit)
+    for terms in recompute_temporaries(training, model.columns, unit):
+        model.row(terms, -math.inf, budget / unit)
     return model
 
 
-def recompute_temporaries(training: TrainingGraph, columns: Iterable[tuple],
-                          unit: float) -> Iterator[tuple[tuple, tuple, float]]:
-    """``(U[t,k], R[t,k], forward_extra_k / unit)`` for each op ``k`` with forward temporaries
-    that stage ``t`` may recompute: the memory after it runs plus those, while it runs, is
-    what the budget (or the floor's peak, :mod:`passes.floor`) must hold."""
+def recompute_temporaries(training: TrainingGraph, columns: Mapping[tuple, int],
+                          unit: float) -> Iterator[list[tuple[tuple, float]]]:
+    """The terms of ``U[t,k]`` plus what op ``k`` holds for a moment while stage ``t`` runs
+    it again, for each op with forward temporaries, casts or an extra: the memory after it
+    runs plus its temporaries, its casts (autocast's cache is off in a step) and its extra
+    when the stage does not make it (made and let go inside the op,
+    :meth:`passes.training_graph.TrainingGraph.extra_node`), is what the budget (or the
+    floor's peak, :mod:`passes.floor`) must hold."""
     for key in columns:
-        if key[0] == "R" and key[1] != key[2] and training.run_extra[key[2]]:
-            yield ("U", *key[1:]), key, training.run_extra[key[2]] / unit
+        if key[0] != "R" or key[1] == key[2]:
+            continue
+        t, k = key[1:]
+        extra = training.extra_node(k)
+        extra_bytes = 0 if extra is None else training.mem[extra]
+        moment = training.run_extra[k] + training.cached[k]  # a step runs with autocast's cache off
+        if not moment and not extra_bytes:
+            continue
+        terms = [(("U", t, k), 1.0), (key, (moment + extra_bytes) / unit)]
+        if extra_bytes and ("R", t, extra) in columns:
+            terms.append((("R", t, extra), -extra_bytes / unit))
+        yield terms
 
 
 def _schedule_rows(model: Milp, training: TrainingGraph, readers: list[list[int]], t: int) -> None:

@@ -89,8 +89,8 @@ def least_peak_schedule(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT,
     model.var(("P",), 0.0, ceiling / unit, False)
     for key in memory_columns:
         model.row([(key, 1.0), (("P",), -1.0)], -np.inf, 0.0)
-    for memory, run, extra in recompute_temporaries(training, list(model.columns), unit):
-        model.row([(memory, 1.0), (run, extra), (("P",), -1.0)], -np.inf, 0.0)
+    for terms in recompute_temporaries(training, model.columns, unit):
+        model.row([*terms, (("P",), -1.0)], -np.inf, 0.0)
     cost = np.append(recompute, 1.0)  # P, the last column
     solution = _solve_below(model, cost, time_limit, None if below is None else below / unit + weight)
     bound = (float(solution.bound) - weight) * unit  # less what recompute adds

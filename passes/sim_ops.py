@@ -61,8 +61,12 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
                 memory.allocate(slot(node, EXTRA), saved_extra[node])
         if caching and cached[node]:
             memory.allocate(slot(node, AUTOCAST_CACHE), cached[node])
-        if forward_extra[node]:
-            memory.touch(forward_extra[node])
+        # Its temporaries, held for a moment; run without saving, what it saves beyond values
+        # too (made inside the op all the same, let go when it returns), and with autocast's
+        # cache off, its casts.
+        moment = forward_extra[node] + (0 if save else saved_extra[node]) + (0 if caching else cached[node])
+        if moment:
+            memory.touch(moment)
         for value in reads[node]:
             if within is None or value in within:
                 memory.release(value, 1, None if keys is None else keys[value])

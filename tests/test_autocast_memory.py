@@ -138,12 +138,15 @@ def test_a_pointwise_op_mixing_float_widths_is_simulated_with_its_promoted_copy(
 def test_an_exact_schedule_under_autocast_holds_its_simulated_peak() -> None:
     """An exact schedule's steps (and every remake) run with autocast's cache off: with it
     on, each weight cast a step made stayed to the step's end beside what it made again
-    (1.15x the simulated peak at 0.8 of eager on these layers)."""
+    (1.15x the simulated peak at 0.8 of eager on these layers). And a step's Linear holds its
+    weight's and input's bf16 casts while it runs, with the cache off and nothing saved: the
+    schedules the solver found at 0.8 measured 1.7% and 5.1% over their simulated peak before
+    (stop 68); counted, no schedule fits 0.8 any more, and 0.85 is solved in seconds."""
     torch.manual_seed(0)
     model, x = SelfAttention(256, dropout=0.0), torch.randn(4, 32, 256)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         analysis = graphckpt.analyze(model, (x,))
-    plan = exact_plan(analysis.cost_graph, int(0.8 * eager_peak(analysis.cost_graph)), time_limit=20)
+    plan = exact_plan(analysis.cost_graph, int(0.85 * eager_peak(analysis.cost_graph)), time_limit=20)
     assert plan is not None and plan.recompute_flops > 0
     rewritten = generate_rewrite(model, Analysis(analysis.captured, analysis.cost_graph, plan))
     assert "exact_0_step_" in rewritten.code

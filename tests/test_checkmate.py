@@ -17,7 +17,13 @@ from passes.costgraph import add_value, check_cost_graph
 from passes.graph_facts import op_nodes
 from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
-from passes.training_graph import no_recompute_peak, peak_moment, stage_peaks, training_graph
+from passes.training_graph import (
+    no_recompute_peak,
+    no_recompute_schedule,
+    peak_moment,
+    stage_peaks,
+    training_graph,
+)
 from tests.thorough import examples
 
 pytestmark = pytest.mark.full_solver_time  # the MILP's answers: proofs of least recompute, monotone in the budget
@@ -90,6 +96,31 @@ def assert_valid_schedule(graph: nx.DiGraph, result: CheckmateResult, budget: fl
     forward = sum(training.flops[: training.n_forward])
     total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
     assert result.recompute_flops == total - forward >= 0
+
+
+def test_an_op_run_again_without_its_extra_holds_it_for_a_moment() -> None:
+    """A step running ``a`` again without its extra (what it saves beyond values) makes the
+    extra all the same and lets it go when ``a`` returns: it is held for a moment with
+    ``a``'s temporaries. Under bf16 autocast a step's Linear casts its weight and input there;
+    an exact schedule measured 5.1% over its simulated peak without them (stop 68)."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=400, requires_grad=False)
+    add_value(graph, "a", kind="op", order=1, bytes=100, reads=["x"], saved_extra_bytes=300, forward_extra_bytes=1000)
+    add_value(graph, "b", kind="op", order=2, bytes=100, reads=["a"], saved=("a",))
+    add_value(graph, "output", kind="output", order=3, bytes=0, reads=["b"])
+    check_cost_graph(graph)
+    training = training_graph(graph)
+    a, stage = training.names.index("a"), training.names.index("backward:b")
+    extra = training.extra_node(a)
+    assert extra is not None and training.mem[extra] == 300
+    R, S = (list(map(list, matrix)) for matrix in no_recompute_schedule(training))
+    for t in range(a + 1, stage + 1):  # a is let go after forward and made again for b's backward
+        S[t][a] = 0
+    R[stage][a] = 1
+    at, moment = peak_moment(training, R, S)
+    assert (training.names[at], training.names[moment.reached]) == ("backward:b", "a")
+    assert moment.temporary == 1000 + 300
+    assert sum(training.mem[i] for i in moment.live) + moment.temporary == moment.peak
 
 
 def test_chain_without_memory_pressure_recomputes_nothing() -> None:
