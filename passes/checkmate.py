@@ -26,7 +26,10 @@ R·m + Σ_i S[t,i]·m_i``, ``U[t,k] = U[t,k'] + R[t,k]·m_k - Σ_i m_i·F[t,i,k'
 previous node that may run in stage ``t``, plus the transient bytes at ``U[t,t]`` (and there
 an op's ``autocast_cache_bytes``, which stay to the end of forward: each forward stage's first
 ``U`` holds those of the ops before it). An op's ``forward_extra_bytes`` are on top whenever it
-runs: at home in ``U[t,t]``, in a recompute ``U[t,k] + R[t,k]·extra_k <= budget``. The paper
+runs: at home in ``U[t,t]``, in a recompute ``U[t,k] + R[t,k]·extra_k <= budget``. So is its
+extra ``e`` where the stage does not make it (made and let go inside the op):
+``m_e·(1 - R[t,e])`` in ``U[t,t]``, ``m_e·(R[t,k] - R[t,e])`` in a recompute's row; and in a
+recompute its ``autocast_cache_bytes`` (a step runs with the cache off). The paper
 bounds a binary ``FREE`` from both sides with a hazard count; here ``F`` is only bounded
 above, one hazard a row: ``F[t,i,k] <= R[t,k]``, ``<= 1 - S[t+1,i]``, ``<= 1 - R[t,j]`` for
 each reader ``j > k`` of ``i``. Freeing less only costs memory, so the optimum is the same

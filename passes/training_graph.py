@@ -5,7 +5,8 @@ The graph (one node per stage; it mirrors :mod:`passes.simulate`, so the schedul
 without recompute peaks at the simulator's eager peak). Forward: the op nodes in ``order``
 (size ``bytes``, 0 for views); an op with ``saved_extra_bytes`` is preceded by an *extra*
 node of that size, made only together with its op and only if wanted (a recomputed segment
-does not save in forward). An op reading a view also reads the view's storage root. Then one
+does not save in forward); an op run without it holds it for a moment all the same
+(:meth:`TrainingGraph.extra_node`). An op reading a view also reads the view's storage root. Then one
 gradient seed per graph output that needs a gradient (size: its storage root's bytes; the
 loss working set ``LOSS_WORKING_SET`` x those bytes is held for a moment; the model's own
 loss's seed and, for a loss computed outside, the loss's scalars are kept to the end). Then, ops in
