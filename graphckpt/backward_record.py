@@ -120,6 +120,10 @@ class Recorder(TorchDispatchMode):
         self.owner = None
         self.__exit__(None, None, None)
 
+    def _events_of(self, owner: str) -> list[tuple[object, int]]:
+        """``owner``'s recorded events up to the end of its backward."""
+        return self.events.get(owner, [])[: self.ends.get(owner, 0)]
+
     def backward_peak(self, owner: str, scratch_call: int | None = None) -> BackwardPeak:
         """Peak bytes ``owner``'s backward holds above what it started with: the results
         of its calls (the gradients it returns, and the intermediate ones passed from one
@@ -133,7 +137,7 @@ class Recorder(TorchDispatchMode):
         peak = 0
         released: list[str] = []
         before: tuple[str, ...] = ()
-        events = self.events.get(owner, [])[: self.ends.get(owner, 0)]
+        events = self._events_of(owner)
         scratch_from = len(events) if scratch_call is None else self.call_starts[owner][scratch_call]
         for position, ((token, _), current) in enumerate(zip(events, _running_bytes(events), strict=True)):
             if isinstance(token, tuple) and position < scratch_from:  # (RELEASED, value): a value's save let go
@@ -145,7 +149,7 @@ class Recorder(TorchDispatchMode):
     def allocates(self, owner: str) -> bool:
         """Whether ``owner``'s backward made any new storage (a result that is not one of its
         call's inputs): ``add``'s backward passing its gradient through makes none."""
-        return any(_made(token, nbytes) for token, nbytes in self.events.get(owner, [])[: self.ends.get(owner, 0)])
+        return any(_made(token, nbytes) for token, nbytes in self._events_of(owner))
 
     def held_after_calls(self, owner: str) -> list[int]:
         """Bytes ``owner``'s backward holds (counted as :meth:`backward_peak` counts them)
@@ -155,7 +159,7 @@ class Recorder(TorchDispatchMode):
         autocast runs before the float32 copy of its weight gradient is made, so its scratch
         never meets that copy (stop 67: scratch laid on the whole gradients over-simulated
         a plan's peak by 5.5% on a CPU whose bf16 ``mm`` allocates scratch)."""
-        events = self.events.get(owner, [])[: self.ends.get(owner, 0)]
+        events = self._events_of(owner)
         starts = self.call_starts.get(owner, [])
         running = list(_running_bytes(events))
         held = []

@@ -67,7 +67,12 @@ class TrainingGraph:
     _extras: tuple[int, ...] = field(init=False, repr=False, compare=False)  # each op's extra node, or -1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "makers", frozenset(h for i, h in enumerate(self.home) if h != i))
+        extras = [-1] * len(self.names)
+        for i, h in enumerate(self.home):
+            if h != i:
+                extras[h] = i
+        object.__setattr__(self, "_extras", tuple(extras))
+        object.__setattr__(self, "makers", frozenset(k for k, extra in enumerate(extras) if extra >= 0))
         object.__setattr__(self, "remade", self.makers | {i for reads in self.fresh for i in reads})
         readers: list[list[int]] = [[] for _ in self.names]
         for k, preds in enumerate(self.preds):
@@ -75,11 +80,6 @@ class TrainingGraph:
                 readers[i].append(k)
         object.__setattr__(self, "_readers", tuple(tuple(r) for r in readers))
         object.__setattr__(self, "_cache_entering", tuple(itertools.accumulate(self.cached[:self.n_forward], initial=0)))
-        extras = [-1] * len(self.names)
-        for i, h in enumerate(self.home):
-            if h != i:
-                extras[h] = i
-        object.__setattr__(self, "_extras", tuple(extras))
 
     @property
     def size(self) -> int:
