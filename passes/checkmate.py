@@ -277,7 +277,7 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
 
     Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`SolveTimeout` (a
     :class:`TimeoutError`) when the time limit passes before any schedule that fits is found.
-    The solve may take up to 28% more than ``time_limit`` (:data:`passes.guided_solve.FREED_AT`).
+    On one CPU the solve may take up to 28% more than ``time_limit`` (:data:`passes.guided_solve.FREED_AT`).
     """
     n_ops = len(op_nodes(graph))
     if n_ops > MAX_OPS:

@@ -1,22 +1,33 @@
 """How the recompute MILP of :mod:`passes.checkmate` is solved within a time limit: from
 starts its LP relaxation points to (sub-MIPs with part of the columns fixed), then whole,
 each solve asked only for schedules recomputing less than the best found. What the MILP
-is, its variables and rows, is :mod:`passes.checkmate`'s; this is only the search."""
+is, its variables and rows, is :mod:`passes.checkmate`'s; this is only the search.
+
+On a machine with two CPUs or more the search runs in two lanes at once (HiGHS lets go of
+Python's lock while it solves): the sub-MIP the relaxation sets whole and then the whole
+MILP in one, the freed neighbourhoods in the other, each telling the other the best it
+found. One lane runs them one after the other."""
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from passes.highs import Milp, Solved
+from passes.highs import Milp, Solved, quiet
 
 FLOPS_PROVEN = 0.49  # objective gap proving a schedule's FLOPs least: they are whole units, the tie-break
 # weighs less than half of one (zoo DenseNets' solves ran to a 10 s limit proving the bytes; now 2.4-9.1 s)
 FREED_AT = ((0.5, 0.08), (0.3, 0.08), (0.1, 0.12))  # (an S the LP relaxation holds at most this is fixed at 0,
 # the share of the time limit it may take on top of it): the smaller sub-MIPs, smallest first (freed_neighbourhoods)
+LANE_FREED_AT = ((0.5, 0.15), (0.3, 0.25), (0.1, 1.0))  # the same in a lane of their own, ending with the time
+# limit: the least fixed of them needs seconds at 0.3 of eager (a 40-op DAG: 2.4 s for a schedule recomputing 33%
+# less than the one found in 0.4 s), which one lane never gives it after the whole-set sub-MIP's 90%
 GUIDED_SHARE = 0.9  # of the time left after the LP relaxation, what the sub-MIP it guides may take: the zoo
 # DenseNet at its tightest planned peak needs 2.5-3 s of it for the schedule a 5 s full MILP never found (at
 # 0.75 of a 5 s limit it found it in 1 of 3 runs, at 0.9 in 3 of 3); the whole MILP rarely improves on it later
@@ -25,39 +36,104 @@ GUIDED_SHARE = 0.9  # of the time left after the LP relaxation, what the sub-MIP
 def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float | None) -> Solved:
     """The MILP solved from starts the LP relaxation points to: the sub-MIP with every ``S``
     the relaxation sets whole (0 or 1) fixed there, for :data:`GUIDED_SHARE` of the time,
-    then smaller sub-MIPs (:func:`freed_neighbourhoods`, up to 28% of ``time_limit`` on
-    top of it: :data:`FREED_AT`), then the whole MILP for the rest, each asked only for
-    schedules recomputing less than the best found.
+    then the whole MILP for the rest; and smaller sub-MIPs (:func:`freed_neighbourhoods`),
+    alongside in a second lane where the machine has a second CPU (:func:`lanes`), else
+    between the two (up to 28% of ``time_limit`` on top: :data:`FREED_AT`). Each solve is
+    asked only for schedules recomputing less than the best found.
 
     At tight budgets HiGHS spends seconds in cuts at the root before it finds any schedule of
     the whole model; the sub-MIP, a fraction of its columns free, finds one in a second or
     two (40-op random DAGs at 0.5 of eager, zoo DenseNet at 0.54), and the whole MILP then
-    improves on it or proves it least. (HiGHS's ``setSolution`` start is not used: after it,
-    ``getSolution`` could return the start while the reported objective was a better
-    schedule's. Giving the whole MILP a first 20% to prove a ``cutoff`` plan optimal, as it
-    often does in under a second, lost the DenseNet schedule and a 40-op DAG's at 0.3 of
-    eager: not done.)"""
-    started = time.perf_counter()
-
-    def left() -> float:
-        return max(time_limit - (time.perf_counter() - started), 0.0)
-
+    improves on it or proves it least. Where the whole-set sub-MIP has no schedule (40-op
+    DAGs at 0.3 of eager) it spends its share learning so, and the freed neighbourhoods find
+    the schedules. (HiGHS's ``setSolution`` start is not used: after it, ``getSolution``
+    could return the start while the reported objective was a better schedule's. Giving the
+    whole MILP a first 20% to prove a ``cutoff`` plan optimal, as it often does in under a
+    second, lost the DenseNet schedule and a 40-op DAG's at 0.3 of eager: not done.)"""
+    deadline = time.perf_counter() + time_limit
     relaxation = model.solve(cost, time_limit, relaxed=True)
     if relaxation.x is None:  # infeasible: so is every schedule
         return relaxation
     if cutoff is not None and relaxation.objective > cutoff:  # its bound proves no schedule beats the cutoff
         return Solved("infeasible", None, math.inf, relaxation.objective)
     S = [column for key, column in model.columns.items() if key[0] == "S"]
-    whole = {column: float(round(value)) for column in S if abs((value := relaxation.x[column]) - round(value)) < 1e-6}
-    best = _better(None, model.fixed(whole).solve(cost, GUIDED_SHARE * left(), cutoff=cutoff, enough=FLOPS_PROVEN))
-    rest = left()  # the whole MILP's, kept for after the smaller sub-MIPs
-    for fixed, share in freed_neighbourhoods(S, relaxation.x):
-        bar = cutoff if best is None else _below(best, cutoff)
-        best = _better(best, model.fixed(fixed).solve(cost, share * time_limit, cutoff=bar, enough=FLOPS_PROVEN))
+    found = Incumbent(cutoff)
+
+    def whole_set() -> None:
+        whole = {c: float(round(value)) for c in S if abs((value := relaxation.x[c]) - round(value)) < 1e-6}
+        found.offer(model.fixed(whole).solve(cost, GUIDED_SHARE * _left(deadline), cutoff=found.bar(),
+                                             enough=FLOPS_PROVEN))
+
+    def freed(shares: tuple[tuple[float, float], ...], until: float) -> None:
+        for fixed, share in freed_neighbourhoods(S, relaxation.x, shares):
+            seconds = min(share * time_limit, _left(until))
+            if seconds <= 0:
+                return
+            found.offer(model.fixed(fixed).solve(cost, seconds, cutoff=found.bar(), enough=FLOPS_PROVEN))
+
+    def whole_model(seconds: float) -> Solved:
+        full = model.solve(cost, seconds, cutoff=found.bar(), enough=FLOPS_PROVEN)
+        found.offer(full)
+        return full
+
+    if lanes() > 1:
+        with quiet():  # once around both lanes: each solve's own is nested in it
+            full = _alongside(lambda: (whole_set(), whole_model(_left(deadline)))[1],
+                              lambda: freed(LANE_FREED_AT, deadline))
+    else:
+        whole_set()
+        rest = _left(deadline)  # the whole MILP's, kept for after the smaller sub-MIPs
+        freed(FREED_AT, math.inf)
+        full = whole_model(rest)
+    return _answer(relaxation, found.best, full)
+
+
+class Incumbent:
+    """The schedule recomputing least that any solve of one guided solve has found, shared
+    by its lanes, and the cutoff the next solve is asked to beat."""
+
+    def __init__(self, cutoff: float | None) -> None:
+        self.cutoff = cutoff
+        self.best: Solved | None = None
+        self._lock = threading.Lock()
+
+    def offer(self, found: Solved) -> None:
+        """Keep ``found`` if it recomputes less than the best so far."""
+        with self._lock:
+            self.best = _better(self.best, found)
+
+    def bar(self) -> float | None:
+        """The cutoff for the next solve: below the best so far (or the caller's cutoff)."""
+        with self._lock:
+            return self.cutoff if self.best is None else _below(self.best, self.cutoff)
+
+
+def lanes() -> int:
+    """How many solves :func:`guided_solve` runs at once: 2 where this process may run on
+    two CPUs or more, else 1."""
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return 2 if len(available) >= 2 else 1
+
+
+def _alongside(first: Callable[[], Solved], second: Callable[[], None]) -> Solved:
+    """``first()``'s answer, ``second()`` run in another thread meanwhile (its error raised)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphckpt-solve") as pool:
+        other = pool.submit(second)
+        answer = first()
+        other.result()
+    return answer
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.perf_counter(), 0.0)
+
+
+def _answer(relaxation: Solved, best: Solved | None, full: Solved) -> Solved:
+    """The guided solve's answer from the best schedule any solve found and the whole
+    MILP's solve, asked to beat what was best when it started: proven least when that
+    solve proved no schedule recomputes less (a later find of another lane recomputes no
+    less than its cutoff, or it would not have proved that)."""
     if best is None:
-        return model.solve(cost, rest, cutoff=cutoff, enough=FLOPS_PROVEN)
-    full = model.solve(cost, rest, cutoff=_below(best, cutoff), enough=FLOPS_PROVEN)
-    if full.x is not None and full.objective < best.objective:  # recomputes less
         return full
     if full.status in ("optimal", "infeasible"):  # proven: no schedule recomputes less than the best found
         return Solved("optimal", best.x, best.objective, best.objective)
@@ -79,17 +155,18 @@ def _below(best: Solved, cutoff: float | None) -> float:
     return better if cutoff is None else min(cutoff, better)
 
 
-def freed_neighbourhoods(S: list[int], relaxed: np.ndarray) -> Iterator[tuple[dict[int, float], float]]:
-    """The smaller sub-MIPs :func:`guided_solve` searches after the one the relaxation sets
+def freed_neighbourhoods(S: list[int], relaxed: np.ndarray,
+                         shares: tuple[tuple[float, float], ...] = FREED_AT) -> Iterator[tuple[dict[int, float], float]]:
+    """The smaller sub-MIPs :func:`guided_solve` searches besides the one the relaxation sets
     whole, as ``(columns fixed, share of the time limit)``: every ``S`` column the relaxation
-    holds at most a threshold of :data:`FREED_AT` fixed at 0 (nothing held that the
-    relaxation barely holds). Where the relaxation is fractional, as at 0.3 of eager, they
-    find schedules the whole-set sub-MIP does not; where it is nearly whole they rarely find
-    a better one and may still run to their limits (40-op DAGs at 0.7 of eager: the same
-    plans, planning 2.0 -> 2.6 s median).
+    holds at most a threshold of ``shares`` (:data:`FREED_AT`, or :data:`LANE_FREED_AT` in a
+    lane of their own) fixed at 0 (nothing held that the relaxation barely holds). Where the
+    relaxation is fractional, as at 0.3 of eager, they find schedules the whole-set sub-MIP
+    does not; where it is nearly whole they rarely find a better one and may still run to
+    their limits (40-op DAGs at 0.7 of eager: the same plans, planning 2.0 -> 2.6 s median).
 
     Measured on the 13 random DAGs of 40 ops that a plan meets at 0.3 of eager
     (``scripts/planner_gap.py``'s, seeds 0 and 1), ``fit_budget`` with 5 s for the solver: 8%
     less recompute in all, up to 37% less on one graph, 1.5% more on one, in 1.4 s more."""
-    for threshold, share in FREED_AT:
+    for threshold, share in shares:
         yield {column: 0.0 for column in S if relaxed[column] <= threshold}, share

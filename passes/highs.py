@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,24 +29,39 @@ the zoo graphs at 0.3-0.7 (``scripts/planner_gap.py``'s graphs). A solve that fi
 schedule near its time limit still finds it or not with the machine's speed."""
 
 
+_QUIET_LOCK = threading.Lock()
+_quiet_depth = 0
+_saved_fds: list[int] = []
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silence what HiGHS's C++ code prints to the process's stdout and stderr while it
     solves (on this model its MIP heuristics print debug lines), so a BudgetError or a
-    budget plan does not come with a screen of solver chatter: every solve runs under it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(os.devnull, "w") as devnull:
-        try:
-            os.dup2(devnull.fileno(), 1)
-            os.dup2(devnull.fileno(), 2)
-            yield
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
+    budget plan does not come with a screen of solver chatter: every solve runs under it.
+    Nested, and across threads (the lanes of :func:`passes.guided_solve.guided_solve`), the
+    first to enter silences and the last to leave restores."""
+    global _quiet_depth
+    with _QUIET_LOCK:
+        if _quiet_depth == 0:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _saved_fds[:] = [os.dup(1), os.dup(2)]
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                os.dup2(_saved_fds[0], 1)
+                os.dup2(_saved_fds[1], 2)
+                for fd in _saved_fds:
+                    os.close(fd)
 
 
 class Milp:

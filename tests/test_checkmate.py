@@ -251,12 +251,17 @@ def test_the_freed_neighbourhoods_fix_at_zero_only_what_the_relaxation_barely_ho
     assert all(set(later) <= set(earlier) for (earlier, _), (later, _) in pairwise(found))
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("graph, budget", [(chain(10), 55), (chain(12), 65), (chain(12), 78), (diamond_with_skip(), 68)])
-def test_the_guided_solve_proves_the_plain_solves_optimum(graph: nx.DiGraph, budget: int) -> None:
-    """Starting from sub-MIPs changes how fast a schedule is found, never which is least."""
+def test_the_guided_solve_proves_the_plain_solves_optimum(graph: nx.DiGraph, budget: int, lanes: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting from sub-MIPs, in one lane or two, changes how fast a schedule is found,
+    never which is least."""
+    import passes.guided_solve
     from passes.checkmate import build_milp, recompute_objective
     from passes.guided_solve import guided_solve
 
+    monkeypatch.setattr(passes.guided_solve, "lanes", lambda: lanes)
     training = training_graph(graph)
     model = build_milp(training, budget)
     cost = recompute_objective(model, training)
@@ -264,6 +269,66 @@ def test_the_guided_solve_proves_the_plain_solves_optimum(graph: nx.DiGraph, bud
     assert plain.status == guided.status == "optimal"
     assert guided.objective == pytest.approx(plain.objective)
     assert float(cost @ guided.x) == pytest.approx(guided.objective)
+
+
+def test_two_lanes_solve_the_freed_neighbourhoods_while_the_whole_set_sub_mip_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two lanes, the smaller sub-MIPs run in a thread of their own at the same time as
+    the one the relaxation sets whole (and the whole MILP after it), not after them."""
+    import threading
+    import time
+
+    import passes.guided_solve
+    from passes.checkmate import build_milp, recompute_objective
+    from passes.guided_solve import guided_solve
+    from passes.highs import Milp
+
+    solve, runs = Milp.solve, []
+
+    def watched(self: Milp, cost, time_limit: float, relaxed: bool = False, **kwargs):
+        started = time.perf_counter()
+        found = solve(self, cost, time_limit, relaxed, **kwargs)
+        runs.append((threading.current_thread().name, relaxed, started, time.perf_counter()))
+        return found
+
+    monkeypatch.setattr(Milp, "solve", watched)
+    monkeypatch.setattr(passes.guided_solve, "lanes", lambda: 2)
+    training = training_graph(chain(30))
+    model = build_milp(training, 6 * UNIT)
+    guided = guided_solve(model, recompute_objective(model, training), 1.0, None)
+    assert guided.x is not None
+    here = threading.current_thread().name
+    ours = [(start, end) for name, relaxed, start, end in runs if name == here and not relaxed]
+    theirs = [(start, end) for name, _, start, end in runs if name != here]
+    assert theirs and len(ours) == 2  # the whole-set sub-MIP and the whole MILP here; the freed ones there
+    assert any(start < their_end and their_start < end for start, end in ours for their_start, their_end in theirs)
+
+
+def test_quiet_nested_across_threads_restores_the_output(capfd: pytest.CaptureFixture[str]) -> None:
+    """Two lanes each silence HiGHS's output around their solves, overlapping and leaving in
+    any order: what the process prints afterwards is seen again."""
+    import os
+    import threading
+
+    from passes.highs import quiet
+
+    inside, leave_first = threading.Event(), threading.Event()
+
+    def lane() -> None:
+        with quiet():
+            inside.set()
+            leave_first.wait(5)
+
+    other = threading.Thread(target=lane)
+    with quiet():
+        other.start()
+        inside.wait(5)
+        os.write(1, b"silenced\n")
+    leave_first.set()  # the lane that entered second leaves last
+    other.join()
+    os.write(1, b"heard\n")
+    out = capfd.readouterr().out
+    assert "heard" in out and "silenced" not in out
 
 
 def test_time_limit_without_a_schedule_raises() -> None:
