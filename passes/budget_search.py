@@ -14,9 +14,8 @@ from passes.blocks import block_mixes
 from passes.budget import unreachable
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
-from passes.exact import EXACT_TIME_LIMIT, exact_plan, floor_plan
+from passes.exact import EXACT_TIME_LIMIT, exact_plan, floors_below
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
-from passes.floor import true_floor
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import (
@@ -103,12 +102,11 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                 # solve for the least recompute may have found no schedule in its time); both floor
                 # solves look only below the smallest peak of the plans in hand
                 planned = [*tried, program.smallest(), *([searched] if searched else [])]
-                lowest = floor_plan(graph, exact_seconds, below=min(p.peak_bytes for p in planned))
+                lowest, floor = floors_below(graph, exact_seconds, min(p.peak_bytes for p in planned))
                 if lowest is not None and lowest.peak_bytes <= budget_bytes:
                     return _chosen(lowest, budget_bytes, flat, tried, "the exact solver's schedule of least peak "
                                    "(passes.exact.floor_plan)")
                 planned += [lowest] if lowest else []
-                floor = true_floor(graph, below=min(p.peak_bytes for p in planned))
                 raise unreachable(graph, budget_bytes, planned,
                                   *((floor.peak_bytes, floor.lower_bound_bytes) if floor else ()))
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)

@@ -22,8 +22,9 @@ import time
 import networkx as nx
 
 from passes.checkmate import CheckmateResult, checkmate_schedule, remakeable_extras
-from passes.floor import least_peak_schedule
+from passes.floor import Floor, least_peak_schedule, true_floor
 from passes.graph_facts import needs_grad, op_nodes, storage_root
+from passes.highs import at_once, lanes
 from passes.plan import Plan, plan_of_segments
 from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
 from passes.segments import Segment, segment_edges
@@ -70,6 +71,22 @@ def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT, below: f
         return None
     schedule = schedule_of(graph, training_graph(graph), found.R, found.S, optimal=found.floor.proven)
     return _schedule_plan(graph, schedule, "the least peak")
+
+
+def floors_below(graph: nx.DiGraph, time_limit: float, below: float) -> tuple[Plan | None, Floor | None]:
+    """What a refused budget names, looking below ``below`` (the least peak of the plans in
+    hand): the plan of least peak :func:`floor_plan` finds in ``time_limit`` seconds, and the
+    true floor of every schedule (:func:`passes.floor.true_floor`), which is at most that
+    plan's peak. The two solves run at once where the machine has two CPUs
+    (:func:`passes.highs.lanes`: a refusal of the zoo DenseNet at 0.5 of eager spent 5 s in
+    each, one after the other); on one, the true floor looks only below the plan found."""
+    if lanes() < 2:
+        lowest = floor_plan(graph, time_limit, below=below)
+        return lowest, true_floor(graph, below=below if lowest is None else min(below, lowest.peak_bytes))
+    lowest, floor = at_once(lambda: floor_plan(graph, time_limit, below=below), lambda: true_floor(graph, below=below))
+    if floor is not None and lowest is not None and lowest.peak_bytes < floor.peak_bytes:
+        floor = Floor(lowest.peak_bytes, min(floor.lower_bound_bytes, lowest.peak_bytes))
+    return lowest, floor
 
 
 def _solvable(graph: nx.DiGraph, time_limit: float) -> bool:

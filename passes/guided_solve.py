@@ -11,15 +11,13 @@ found. One lane runs them one after the other."""
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import numpy as np
 
-from passes.highs import Milp, Solved, quiet
+from passes.highs import Milp, Solved, at_once, lanes, quiet
 
 FLOPS_PROVEN = 0.49  # objective gap proving a schedule's FLOPs least: they are whole units, the tie-break
 # weighs less than half of one (zoo DenseNets' solves ran to a 10 s limit proving the bytes; now 2.4-9.1 s)
@@ -37,7 +35,7 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     """The MILP solved from starts the LP relaxation points to: the sub-MIP with every ``S``
     the relaxation sets whole (0 or 1) fixed there, for :data:`GUIDED_SHARE` of the time,
     then the whole MILP for the rest; and smaller sub-MIPs (:func:`freed_neighbourhoods`),
-    alongside in a second lane where the machine has a second CPU (:func:`lanes`), else
+    alongside in a second lane where the machine has a second CPU (:func:`passes.highs.lanes`), else
     between the two (up to 28% of ``time_limit`` on top: :data:`FREED_AT`). Each solve is
     asked only for schedules recomputing less than the best found.
 
@@ -78,7 +76,7 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
 
     if lanes() > 1:
         with quiet():  # once around both lanes: each solve's own is nested in it
-            full = _alongside(lambda: (whole_set(), whole_model(_left(deadline)))[1],
+            full, _ = at_once(lambda: (whole_set(), whole_model(_left(deadline)))[1],
                               lambda: freed(LANE_FREED_AT, deadline))
     else:
         whole_set()
@@ -106,22 +104,6 @@ class Incumbent:
         """The cutoff for the next solve: below the best so far (or the caller's cutoff)."""
         with self._lock:
             return self.cutoff if self.best is None else _below(self.best, self.cutoff)
-
-
-def lanes() -> int:
-    """How many solves :func:`guided_solve` runs at once: 2 where this process may run on
-    two CPUs or more, else 1."""
-    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return 2 if len(available) >= 2 else 1
-
-
-def _alongside(first: Callable[[], Solved], second: Callable[[], None]) -> Solved:
-    """``first()``'s answer, ``second()`` run in another thread meanwhile (its error raised)."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphckpt-solve") as pool:
-        other = pool.submit(second)
-        answer = first()
-        other.result()
-    return answer
 
 
 def _left(deadline: float) -> float:

@@ -13,8 +13,10 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import highspy
 import numpy as np
@@ -62,6 +64,27 @@ def quiet() -> Iterator[None]:
                 os.dup2(_saved_fds[1], 2)
                 for fd in _saved_fds:
                     os.close(fd)
+
+
+First = TypeVar("First")
+Second = TypeVar("Second")
+
+
+def lanes() -> int:
+    """How many solves to run at once: 2 where this process may run on two CPUs or more,
+    else 1. HiGHS lets go of Python's lock while it solves, so two solves in two threads
+    run side by side."""
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return 2 if len(available) >= 2 else 1
+
+
+def at_once(first: Callable[[], First], second: Callable[[], Second]) -> tuple[First, Second]:
+    """``first()`` and ``second()``, the second in another thread meanwhile (its error
+    raised here): two solves, or two chains of them, side by side (:func:`lanes`)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphckpt-solve") as pool:
+        other = pool.submit(second)
+        answer = first()
+        return answer, other.result()
 
 
 class Milp:

@@ -11,7 +11,7 @@ import pytest
 from passes.budget import BudgetError, unreachable
 from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
-from passes.exact import floor_plan
+from passes.exact import floor_plan, floors_below
 from passes.floor import FLOOR_MAX_OPS, Floor, true_floor
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak
@@ -150,3 +150,20 @@ def test_floor_solves_given_a_plan_in_hand_look_only_below_it(seed: int) -> None
     assert above is not None and above.proven and above.peak_bytes == pytest.approx(floor.peak_bytes)
     assert floor_plan(graph, time_limit=20, below=under) is None
     assert floor_plan(graph, time_limit=20, below=lowest.peak_bytes * 1.2).peak_bytes == lowest.peak_bytes
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_refusals_two_floors_are_the_same_solved_at_once_or_one_after_the_other(
+        lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a refused budget names (:func:`passes.exact.floors_below`): the exact schedules'
+    floor plan and the true floor, solved side by side on two CPUs, or the true floor after
+    the plan on one; the same floors either way, the true one never above the plan's."""
+    import passes.exact
+
+    monkeypatch.setattr(passes.exact, "lanes", lambda: lanes)
+    graph = random_cost_graph(random.Random(2), 10)  # its true floor is below every other strategy's plans
+    lowest, floor = floors_below(graph, 20, DynamicProgram(graph).smallest().peak_bytes)
+    alone = true_floor(graph, time_limit=20)
+    assert lowest is not None and floor is not None and alone is not None and floor.proven
+    assert floor.peak_bytes == pytest.approx(alone.peak_bytes)
+    assert floor.peak_bytes <= lowest.peak_bytes == floor_plan(graph, time_limit=20).peak_bytes
