@@ -103,6 +103,7 @@ class OpKinds(TorchDispatchMode):
         self.events: list[int] = []  # indices into ``made``: ``i`` made, ``-i - 1`` freed, in time order
         self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
         self.narrow_calls: list[tuple] = []  # (func, args, kwargs as layouts): see :meth:`_note_narrow`
+        self.narrow_at: list[int] = []  # for each of them, its place in ``events``: just after its results
         self.caching = caching_devices()
         self.cached_casts: list[tuple[int, Any, int]] = []  # (storage key, weak reference, bytes): parameter
         # casts autocast's cache keeps to the end of forward (passes.costgraph's ``autocast_cache_bytes``)
@@ -132,16 +133,28 @@ class OpKinds(TorchDispatchMode):
             self.events.append(-entry[0] - 1)
             del self.tensors[key]
 
-    def _note_narrow(self, func: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    def _note_narrow(self, func: Any, layouts: tuple) -> None:
         """Keep an opaque call (or one mixing float widths, :func:`mixes_float_widths`) on 16-bit
-        floats for replay (:attr:`narrow_calls`): on CPU such kernels allocate inside themselves,
-        where no dispatch mode sees it (``mean`` of bf16 copies its input to float32,
-        ``slow_conv2d`` builds its im2col buffer), and this
-        scratch is part of the node's forward peak. wav2vec2 planned under bf16 measured 1.05x
-        its simulated peak for want of its pooling ``mean``'s copy. Float32 calls are not
-        replayed: the corpus keeps its budgets without it, and replays cost profile time."""
-        if any(isinstance(t, torch.Tensor) and t.dtype in NARROW_FLOATS for t in tree_leaves((args, kwargs))):
-            self.narrow_calls.append((func, *layouts_of(args, kwargs)))
+        floats for replay (:attr:`narrow_calls`, its args and kwargs as ``layouts``), and where
+        it ran among the node's storages (:meth:`narrow_heights`): on CPU such kernels allocate
+        inside themselves, where no dispatch mode sees it (``mean`` of bf16 copies its input to
+        float32, ``slow_conv2d`` builds its im2col buffer), and this scratch is part of the
+        node's forward peak. wav2vec2 planned under bf16 measured 1.05x its simulated peak for
+        want of its pooling ``mean``'s copy. Float32 calls are not replayed: the corpus keeps
+        its budgets without it, and replays cost profile time."""
+        self.narrow_calls.append((func, *layouts))
+        self.narrow_at.append(len(self.events))
+
+    def narrow_heights(self) -> list[int]:
+        """For each call of :attr:`narrow_calls`, the bytes of the storages the node's calls
+        had made and not freed while it ran (its own results among them), above those alive
+        when the node ended: what its kernel scratch sits on, on top of what the node makes
+        and saves (:meth:`graphckpt.profile._CostInterpreter.add_forward_scratch`). Negative
+        for a call before the node's results were made."""
+        running = [0]
+        for event in self.events:
+            running.append(running[-1] + (self.made[event] if event >= 0 else -self.made[-event - 1]))
+        return [running[position] - running[-1] for position in self.narrow_at]
 
     def forward_extra_bytes(self) -> int:
         """Peak bytes of the storages the node's calls made, above those still alive when it
@@ -164,13 +177,16 @@ class OpKinds(TorchDispatchMode):
         self.expensive = self.expensive or is_expensive
         opaque = not (func.is_view or torch.Tag.pointwise in func.tags)
         self.opaque = self.opaque or opaque
-        if opaque or mixes_float_widths(args, kwargs or {}):
-            self._note_narrow(func, args, kwargs or {})
+        narrow = (opaque or mixes_float_widths(args, kwargs or {})) and any(
+            isinstance(t, torch.Tensor) and t.dtype in NARROW_FLOATS for t in tree_leaves((args, kwargs)))
+        layouts = layouts_of(args, kwargs or {}) if narrow else ()  # as it is called (an in-place call writes)
         result = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
                 self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
+        if narrow:
+            self._note_narrow(func, layouts)
         if self.caching and is_cast(func) and cached_by_autocast(args[0], result, self.caching):
             self.cached_casts.append((*storage_key_and_ref(result), allocated_bytes(result)))
         if is_expensive:

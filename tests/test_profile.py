@@ -224,3 +224,53 @@ def test_the_profile_leaves_no_reference_cycles(dedup: bool) -> None:
     fallback) the full profile's fake copy of the GraphModule is its graph's owning module,
     a cycle that held all 24 fake submodules."""
     assert _own_cyclic_garbage(12, dedup) == 0
+
+
+def test_narrow_heights_are_what_a_forward_call_runs_on_above_what_the_node_ends_with() -> None:
+    """Where each 16-bit forward call's kernel scratch sits: what the node's calls had made
+    and not freed just after the call's own results, less what is alive when the node ends
+    (its value and what it saves), which the simulator holds beside the temporaries."""
+    from graphckpt.op_kinds import OpKinds
+
+    kinds = OpKinds()
+    kinds.made = [64, 256, 32]  # a cast, a score matrix, the result
+    kinds.events = [0, 1, -1, 2, -2]  # cast made, scores made, cast freed, result made, scores freed
+    kinds.narrow_at = [1, 2, 4]  # just after the cast; after the scores; after the result
+    assert kinds.narrow_heights() == [64 - 32, 64 + 256 - 32, 256 + 32 - 32]
+
+
+def test_a_forward_calls_scratch_is_laid_on_what_the_node_held_while_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-bit call's kernel scratch raises ``forward_extra_bytes`` only where it and what
+    the node held while it ran reach above the node's temporaries: scratch in an early call
+    of attention's math kernel under bf16, when little is made yet, changes nothing (laid on
+    the whole temporaries' peak, T5's position-bias ``add`` over-simulated its plans by
+    5-7%, stop 69). Scratch sizes are given, not replayed: no CPU's own figures."""
+    import graphckpt
+    import graphckpt.profile
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.project = nn.Linear(16, 48)
+            self.bias = nn.Parameter(torch.randn(1, 2, 32, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.project(x).view(4, 32, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+    def temporaries(first_call_scratch: int) -> int:
+        def scratch_by_call(calls_by_node: dict) -> dict:
+            return {name: [first_call_scratch if "attention" in name and i == 0 else 0 for i, _ in enumerate(calls)]
+                    for name, calls in calls_by_node.items()}
+
+        monkeypatch.setattr(graphckpt.profile, "scratch_by_call", scratch_by_call)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            graph = graphckpt.analyze(Attention(), (torch.randn(4, 32, 16, requires_grad=True),)).cost_graph
+        (attention,) = (n for n in op_nodes(graph) if "scaled_dot_product_attention" in n)
+        return graph.nodes[attention]["forward_extra_bytes"]
+
+    peak = temporaries(0)
+    assert peak > 0  # the math kernel's temporaries
+    assert temporaries(1) == peak  # on top of them before: peak + 1
+    assert temporaries(10 * peak) < 11 * peak  # where little was held yet
