@@ -74,10 +74,13 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
         found.offer(full)
         return full
 
+    def whole_set_then_model() -> Solved:
+        whole_set()
+        return whole_model(_left(deadline))
+
     if lanes() > 1:
         with quiet():  # once around both lanes: each solve's own is nested in it
-            full, _ = at_once(lambda: (whole_set(), whole_model(_left(deadline)))[1],
-                              lambda: freed(LANE_FREED_AT, deadline))
+            full, _ = at_once(whole_set_then_model, lambda: freed(LANE_FREED_AT, deadline))
     else:
         whole_set()
         rest = _left(deadline)  # the whole MILP's, kept for after the smaller sub-MIPs

@@ -3,7 +3,8 @@ one place :mod:`passes.checkmate` and :mod:`passes.floor` reach the solver.
 
 Columns are named by tuples (``("R", t, i)``); a row's terms name columns, and a term whose
 column was never made is a zero, so a formulation can write its rows without asking which
-variables exist.
+variables exist. HiGHS lets go of Python's lock while it solves: :func:`at_once` runs two
+solves side by side where :func:`lanes` says the process has two CPUs.
 """
 
 from __future__ import annotations

@@ -311,19 +311,19 @@ def test_quiet_nested_across_threads_restores_the_output(capfd: pytest.CaptureFi
 
     from passes.highs import quiet
 
-    inside, leave_first = threading.Event(), threading.Event()
+    inside, main_left = threading.Event(), threading.Event()
 
     def lane() -> None:
         with quiet():
             inside.set()
-            leave_first.wait(5)
+            main_left.wait(5)
 
     other = threading.Thread(target=lane)
     with quiet():
         other.start()
         inside.wait(5)
         os.write(1, b"silenced\n")
-    leave_first.set()  # the lane that entered second leaves last
+    main_left.set()  # the lane that entered second leaves last
     other.join()
     os.write(1, b"heard\n")
     out = capfd.readouterr().out
