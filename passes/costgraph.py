@@ -126,6 +126,10 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     outputs of matmul/convolution kernels *inside* the node that are not its result (the
     score matrix of an attention computed by the math kernel: torch's selective policy
     keeps every matmul output it sees). Held from forward until the node is recomputed.
+    Where the result is no such output (attention under bf16 autocast returns a bf16 cast
+    of its float32 product), the policy keeps the product and a recompute makes the result
+    again from it: the bytes are the inner outputs less the result's, which the kept value
+    stands for.
 ``param_grad_bytes``: ``int``
     On an op: bytes of parameter gradients the node's backward creates; they live until
     autograd adds them into the parameters' existing ``.grad``. On a ``param``: the bytes
