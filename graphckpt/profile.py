@@ -389,4 +389,3 @@ def _selective_extra(inner_bytes: int, remade_bytes: int) -> int:
     them already (T5 planned under bf16: 16 KiB more than measured per attention a
     selective segment kept, 3.5% over its plan's measured peak at 0.5 of eager, stop 69)."""
     return max(inner_bytes - remade_bytes, 0)
-
