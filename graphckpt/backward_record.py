@@ -146,6 +146,17 @@ class Recorder(TorchDispatchMode):
                 peak, before = current, tuple(released)
         return BackwardPeak(peak, before)
 
+    def most_with_scratch(self, owner: str, scratches: list[int]) -> tuple[int, BackwardPeak]:
+        """The most ``owner``'s backward holds, given each of its calls' kernel ``scratches``
+        (:func:`graphckpt.scratch.scratch_by_call`): at the peak of what it makes, or while a
+        call's scratch sits on what that call and those before it made
+        (:meth:`held_after_calls`); with :meth:`backward_peak` taken at the moment of that
+        scratch."""
+        moments = [held + scratch for held, scratch in zip(self.held_after_calls(owner), scratches, strict=True)]
+        at = max((i for i, scratch in enumerate(scratches) if scratch), key=moments.__getitem__, default=None)
+        peak = self.backward_peak(owner, at)
+        return max(peak.bytes, moments[at] if at is not None else 0), peak
+
     def allocates(self, owner: str) -> bool:
         """Whether ``owner``'s backward made any new storage (a result that is not one of its
         call's inputs): ``add``'s backward passing its gradient through makes none."""

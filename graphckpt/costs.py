@@ -17,9 +17,9 @@ from torch import fx
 
 from graphckpt.dropout import dropout_call
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents, writes_activations
+from graphckpt.node_cost import NodeCost
 from graphckpt.op_dedup import forward_costs, profile_costs
 from graphckpt.planned_inputs import autocast_state
-from graphckpt.profile import NodeCost
 from graphckpt.progress import paused_gc
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
 from graphckpt.torch_compat import OpOverload, allocation_size

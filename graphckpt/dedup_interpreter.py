@@ -268,7 +268,7 @@ class DedupInterpreter(_CostInterpreter):
                 continue
             if representative not in recorded:
                 scratches = [KERNEL_EXTRA.get(kernel_call_key(*call), 0) for call in calls]
-                recorded[representative] = (self.backward_most(representative, scratches)[0],
+                recorded[representative] = (self.recorder.most_with_scratch(representative, scratches)[0],
                                             self.recorder.allocates(representative))
             most, allocates = recorded[representative]
             self.costs[ghost] = replace(self.costs[ghost],

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from graphckpt.lazy_fake import contiguous_strides, empty_like_layout, strides_like
+from graphckpt.node_cost import NodeCost
 from graphckpt.op_keys import tensor_layout
-from graphckpt.profile import NodeCost
 from graphckpt.torch_compat import FakeTensorMode, fake_empty, unset_fake_temporarily
 
 

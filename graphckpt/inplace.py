@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from graphckpt.profile import NodeCost
+from graphckpt.node_cost import NodeCost
 from graphckpt.state import FUNCTIONAL_NORMS, NORMS_WRITING_RUNNING_STATS, state_keys, state_roots
 from graphckpt.torch_compat import OpOverload, op_schema, rename_node
 

@@ -36,7 +36,8 @@ from torch import fx
 
 from graphckpt.dedup_interpreter import DedupInterpreter, DedupMismatch
 from graphckpt.lazy_fake import LazyFake, lazy_fake_copy
-from graphckpt.profile import NodeCost, node_costs, positional_inputs
+from graphckpt.node_cost import NodeCost
+from graphckpt.profile import node_costs, positional_inputs
 
 DEDUP_ENV = "GRAPHCKPT_DEDUP"
 RETRIES = 3  # dedup runs before the full profile: the first, and two with more keys profiled node by node

@@ -149,7 +149,7 @@ class OpKinds(TorchDispatchMode):
         """For each call of :attr:`narrow_calls`, the bytes of the storages the node's calls
         had made and not freed while it ran (its own results among them), above those alive
         when the node ended: what its kernel scratch sits on, on top of what the node makes
-        and saves (:meth:`graphckpt.profile._CostInterpreter.add_forward_scratch`). Negative
+        and saves (:func:`graphckpt.node_cost.with_forward_scratch`). Negative
         for a call before the node's results were made."""
         running = [0]
         for event in self.events:

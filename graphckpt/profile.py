@@ -15,21 +15,21 @@ on 16-bit floats (in ``forward_extra_bytes``, on what the node held while the ca
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
-from graphckpt.backward_record import BackwardPeak, Recorder
+from graphckpt.backward_record import Recorder
+from graphckpt.node_cost import NodeCost, describe_tensors, selective_extra, trainable_bytes, with_forward_scratch
 from graphckpt.op_keys import eval_output_storage
 from graphckpt.op_kinds import GRADIENT_VIEW_OPS, OpKinds
 from graphckpt.scratch import scratch_by_call
 from graphckpt.torch_compat import (
     FakeTensorMode,
     allocated_bytes,
-    allocation_size,
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
@@ -40,41 +40,6 @@ from graphckpt.torch_compat import (
 from passes.costgraph import saves_from
 
 PARAM = "<param>"
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    """Costs of one node's value, as measured on fake tensors."""
-
-    bytes: int
-    alias_of: str | None
-    flops: int
-    saved: tuple[str, ...]
-    saved_extra_bytes: int
-    requires_grad: bool
-    random: bool
-    expensive: bool
-    param_grad_bytes: int
-    shape: str
-    dtype: str
-    backward_extra_bytes: int = 0
-    forward_extra_bytes: int = 0
-    autocast_cache_bytes: int = 0
-    grad_views: bool = False
-    selective_extra_bytes: int = 0
-    saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
-    param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
-    released_early: tuple[str, ...] = ()  # the cost graph's attribute: saved values let go before backward's peak
-    backward_allocates: bool = False  # the cost graph's attribute: its backward makes a new storage
-    eval_alias_of: str | None = None  # owner of the input memory the node returns in eval mode (a Dropout's input)
-
-
-def _describe(tensors: list[torch.Tensor]) -> tuple[str, str]:
-    if not tensors:
-        return "", ""
-    shapes = ", ".join(str(list(t.shape)) for t in tensors)
-    dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
-    return shapes, dtypes
 
 
 class _CostInterpreter(fx.Interpreter):
@@ -171,16 +136,12 @@ class _CostInterpreter(fx.Interpreter):
         its calls on 16-bit floats runs: the scratch that call's kernel allocates inside itself
         (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`, replayed unless measured before in
         this process: :func:`measure_kernel_scratch`) on what the node's earlier calls made
-        and had not freed, its results among them (:meth:`graphckpt.op_kinds.OpKinds.narrow_heights`).
-        Laid on the node's whole temporaries' peak instead, the 64 KiB of scratch of the ``add``
-        that puts T5's float32 position bias on its attention scores, early in the math kernel
-        under bf16, over-simulated its plans by 5-7% (stop 69).
+        and had not freed, its results among them (:func:`graphckpt.node_cost.with_forward_scratch`).
         Returns the bytes added, by node."""
         added = {}
         for name, scratches in scratch_by_call(self.narrow_calls).items():
             before = self.costs[name].forward_extra_bytes
-            most = max([before, *(height + scratch for height, scratch in
-                                  zip(self.narrow_heights[name], scratches, strict=True) if scratch)])
+            most = with_forward_scratch(before, self.narrow_heights[name], scratches)
             if most > before:
                 added[name] = most - before
                 self.costs[name] = replace(self.costs[name], forward_extra_bytes=most)
@@ -217,29 +178,17 @@ class _CostInterpreter(fx.Interpreter):
         """Each recorded node's ``backward_extra_bytes``, from the backward just run."""
         nodes = {node.name: node for node in self.module.graph.nodes}
         for name, scratches in scratch_by_call(self.recorder.calls).items():
-            most, peak = self.backward_most(name, scratches)
+            most, peak = self.recorder.most_with_scratch(name, scratches)
             self.costs[name] = replace(self.costs[name],
                                        backward_extra_bytes=max(0, most - self._gradient_bytes(nodes[name])),
                                        released_early=peak.released_before,
                                        backward_allocates=self.recorder.allocates(name))
 
-    def backward_most(self, owner: str, scratches: list[int]) -> tuple[int, BackwardPeak]:
-        """The most ``owner``'s recorded backward holds, given each of its calls' kernel
-        ``scratches``: at the peak of what it makes, or while a call's scratch sits on what
-        that call and those before it made; with :meth:`Recorder.backward_peak` taken at the
-        moment of that scratch. A node's ``backward_extra_bytes`` is what this is above the
-        gradients the simulator gives it (:meth:`_gradient_bytes`): the node's own, or a
-        ghost's, whose representative ``owner`` is."""
-        moments = [held + scratch for held, scratch in
-                   zip(self.recorder.held_after_calls(owner), scratches, strict=True)]
-        at = max((i for i, scratch in enumerate(scratches) if scratch), key=moments.__getitem__, default=None)
-        peak = self.recorder.backward_peak(owner, at)
-        return max(peak.bytes, moments[at] if at is not None else 0), peak
-
     def _gradient_bytes(self, node: fx.Node) -> int:
         """Bytes of the gradients the simulator gives ``node``'s backward: one buffer the
         size of each input's storage that takes part in backward, and its parameter
-        gradients. What its backward holds beyond them is intermediate."""
+        gradients. What its backward holds beyond them (:meth:`Recorder.most_with_scratch`
+        of it, or of the representative of a ghost) is its ``backward_extra_bytes``."""
         roots = {self.costs[n.name].alias_of or n.name for n in node.all_input_nodes
                  if n.op != "get_attr" and self.costs[n.name].requires_grad}
         return sum(self.costs[root].bytes for root in roots if root in self.costs) + self.costs[node.name].param_grad_bytes
@@ -248,10 +197,10 @@ class _CostInterpreter(fx.Interpreter):
         """Bytes of parameter gradients this node's backward creates (before they are
         accumulated into ``.grad``)."""
         if node.op == "call_module":
-            return _trainable_bytes(self.module.get_submodule(node.target).parameters())
+            return trainable_bytes(self.module.get_submodule(node.target).parameters())
         if node.op == "get_attr":  # the parameter itself: the size of its gradient
-            return _trainable_bytes([self.fetch_attr(node.target)])
-        return _trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
+            return trainable_bytes([self.fetch_attr(node.target)])
+        return trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
 
     def _param_grads(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
         """The cost graph's ``param_grads``: the trained parameters inside a ``call_module``
@@ -263,8 +212,8 @@ class _CostInterpreter(fx.Interpreter):
             params = [self.fetch_attr(node.target)]
         else:
             return ()
-        return tuple((self.param_names[id(p)], _trainable_bytes([p])) for p in params
-                     if id(p) in self.param_names and _trainable_bytes([p]))
+        return tuple((self.param_names[id(p)], trainable_bytes([p])) for p in params
+                     if id(p) in self.param_names and trainable_bytes([p]))
 
     def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: OpKinds) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
@@ -293,10 +242,10 @@ class _CostInterpreter(fx.Interpreter):
                 self.recorder.saves_value(node.name, tensor, name)
                 if name not in names:
                     names.append(name)
-        shape, dtype = _describe(tensors)
+        shape, dtype = describe_tensors(tensors)
         inner = {key: nbytes for key, ref, nbytes in kinds.expensive_outputs if storage_alive(ref) and key not in own}
         freed = sum(nbytes for _, ref, nbytes in kinds.expensive_outputs if not storage_alive(ref))  # (keys reused)
-        remade = 0 if any(key in own for key, _, _ in kinds.expensive_outputs) else fresh  # _selective_extra
+        remade = 0 if any(key in own for key, _, _ in kinds.expensive_outputs) else fresh  # selective_extra
         cached = {key: nbytes for key, ref, nbytes in kinds.cached_casts if key not in kept and storage_alive(ref)}
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
@@ -308,18 +257,13 @@ class _CostInterpreter(fx.Interpreter):
             random=kinds.random,
             expensive=kinds.expensive,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
-            selective_extra_bytes=_selective_extra(sum(inner.values()) + freed, remade),
+            selective_extra_bytes=selective_extra(sum(inner.values()) + freed, remade),
             autocast_cache_bytes=sum(cached.values()),
             param_grad_bytes=self._param_grad_bytes(node),
             param_grads=self._param_grads(node),
             shape=shape,
             dtype=dtype,
         )
-
-
-def _trainable_bytes(tensors: Any) -> int:
-    return sum(allocation_size(t.numel() * t.element_size(), t.device) for t in tensors
-               if isinstance(t, torch.nn.Parameter) and t.requires_grad)
 
 
 def positional_inputs(graph_module: fx.GraphModule, args: tuple,
@@ -378,14 +322,3 @@ def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, A
         if fake is None:  # the copy made here: its graph's owning_module is the copy, a cycle
             fake_module.graph.owning_module = None  # that held every fake submodule until a collection
     return interpreter.costs
-
-
-def _selective_extra(inner_bytes: int, remade_bytes: int) -> int:
-    """The cost graph's ``selective_extra_bytes`` of a node whose matmul outputs inside it
-    come to ``inner_bytes``: what selective checkpointing caches beyond the node's value,
-    which the simulator holds as a kept value. Where the value is no matmul output
-    (attention under bf16 autocast returns a bf16 cast of its float32 product), it is not
-    cached but made again from the cached outputs: its ``remade_bytes`` are counted in
-    them already (T5 planned under bf16: 16 KiB more than measured per attention a
-    selective segment kept, 3.5% over its plan's measured peak at 0.5 of eager, stop 69)."""
-    return max(inner_bytes - remade_bytes, 0)
