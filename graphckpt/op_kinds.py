@@ -78,6 +78,13 @@ def mixes_float_widths(args: tuple, kwargs: Mapping[str, Any]) -> bool:
     return len(dtypes) > 1
 
 
+def replayed_for_scratch(opaque: bool, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward call's kernel scratch is measured (:meth:`OpKinds._note_narrow`): an
+    ``opaque`` call, or one mixing float widths (:func:`mixes_float_widths`), on 16-bit floats."""
+    return (opaque or mixes_float_widths(args, kwargs)) and any(
+        isinstance(t, torch.Tensor) and t.dtype in NARROW_FLOATS for t in tree_leaves((args, kwargs)))
+
+
 class OpKinds(TorchDispatchMode):
     """Notices which kinds of ATen ops run under it: random draws, matmuls/convolutions, and
     ops that are neither views nor pointwise (``opaque``).
@@ -134,9 +141,9 @@ class OpKinds(TorchDispatchMode):
             del self.tensors[key]
 
     def _note_narrow(self, func: Any, layouts: tuple) -> None:
-        """Keep an opaque call (or one mixing float widths, :func:`mixes_float_widths`) on 16-bit
-        floats for replay (:attr:`narrow_calls`, its args and kwargs as ``layouts``), and where
-        it ran among the node's storages (:meth:`narrow_heights`): on CPU such kernels allocate
+        """Keep a call :func:`replayed_for_scratch` names for replay (:attr:`narrow_calls`, its
+        args and kwargs as ``layouts``), and where it ran among the node's storages
+        (:meth:`narrow_heights`), after its results are followed: on CPU such kernels allocate
         inside themselves, where no dispatch mode sees it (``mean`` of bf16 copies its input to
         float32, ``slow_conv2d`` builds its im2col buffer), and this scratch is part of the
         node's forward peak. wav2vec2 planned under bf16 measured 1.05x its simulated peak for
@@ -177,8 +184,7 @@ class OpKinds(TorchDispatchMode):
         self.expensive = self.expensive or is_expensive
         opaque = not (func.is_view or torch.Tag.pointwise in func.tags)
         self.opaque = self.opaque or opaque
-        narrow = (opaque or mixes_float_widths(args, kwargs or {})) and any(
-            isinstance(t, torch.Tensor) and t.dtype in NARROW_FLOATS for t in tree_leaves((args, kwargs)))
+        narrow = replayed_for_scratch(opaque, args, kwargs or {})
         layouts = layouts_of(args, kwargs or {}) if narrow else ()  # as it is called (an in-place call writes)
         result = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
