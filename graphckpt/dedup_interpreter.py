@@ -200,7 +200,7 @@ class DedupInterpreter(_CostInterpreter):
                                         param_grads=self._param_grads(node))
         self.keep_alive.append((result, []))
         if self.backward:
-            self._claim_grad_fns(result, node.name if template.recorded else None)
+            self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if template.recorded else None))
         return result
 
     def _casts_cached(self, node: fx.Node, representative: str) -> bool:
@@ -257,6 +257,7 @@ class DedupInterpreter(_CostInterpreter):
             if self.ghosts:
                 raise DedupMismatch("no backward ran")
             return
+        self.assign_pass_through()
         self.assign_backward_extra()
         differing = self.gradients.differing(self.ghosts)
         if differing:
@@ -275,6 +276,14 @@ class DedupInterpreter(_CostInterpreter):
                                         backward_extra_bytes=max(0, most - self._gradient_bytes(self.nodes[ghost])),
                                         released_early=self._ghost_released(ghost, representative),
                                         backward_allocates=allocates)
+
+    def assign_pass_through(self) -> None:
+        """As the full profile's, and each ghost passes its gradient through where its
+        representative does (its own backward, :class:`graphckpt.ghosts.Ghost`'s, makes fakes)."""
+        super().assign_pass_through()
+        for ghost, representative in self.ghosts.items():
+            if self.costs[representative].grad_views and not self.costs[ghost].grad_views:
+                self.costs[ghost] = replace(self.costs[ghost], grad_views=True)
 
     def _ghost_released(self, ghost: str, representative: str) -> tuple[str, ...]:
         """The representative's ``released_early``, named by the ghost's own saved values

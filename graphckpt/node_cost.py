@@ -30,6 +30,7 @@ class NodeCost:
     forward_extra_bytes: int = 0
     autocast_cache_bytes: int = 0
     grad_views: bool = False
+    grad_bytes: int | None = None  # the cost graph's attribute: a view's gradient buffer, when not its storage's size
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
     param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside

@@ -26,10 +26,12 @@ from graphckpt.backward_record import Recorder
 from graphckpt.node_cost import NodeCost, describe_tensors, selective_extra, trainable_bytes, with_forward_scratch
 from graphckpt.op_keys import eval_output_storage
 from graphckpt.op_kinds import GRADIENT_VIEW_OPS, OpKinds
+from graphckpt.pass_through import PassThroughWatch, returns_an_input
 from graphckpt.scratch import scratch_by_call
 from graphckpt.torch_compat import (
     FakeTensorMode,
     allocated_bytes,
+    allocation_size,
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
@@ -50,6 +52,7 @@ class _CostInterpreter(fx.Interpreter):
         self.mode = mode
         self.backward = backward
         self.recorder = Recorder()
+        self.pass_through = PassThroughWatch()
         self.grad_fns: set[Any] = set()  # autograd functions claimed by a node
         self.owner: dict[int, str] = {}
         self.keep_alive: list[Any] = []
@@ -84,13 +87,15 @@ class _CostInterpreter(fx.Interpreter):
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
+        identity = cost.alias_of is not None and returns_an_input(result, *self.fetch_args_kwargs_from_env(node))
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
-                                        forward_extra_bytes=kinds.forward_extra_bytes())
+                                        forward_extra_bytes=kinds.forward_extra_bytes(),
+                                        grad_views=cost.grad_views or identity)
         if kinds.narrow_calls:
             self.narrow_calls[node.name] = kinds.narrow_calls
             self.narrow_heights[node.name] = kinds.narrow_heights()
         if self.backward and node.op.startswith("call_"):
-            self._claim_grad_fns(result, node.name if kinds.opaque else None)
+            self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if kinds.opaque else None))
         return result
 
     def _eval_alias(self, node: fx.Node) -> str | None:
@@ -159,6 +164,7 @@ class _CostInterpreter(fx.Interpreter):
         measured before in this process are then replayed (:func:`measure_kernel_scratch`).
         """
         if self.run_backward(outputs, inputs):
+            self.assign_pass_through()
             self.assign_backward_extra()
 
     def run_backward(self, outputs: Any, inputs: list[torch.Tensor]) -> bool:
@@ -184,14 +190,25 @@ class _CostInterpreter(fx.Interpreter):
                                        released_early=peak.released_before,
                                        backward_allocates=self.recorder.allocates(name))
 
+    def assign_pass_through(self) -> None:
+        """Mark ``grad_views`` the nodes whose backward, just run, passed their gradient
+        through (:class:`graphckpt.pass_through.PassThroughWatch`)."""
+        for name in self.pass_through.functions:
+            if self.pass_through.passes_through(name) and not self.costs[name].grad_views:
+                self.costs[name] = replace(self.costs[name], grad_views=True)
+
     def _gradient_bytes(self, node: fx.Node) -> int:
-        """Bytes of the gradients the simulator gives ``node``'s backward: one buffer the
-        size of each input's storage that takes part in backward, and its parameter
+        """Bytes of the gradients the simulator gives ``node``'s backward: one buffer for
+        each input that takes part in backward (its ``grad_bytes``, else its storage's
+        size), none when they are views of its own (``grad_views``), and its parameter
         gradients. What its backward holds beyond them (:meth:`Recorder.most_with_scratch`
         of it, or of the representative of a ghost) is its ``backward_extra_bytes``."""
-        roots = {self.costs[n.name].alias_of or n.name for n in node.all_input_nodes
-                 if n.op != "get_attr" and self.costs[n.name].requires_grad}
-        return sum(self.costs[root].bytes for root in roots if root in self.costs) + self.costs[node.name].param_grad_bytes
+        own = self.costs[node.name]
+        inputs = [] if own.grad_views else [self.costs[n.name] for n in node.all_input_nodes
+                                            if n.op != "get_attr" and self.costs[n.name].requires_grad]
+        sizes = [c.grad_bytes if c.grad_bytes is not None else self.costs[c.alias_of].bytes if c.alias_of in self.costs
+                 else c.bytes for c in inputs]
+        return sum(sizes) + own.param_grad_bytes
 
     def _param_grad_bytes(self, node: fx.Node) -> int:
         """Bytes of parameter gradients this node's backward creates (before they are
@@ -229,6 +246,7 @@ class _CostInterpreter(fx.Interpreter):
                 self.owner[key] = node.name
                 fresh += allocated_bytes(tensor)
         alias_of = aliased[0] if aliased and not fresh and aliased[0] != PARAM else None
+        gradient = sum(allocation_size(t.numel() * t.element_size(), t.device) for t in tensors if t.requires_grad)
         names, extra = [], {}  # storages saved that no value owns, each once (several backward functions may save one)
         kept = set()
         for tensor in saved:
@@ -257,6 +275,7 @@ class _CostInterpreter(fx.Interpreter):
             random=kinds.random,
             expensive=kinds.expensive,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
+            grad_bytes=gradient if alias_of is not None else None,  # a view's gradient has its own size
             selective_extra_bytes=selective_extra(sum(inner.values()) + freed, remade),
             autocast_cache_bytes=sum(cached.values()),
             param_grad_bytes=self._param_grad_bytes(node),

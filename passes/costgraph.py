@@ -177,8 +177,16 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     in a checkpoint call, which runs with the cache off.
 ``grad_views``: ``bool``
     The gradients the node's backward hands its inputs are views of its own output's
-    gradient (``cat``, ``stack``): no new buffers, but the whole output gradient stays alive
-    until the last of them is used.
+    gradient: slices of it (``cat``, ``stack``) or the very buffer (an ``add`` of two values
+    of one shape passes its gradient through, as do a ``reshape``, a ``transpose`` and a
+    ``dropout`` that returns its input). No new buffers, but the whole output gradient stays
+    alive until the last of them is used. A gradient added into such a shared buffer while
+    another value still holds it makes a new buffer, as autograd's out-of-place sum does.
+``grad_bytes``: ``int | None`` (default ``None``)
+    Bytes of the gradient buffer the value gets in backward, where that is not the size of
+    its storage root: a view's gradient has the view's own size (a slice of a fused QKV
+    projection's output gets a third of it, an ``expand`` more than its storage). ``None``:
+    the storage root's ``bytes`` (:func:`passes.kept_bytes.gradient_bytes`).
 ``requires_grad``: ``bool``
     Whether the value takes part in backward (its gradient is computed).
 ``block``: ``str`` (default ``""``)
@@ -225,6 +233,7 @@ REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {
     "ordered": bool,
     "state": bool,
     "grad_views": bool,
+    "grad_bytes": (int, type(None)),
     "expensive": bool,
     "block": str,
     "selective_extra_bytes": int,
@@ -250,6 +259,7 @@ DEFAULTS: Mapping[str, Any] = {
     "ordered": False,
     "state": False,
     "grad_views": False,
+    "grad_bytes": None,
     "expensive": False,
     "block": "",
     "selective_extra_bytes": 0,
@@ -317,4 +327,5 @@ def unit_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:
         is_op = attributes["kind"] == "op"
         attributes["bytes"] = int(is_op and attributes["alias_of"] is None)
         attributes["flops"] = int(is_op)
+        attributes["grad_bytes"] = None
     return unit

@@ -18,8 +18,10 @@ from passes.graph_facts import in_order, per_graph, storage_root
 
 
 def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
-    """Bytes of ``name``'s gradient buffer: the size of the storage it lives in."""
-    return graph.nodes[storage_root(graph, name)]["bytes"]
+    """Bytes of ``name``'s gradient buffer: its ``grad_bytes`` where the profile gave one (a
+    view's own size), else the size of the storage it lives in."""
+    own = graph.nodes[name]["grad_bytes"]
+    return graph.nodes[storage_root(graph, name)]["bytes"] if own is None else own
 
 
 def _parameter_readers(graph: nx.DiGraph) -> dict[str, tuple[int, list[str]]]:

@@ -93,7 +93,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         is_param.append(attributes["kind"] == "param")
         grad_from.append(attributes["requires_grad"] and attributes["kind"] in ("op", "input"))
     roots = [index if alias is None else ids[alias] for index, alias in enumerate(columns["alias_of"])]
-    grad_bytes = [columns["bytes"][root] for root in roots]  # :func:`passes.kept_bytes.gradient_bytes`
+    grad_bytes = [columns["bytes"][root] if own is None else own  # :func:`passes.kept_bytes.gradient_bytes`
+                  for root, own in zip(roots, columns["grad_bytes"], strict=True)]
     pred, succ = graph.pred, graph.succ  # each graph.pred makes a new view: bound once
     reads = [[ids[v] for v in pred[name]] for name in names]
     shared: list[list[tuple[int, int]]] = [[] for _ in names]
@@ -129,7 +130,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
 
 
 _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
-            "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views")
+            "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views",
+            "grad_bytes")
 
 
 class LimitExceeded(Exception):
@@ -217,6 +219,15 @@ class LiveMemory:
         buffer = self.grad_buffer.get(owner, owner * SLOT_KINDS + GRAD)
         self.grad_buffer[value] = buffer
         self.views_of[buffer] = self.views_of.get(buffer, 0) + 1
+
+    def gradient_buffer(self, value: int) -> int:
+        """The key of the buffer ``value``'s gradient is (or is a view of)."""
+        return self.grad_buffer.get(value, value * SLOT_KINDS + GRAD)
+
+    def shares_gradient(self, value: int) -> bool:
+        """Whether ``value``'s gradient is a view of a buffer another value's gradient views too."""
+        buffer = self.grad_buffer.get(value)
+        return buffer is not None and self.views_of[buffer] > 1
 
     def free_gradient(self, value: int) -> None:
         """Drop ``value``'s gradient; a shared buffer goes when its last view does."""

@@ -7,6 +7,7 @@ repeats for every op.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from passes.sim_memory import (
     AUTOCAST_CACHE,
@@ -80,59 +81,92 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
 def run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> None:
     """Backward of ``nodes`` (ids) in reverse: gradients in, gradients out, saved values released.
 
-    A node with ``backward_extra_bytes`` holds them, on top of all the gradients it returns
-    (those added into existing buffers too), for a moment after its gradients are made.
+    Each node's backward as autograd's engine runs it: the function makes every gradient it
+    returns, the ones to be added into existing buffers too, and its parameters' (with its
+    ``backward_extra_bytes`` of scratch for a moment); it returns and lets its saved values
+    go; then the engine adds what it returned into the buffers (:func:`_gradients_of`,
+    :func:`_added_into_buffers`).
     """
     index = memory.index
     keys = None if memory.fresh else index.value_keys  # as in :func:`run_forward`
     for node in reversed(nodes):
         early = index.released_early[node] if node in grads else ()  # let go by its first functions
-        if node in grads:
-            _gradients_of(memory, node, grads)
-            grads.discard(node)
+        returned = _gradients_of(memory, node, grads) if node in grads else None
+        grads.discard(node)
         for value in index.saved[node]:
             if value not in early:
                 memory.release(value, 1, None if keys is None else keys[value])
         if index.saved_extra[node]:  # (never allocated otherwise)
             memory.free(slot(node, EXTRA))
+        if returned:
+            _added_into_buffers(memory, node, returned)
 
 
-def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> None:
-    """``node``'s backward: its inputs' gradients made (or added into theirs), its
-    parameters' gradients, its scratch for a moment; then its own gradient freed."""
+def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> Returned | None:
+    """``node``'s backward function: its inputs' new gradient buffers made, those to be added
+    into existing ones made beside them, its parameters' gradients, its scratch for a
+    moment with all of them; then its own gradient let go. Returns what the engine adds
+    into buffers once it has returned (:func:`_added_into_buffers`), if anything."""
     index = memory.index
-    partial = 0
+    views = index.grad_views[node]  # it hands on views of its gradient: none made to add
+    added, made_to_add = [], 0
     for value, size in index.grad_reads[node]:
         if value in grads:
-            memory.touch(size)  # made beside the existing buffer, then added into it
-            partial += size
-        elif index.grad_views[node]:
+            added.append((value, size))
+            made_to_add += 0 if views else size
+        elif views:
             memory.share_gradient(value, node)
             grads.add(value)
         else:
             memory.allocate(slot(value, GRAD), size)
             grads.add(value)
-    shared = index.shared[node]
-    own = index.param_grad[node]
-    for param, nbytes in shared:  # summed in one buffer until its last reader's backward:
+    own, summed = index.param_grad[node], 0
+    for param, nbytes in index.shared[node]:  # summed in one buffer until its last reader's backward:
         if slot(param, PARAM_ACCUMULATOR) not in memory.live:  # the first gradient becomes it;
             memory.allocate(slot(param, PARAM_ACCUMULATOR), nbytes)
             own -= nbytes
         else:  # a later one is made beside it, and their sum (out of place) replaces it
-            own += nbytes
+            summed += nbytes
     if own > 0:
         memory.allocate(slot(node, PARAM_GRAD), own)
     for value in index.released_early[node]:
         memory.release(value)
-    # Kernel scratch lives while every gradient the node returns exists: the new
-    # buffers and parameter gradients above and those still to be added into a buffer.
-    extra = index.backward_extra[node]
-    if extra:
-        memory.touch(extra + partial)
-    if own > 0:
+    memory.touch(index.backward_extra[node] + made_to_add)
+    view_of = memory.gradient_buffer(node) if views else None
+    memory.free_gradient(node)
+    if added or own > 0 or index.shared[node]:
+        return Returned(tuple(added), made_to_add, own, summed, view_of)
+    return None
+
+
+class Returned(NamedTuple):
+    """What a backward function returned that the engine adds into buffers after it
+    (:func:`_added_into_buffers`)."""
+
+    added: tuple[tuple[int, int], ...]  # (input, gradient bytes) whose gradient is added into its buffer
+    made_to_add: int  # bytes of those gradients the function made (none where they are views of its own)
+    own: int  # bytes of its parameters' gradients, alive until autograd adds them into ``.grad``
+    summed: int  # bytes of them summed out of place into a shared weight's buffer
+    view_of: int | None  # the buffer whose views it handed on (its gradient's), if it did
+
+
+def _added_into_buffers(memory: LiveMemory, node: int, returned: Returned) -> None:
+    """After ``node``'s backward function returned and let its saved values go, everything it
+    returned alive until then: each gradient it made for an existing buffer added into it,
+    in place, or out of place into a new buffer where another value's gradient still views
+    the old one, the gradient added is a view of it, or the old one is a slice of a larger
+    buffer (``cat``'s), as autograd sums in place only into a dense tensor it holds the only
+    reference to; and its parameters' gradients summed out of place with shared weights'
+    buffers, each of which goes with its last reader's backward."""
+    for value, size in returned.added:
+        buffer = memory.gradient_buffer(value)
+        if memory.shares_gradient(value) or buffer == returned.view_of or memory.live.get(buffer, 0) > size:
+            memory.allocate(slot(value, GRAD), size)  # beside the old, which its view then lets go
+            memory.free_gradient(value)
+    memory.touch(returned.made_to_add + returned.summed)
+    if returned.own > 0:
         memory.free(slot(node, PARAM_GRAD))
-    for param, _ in shared:
+    for param, _ in memory.index.shared[node]:
         memory.pending_readers[param] -= 1
         if memory.pending_readers[param] == 0:
             memory.free(slot(param, PARAM_ACCUMULATOR))
-    memory.free_gradient(node)

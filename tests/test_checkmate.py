@@ -339,14 +339,17 @@ def test_time_limit_without_a_schedule_raises() -> None:
 def small_cost_graphs(draw, autocast: bool = False) -> nx.DiGraph:
     """Random DAG cost graphs of 1-8 ops (rare features drawn as ``!= last``: hypothesis
     favours small integers), mostly chain-like (so that few values are graph
-    outputs, which stay alive): skips, views, saved values, extra bytes, forward
-    temporaries, a few unrecomputable or uncuttable nodes, ops that need no gradient, ops
-    whose backward hands their inputs views of their own gradient (``grad_views``); with
+    outputs, which stay alive): skips, views (whose gradients may be smaller or larger than
+    their storage, ``grad_bytes``), saved values, extra bytes, forward temporaries, a few
+    unrecomputable or uncuttable nodes, ops that need no gradient, ops whose backward hands
+    their inputs views of their own gradient (``grad_views``), a weight several ops make
+    gradients for (summed in one buffer); with
     ``autocast``, casts autocast's cache keeps to the end of forward (a checkpoint call's
     forward does not cache them, a schedule's does: no longer one of the MILP's schedules)."""
     graph = nx.DiGraph()
     add_value(graph, "x", kind="input", order=0, bytes=draw(st.integers(0, 40)), requires_grad=draw(st.booleans()))
-    add_value(graph, "w", kind="param", order=1, bytes=0)
+    shared = draw(st.sampled_from([0, 0, 16]))  # a weight several ops make gradients for: summed in one buffer
+    add_value(graph, "w", kind="param", order=1, bytes=0, param_grad_bytes=shared)
     readable = ["x", "w"]
     n_ops = draw(st.integers(1, 8))
     for index in range(n_ops):
@@ -360,9 +363,11 @@ def small_cost_graphs(draw, autocast: bool = False) -> nx.DiGraph:
                   reads=reads, alias_of=alias_of, flops=draw(st.integers(0, 20)),
                   recomputable=draw(st.integers(0, 7)) != 7, cuttable=draw(st.integers(0, 9)) != 9,
                   saved=tuple(v for v in savable if draw(st.booleans())),
-                  saved_extra_bytes=draw(st.sampled_from([0, 0, 5])), param_grad_bytes=draw(st.sampled_from([0, 30])),
+                  saved_extra_bytes=draw(st.sampled_from([0, 0, 5])),
+                  param_grad_bytes=draw(st.sampled_from([0, 30])) + shared * ("w" in reads),
                   requires_grad=draw(st.integers(0, 5)) != 5,
-                  grad_views=not view and draw(st.integers(0, 3)) == 3,  # a cat: its inputs' gradients are views
+                  grad_views=draw(st.integers(0, 3)) == 3,  # a cat, an add or reshape passing its gradient through
+                  grad_bytes=draw(st.sampled_from([None, None, 7, 60])) if view else None,  # a slice's, an expand's
                   forward_extra_bytes=draw(st.sampled_from([0, 0, 0, 9])),
                   autocast_cache_bytes=draw(st.sampled_from([0, 0, 4])) if autocast else 0)
         readable.append(name)

@@ -173,14 +173,14 @@ def test_a_value_the_relaxation_holds_may_be_made_again_and_held_instead() -> No
     """The relaxation says what is alive through backward, not whether it was kept from
     forward or made once in backward and held; the smallest rounded keep set less one value
     (:func:`passes.relaxed.with_one_less`) lets the held-values pass hold it instead. On this
-    16-op DAG at 0.5 of eager (the budget table's worst) the cheapest relaxed plan
-    recomputes 687 FLOPs from the rounded sets alone and 444 with them."""
+    16-op DAG of planner_gap's family at 0.7 of eager the cheapest relaxed plan recomputes 114
+    FLOPs from the rounded sets alone and 23 with them."""
     import passes.relaxed as relaxed
 
     rng = random.Random(0)
-    graphs = [random_cost_graph(rng, 16) for _ in range(6)]
-    graph = graphs[5]
-    budget = int(0.5 * eager_peak(graph))
+    graphs = [random_cost_graph(rng, 16) for _ in range(9)]
+    graph = graphs[8]
+    budget = int(0.7 * eager_peak(graph))
     sets = relaxed.rounded_keeps(graph, relaxed_holds(graph, budget))
     widened = relaxed.with_one_less(sets)
     smallest = min(sets, key=len)

@@ -314,16 +314,18 @@ def test_a_weight_behind_several_ops_keeps_its_summed_gradient(model: type[nn.Mo
     the last op's backward to the first one's (:func:`passes.kept_bytes.shared_parameters`),
     also when the weight is inside a module an fx capture keeps whole (``param_grads``).
     Before: the module called twice was simulated 13% low (897 KiB, measured 1026 KiB),
-    as two modules each adding their own gradient into ``.grad`` at once."""
+    as two modules each adding their own gradient into ``.grad`` at once. The later
+    gradient is summed with the buffer out of place once its op's backward has returned
+    and let its saved values go: counted inside that backward, the bias of the module
+    called twice was 1 KiB over."""
     torch.manual_seed(0)
     module, x = model(), torch.randn(128, 256)
     graph = analyze(module, (x,)).cost_graph
     assert "out.weight" in [param for param, _, _ in shared_parameters(graph)]
     simulated = eager_peak(graph)
     measured = measure_step(module, (x,), zoo.scalar_loss, repeats=1).peak_bytes
-    # The simulator does not count the 4-byte scalar loss and its 4-byte gradient: where
-    # nothing else is over-counted (the bias of a module called twice is), 8 bytes low.
-    assert measured - LOSS_SCALARS <= simulated <= 1.03 * measured, (simulated, measured)
+    # The simulator does not count the 4-byte scalar loss and its 4-byte gradient: 8 bytes low at most.
+    assert measured - LOSS_SCALARS <= simulated <= measured, (simulated, measured)
 
 
 # ---------------------------------------------------------------- forward temporaries
