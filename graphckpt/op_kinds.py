@@ -66,6 +66,20 @@ def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool
 
 
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
+CAST_METHODS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+CAST_OPS = frozenset({"to", "_to_copy", "type_as"})
+
+
+def is_cast_node(node: Any) -> bool:
+    """Whether an fx node is a cast of its own (``x.to(dtype)``, ``x.float()``, exported
+    ``aten.to``/``aten._to_copy``), not an op autocast casts the inputs of inside it: a
+    selective segment keeping such a node whole keeps its cast
+    (:func:`graphckpt.runtime.keep_begin`)."""
+    if node.op == "call_method":
+        return node.target in CAST_METHODS
+    packet = getattr(node.target, "overloadpacket", None)
+    return node.op == "call_function" and (node.target is torch.Tensor.to
+                                           or getattr(packet, "__name__", None) in CAST_OPS)
 
 
 def mixes_float_widths(args: tuple, kwargs: Mapping[str, Any]) -> bool:
