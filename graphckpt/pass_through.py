@@ -46,6 +46,10 @@ class PassThroughWatch:
         else:
             self.made.add(name)
 
+    def passing(self) -> list[str]:
+        """The watched nodes whose backward passed its gradient through (:meth:`passes_through`)."""
+        return [name for name in self.functions if self.passes_through(name)]
+
     def passes_through(self, name: str) -> bool:
         """Whether every autograd function of ``name`` ran and handed on only gradients it
         received (or none), as many elements each: the node's backward makes no gradient

@@ -193,9 +193,8 @@ class _CostInterpreter(fx.Interpreter):
     def assign_pass_through(self) -> None:
         """Mark ``grad_views`` the nodes whose backward, just run, passed their gradient
         through (:class:`graphckpt.pass_through.PassThroughWatch`)."""
-        for name in self.pass_through.functions:
-            if self.pass_through.passes_through(name) and not self.costs[name].grad_views:
-                self.costs[name] = replace(self.costs[name], grad_views=True)
+        for name in self.pass_through.passing():
+            self.costs[name] = replace(self.costs[name], grad_views=True)
 
     def _gradient_bytes(self, node: fx.Node) -> int:
         """Bytes of the gradients the simulator gives ``node``'s backward: one buffer for
@@ -204,11 +203,17 @@ class _CostInterpreter(fx.Interpreter):
         gradients. What its backward holds beyond them (:meth:`Recorder.most_with_scratch`
         of it, or of the representative of a ghost) is its ``backward_extra_bytes``."""
         own = self.costs[node.name]
-        inputs = [] if own.grad_views else [self.costs[n.name] for n in node.all_input_nodes
+        inputs = [] if own.grad_views else [n.name for n in node.all_input_nodes
                                             if n.op != "get_attr" and self.costs[n.name].requires_grad]
-        sizes = [c.grad_bytes if c.grad_bytes is not None else self.costs[c.alias_of].bytes if c.alias_of in self.costs
-                 else c.bytes for c in inputs]
-        return sum(sizes) + own.param_grad_bytes
+        return sum(map(self._gradient_size, inputs)) + own.param_grad_bytes
+
+    def _gradient_size(self, name: str) -> int:
+        """Bytes of the gradient buffer of value ``name``, as the cost graph's
+        :func:`passes.kept_bytes.gradient_bytes` reads them."""
+        cost = self.costs[name]
+        if cost.grad_bytes is not None:
+            return cost.grad_bytes
+        return self.costs[cost.alias_of].bytes if cost.alias_of in self.costs else cost.bytes
 
     def _param_grad_bytes(self, node: fx.Node) -> int:
         """Bytes of parameter gradients this node's backward creates (before they are
