@@ -87,7 +87,8 @@ class _CostInterpreter(fx.Interpreter):
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
-        identity = cost.alias_of is not None and returns_an_input(result, *self.fetch_args_kwargs_from_env(node))
+        identity = node.op.startswith("call_") and cost.alias_of is not None and returns_an_input(
+            result, *self.fetch_args_kwargs_from_env(node))
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
                                         forward_extra_bytes=kinds.forward_extra_bytes(),
                                         grad_views=cost.grad_views or identity)
