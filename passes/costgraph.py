@@ -180,8 +180,10 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     gradient: slices of it (``cat``, ``stack``) or the very buffer (an ``add`` of two values
     of one shape passes its gradient through, as do a ``reshape``, a ``transpose`` and a
     ``dropout`` that returns its input). No new buffers, but the whole output gradient stays
-    alive until the last of them is used. A gradient added into such a shared buffer while
-    another value still holds it makes a new buffer, as autograd's out-of-place sum does.
+    alive until the last of them is used. A gradient added into such a buffer makes a new
+    one, as autograd's out-of-place sum does, while another value still holds it, when the
+    gradient added is a view of it, or when it is a slice of a larger one
+    (:func:`passes.sim_ops._added_into_buffers`).
 ``grad_bytes``: ``int | None`` (default ``None``)
     Bytes of the gradient buffer the value gets in backward, where that is not the size of
     its storage root: a view's gradient has the view's own size (a slice of a fused QKV
