@@ -46,7 +46,8 @@ from graphckpt.hooked import HookedSegmentModule
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks
 from graphckpt.progress import paused_gc
-from graphckpt.runtime import SegmentModule, keep_begin, keep_end
+from graphckpt.runtime import SegmentModule
+from graphckpt.segment_calls import keep_begin, keep_end
 from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
 from passes.plan import Plan
 from passes.remat import remat_sources
@@ -168,7 +169,7 @@ def _segment_module(source: Source, planned: PlannedSegment, target: str) -> Seg
         if name in env:
             return
         kept = name in planned.saved_inside
-        if kept:  # the policy keeps what runs between the marks (graphckpt.runtime.keep_begin)
+        if kept:  # the policy keeps what runs between the marks (graphckpt.segment_calls.keep_begin)
             how = ("cast" if is_cast_node(originals[name]) else "whole") if name in facts.kept_whole else "kernels"
             body.call_function(keep_begin, (how,), name=f"keep_{name}")
         env[name] = body.node_copy(originals[name], lambda n: env[n.name])

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from graphckpt.api import cost_model
 from graphckpt.dropping import autocast_uncached
 from graphckpt.planned_inputs import warn_if_autocast_differs
-from graphckpt.runtime import keep_matmul_outputs
+from graphckpt.segment_calls import keep_matmul_outputs
 from graphckpt.state import frozen_running_stats, running_stat_norms
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
@@ -159,7 +159,7 @@ class CheckpointedForward:
 
 def _selective_contexts() -> tuple[Any, Any]:
     """torch's selective checkpointing contexts keeping every matmul/convolution output, as a
-    selective segment of the plan keeps its matmul nodes' (:func:`graphckpt.runtime.keep_matmul_outputs`)."""
+    selective segment of the plan keeps its matmul nodes' (:func:`graphckpt.segment_calls.keep_matmul_outputs`)."""
     return create_selective_checkpoint_contexts(keep_matmul_outputs)
 
 

@@ -74,7 +74,7 @@ def is_cast_node(node: Any) -> bool:
     """Whether an fx node is a cast of its own (``x.to(dtype)``, ``x.float()``, exported
     ``aten.to``/``aten._to_copy``), not an op autocast casts the inputs of inside it: a
     selective segment keeping such a node whole keeps its cast
-    (:func:`graphckpt.runtime.keep_begin`)."""
+    (:func:`graphckpt.segment_calls.keep_begin`)."""
     if node.op == "call_method":
         return node.target in CAST_METHODS
     packet = getattr(node.target, "overloadpacket", None)

@@ -10,15 +10,8 @@ body is passed and updates in place (running statistics of an export-captured
 copies (:func:`scratch_state`).
 
 Selective segments keep the values their plan names (``saved_inside``) from forward instead
-of recomputing them (torch's selective checkpointing contexts): the body marks each such node
-(:func:`keep_begin` / :func:`keep_end` around it, emitted by codegen) and the segment's
-policy saves the ops run inside a mark: every op of a node kept whole, only the
-matmul/convolution kernels of a matmul or convolution node
-(:func:`graphckpt.op_kinds.kept_by_selective`, what the cost graph's ``selective_extra_bytes``
-counts). A nested one keeps them from its enclosing segment's recompute, not from the first
-forward: each call records the nested calls it makes, and when backward recomputes
-it, the nested calls made again, in the same order, fill the storage of the ones they
-stand for (:class:`_Call`).
+of recomputing them (torch's selective checkpointing contexts): each call is recorded, and
+its policy kept to, as :mod:`graphckpt.segment_calls` says.
 
 Rematerialized inputs (:mod:`passes.remat`) go to checkpoint by reference (:class:`_Dropped`):
 forward runs on the real tensor, then drops it; the recompute first makes a detached copy from
@@ -27,26 +20,18 @@ the sources under ``no_grad`` (``segment_i_remat`` in ``print(gm.code)``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    set_checkpoint_early_stop,
-)
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from graphckpt.dropping import autocast_uncached
-from graphckpt.op_kinds import kept_by_selective
+from graphckpt.segment_calls import RunningBody, SegmentCall, innermost_running, refill_contexts
 from graphckpt.state import StateInput, frozen_running_stats, running_stat_norms, scratch_state, unwrap_state
-from graphckpt.torch_compat import NormBase, OpOverload, clear_selective_cache, is_cast, op_schema, profiled_range
+from graphckpt.torch_compat import NormBase, clear_selective_cache, profiled_range
 
 
 class _Dropped:
@@ -131,13 +116,13 @@ class SegmentModule(nn.Module):
         if self.state_inputs or self.remat_inputs:
             args = tuple(StateInput(a) if i in self.state_inputs else _Dropped(a) if i in self.remat_inputs else a
                          for i, a in enumerate(args))
-        running = _innermost_running()
+        running = innermost_running()
         if running is not None and running.recomputing:
             # Run again inside the enclosing segment's recompute: this call's own graph is
             # never backpropagated; it stands for the call made in the original forward.
-            contexts = functools.partial(_refill_contexts, running.next_nested())
+            contexts = functools.partial(refill_contexts, running.next_nested())
         else:
-            call = _Call(self.saved_inside, [a for a in args if isinstance(a, StateInput)])
+            call = SegmentCall(self.saved_inside, [a for a in args if isinstance(a, StateInput)])
             if self.remat_inputs:
                 call.remake = functools.partial(self._remake, args)
             if running is not None:
@@ -160,7 +145,7 @@ class SegmentModule(nn.Module):
         """The body, given scratch copies of the state it updates when this is its recompute
         (a call made again by an enclosing recompute is already passed that one's copies)
         and its rematerialized inputs."""
-        running = _innermost_running()
+        running = innermost_running()
         recomputing = isinstance(running, _Recomputing) and running.segment is self
         return self.body.forward(*unwrap_state(self._inputs(args), recomputing))
 
@@ -213,96 +198,19 @@ class SegmentModule(nn.Module):
         return own + [name for name in self.remat_names if name not in own]
 
 
-class _Call:
-    """One call of a segment in a forward whose graph backward will use.
-
-    A selective segment's call keeps its matmul/conv outputs through ``caching`` and reuses
-    them through ``cached`` (torch's selective checkpointing contexts, sharing one storage).
-    A top-level call caches in forward; a nested one only when its enclosing segment is
-    recomputed: the nested calls made then, in the same order, cache for the calls in
-    ``nested`` they stand for (``filled`` once one has).
-    """
-
-    def __init__(self, saved_inside: Sequence[str], state: Sequence[StateInput] = ()) -> None:
-        self.nested: list[_Call] = []
-        self.state = tuple(state)  # what its recompute gets scratch copies of
-        self.remake: functools.partial | None = None  # makes its rematerialized inputs again
-        self.filled = False
-        self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
-        self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if saved_inside:
-            policy = functools.partial(_keep_marked, weakref.ref(self))  # no cycle: freed with its graph
-            self.caching, self.cached = create_selective_checkpoint_contexts(policy)
-
-
-_RUNNING = threading.local()  # a stack of _Running, per thread (CUDA backward has its own)
-
-
-def _running_stack() -> list[_Running]:
-    if not hasattr(_RUNNING, "stack"):
-        _RUNNING.stack = []
-    return _RUNNING.stack
-
-
-def _innermost_running() -> _Running | None:
-    stack = _running_stack()
-    return stack[-1] if stack else None
-
-
-class _Running:
-    """A segment's body running: in forward (``cache``: keep matmul outputs now; ``refill``:
-    keep them for the call this one stands for) or in a recompute (``recomputing``)."""
-
-    def __init__(self, call: _Call, *, cache: bool = False, refill: _Call | None = None,
-                 recomputing: bool = False) -> None:
-        self.call = call
-        self.recomputing = recomputing
-        self.nested_seen = 0
-        self.stack = contextlib.ExitStack()
-        self.caching = call.caching if cache else refill.caching if refill is not None else None
-        self.refill = refill
-        self.keeper = refill if refill is not None else call  # whose policy a mark in this body speaks to
-        self.keeping: str | None = None  # inside keep_begin(..) / keep_end(..): "whole" or "kernels"
-
-    def next_nested(self) -> _Call:
-        """The call, in the forward being recomputed, of the nested segment called now."""
-        if self.nested_seen >= len(self.call.nested):
-            raise RuntimeError("graphckpt: a recompute called more nested segments than the forward it "
-                               "repeats; the model's control flow changed between forward and backward")
-        self.nested_seen += 1
-        return self.call.nested[self.nested_seen - 1]
-
-    def __enter__(self) -> None:
-        _running_stack().append(self)
-        if self.caching is not None:
-            self.stack.enter_context(self.caching)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stack.close()
-        _running_stack().pop()
-        if self.refill is not None and exc_info[0] is None:
-            self.refill.filled = True
-
-
-def _call_contexts(segment: SegmentModule, call: _Call) -> tuple[_Running, _Recomputing]:
+def _call_contexts(segment: SegmentModule, call: SegmentCall) -> tuple[RunningBody, _Recomputing]:
     """Forward and recompute contexts of a call backward will use."""
-    return _Running(call, cache=segment.enclosing is None), _Recomputing(segment, call)
+    return RunningBody(call, cache=segment.enclosing is None), _Recomputing(segment, call)
 
 
-def _refill_contexts(stands_for: _Call) -> tuple[_Running, contextlib.AbstractContextManager]:
-    """Contexts of a call made again by an enclosing recompute: it keeps matmul outputs for
-    the call it stands for, and is itself never recomputed."""
-    return _Running(_Call(()), refill=stands_for), contextlib.nullcontext()
-
-
-class _Recomputing(_Running):
+class _Recomputing(RunningBody):
     """What surrounds every recompute of a segment: counted, running statistics frozen, kept
     matmul outputs reused. Re-enterable, since a double backward recomputes twice.
 
     A nested segment whose enclosing recompute stopped before reaching it (checkpoint's early
     stop) has nothing kept and recomputes everything."""
 
-    def __init__(self, segment: SegmentModule, call: _Call) -> None:
+    def __init__(self, segment: SegmentModule, call: SegmentCall) -> None:
         super().__init__(call, recomputing=True)
         self.segment = segment
 
@@ -325,56 +233,3 @@ class _Recomputing(_Running):
         clear_selective_cache(self.call.cached)
 
 
-def keep_begin(how: str) -> None:
-    """Mark the start of a node the running segment keeps from forward (codegen emits it
-    before each ``saved_inside`` node): ``how`` is ``"whole"`` (every op's output is kept
-    but the casts autocast makes of its inputs, which the recompute makes again: a kept
-    ``cat`` of bf16 and float32 rotary halves under autocast cached its 24 KiB float32 copy
-    of the bf16 one beside its value, and GPT-NeoX's plan at 0.5 measured 3.9% over its
-    simulated peak), ``"cast"`` (a cast node kept whole: every op's output) or
-    ``"kernels"`` (only its matmul/convolution kernels, as for an ``expensive`` node).
-    Outside a checkpointed call (eval, no_grad) it does nothing."""
-    running = _innermost_running()
-    if running is not None:
-        running.keeping = how
-
-
-def keep_end(value: Any) -> Any:
-    """Mark the end of a kept node (:func:`keep_begin`); returns ``value`` unchanged so the
-    body reads as ``x = keep_end(x)`` would, without changing what flows."""
-    running = _innermost_running()
-    if running is not None:
-        running.keeping = None
-    return value
-
-
-def _keep_marked(call: weakref.ref[_Call], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """``call``'s selective policy: keep the outputs of ops run inside a mark its own body
-    made (not a nested segment's: the innermost running body must be the one ``call``
-    stands for), all of them for a node kept whole, the matmul/convolution kernels for a
-    matmul node. The same marks run in forward and in the recompute, so both agree."""
-    running = _innermost_running()
-    if running is None or running.keeper is not call() or running.keeping is None:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if kept_by_selective(op, args, kwargs) or (running.keeping == "cast" and not _writes(op)) or (
-            running.keeping == "whole" and not _writes(op) and not is_cast(op)):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _writes(op: Any) -> bool:
-    """Whether ``op`` writes one of its arguments in place (a norm's batch counter ``add_``):
-    its output is a tensor written again later, which a selective cache may not hold; it
-    runs again in the recompute, on the scratch state the recompute gets."""
-    return isinstance(op, OpOverload) and op_schema(op).is_mutable
-
-
-def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """A selective policy that keeps nothing: what the policy machinery costs by itself."""
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def keep_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """A selective policy that keeps every matmul/convolution output, as a selective segment
-    keeps its matmul nodes': what the policy costs on a model's own ops."""
-    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE

@@ -198,7 +198,7 @@ def checkpoint_overheads(device: str = "cpu") -> Overheads:
     """
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from graphckpt.runtime import recompute_everything
+    from graphckpt.segment_calls import recompute_everything
 
     x = torch.ones(8, device=device, requires_grad=True)
     where = x.device
@@ -296,7 +296,7 @@ def selective_overhead_per_op(graph_module: fx.GraphModule, args: tuple,
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    from graphckpt.runtime import keep_matmul_outputs
+    from graphckpt.segment_calls import keep_matmul_outputs
 
     module, inputs = _timing_run(graph_module, args, kwargs)
     device = model_device(module, inputs)

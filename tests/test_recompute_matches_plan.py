@@ -120,12 +120,12 @@ def test_a_selective_call_is_freed_with_its_graph_without_the_garbage_collector(
     holds for a segment run by saved-tensor hooks (graphckpt.hooked), whose handles refer to
     their call."""
     from graphckpt.hooked import _HookedCall
-    from graphckpt.runtime import _Call
+    from graphckpt.segment_calls import SegmentCall
 
     if runtime == "selective-mode":
         for module in ("passes.recompute", "passes.simulate"):  # modules, not passes' re-exported functions
             monkeypatch.setattr(sys.modules[module], "keeps_by_hooks", lambda graph, segment: False)
-    kind = _Call if runtime == "selective-mode" else _HookedCall
+    kind = SegmentCall if runtime == "selective-mode" else _HookedCall
 
     def calls() -> int:
         return sum(isinstance(o, kind) for o in gc.get_objects())
