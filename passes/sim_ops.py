@@ -131,7 +131,8 @@ def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> Returned | 
         memory.allocate(slot(node, PARAM_GRAD), own)
     for value in index.released_early[node]:
         memory.release(value)
-    memory.touch(index.backward_extra[node] + made_to_add)
+    if index.backward_extra[node] or made_to_add:  # (a no-op otherwise: most nodes, on the replay's hot path)
+        memory.touch(index.backward_extra[node] + made_to_add)
     view_of = memory.gradient_buffer(node) if views else None
     memory.free_gradient(node)
     if added or own > 0 or index.shared[node]:
