@@ -238,13 +238,14 @@ class DedupInterpreter(_CostInterpreter):
             self.gradients.watch(node.name, list(outputs), inputs)
         return result
 
-    def add_forward_scratch(self) -> dict[str, int]:
+    def add_forward_scratch(self) -> dict[str, tuple[int, int]]:
         """As the full profile's, and each ghost gets its representative's."""
         added = super().add_forward_scratch()
         for ghost, representative in self.ghosts.items():
-            if added.get(representative):
-                cost = self.costs[ghost]
-                self.costs[ghost] = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + added[representative])
+            if representative in added:
+                cost, (forward, rerun) = self.costs[ghost], added[representative]
+                self.costs[ghost] = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + forward,
+                                            cached_rerun_extra_bytes=(cost.cached_rerun_extra_bytes or 0) + rerun)
                 added[ghost] = added[representative]
         return added
 

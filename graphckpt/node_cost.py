@@ -28,6 +28,7 @@ class NodeCost:
     dtype: str
     backward_extra_bytes: int = 0
     forward_extra_bytes: int = 0
+    cached_rerun_extra_bytes: int | None = None  # the cost graph's attribute: forward_extra_bytes of a cached rerun
     autocast_cache_bytes: int = 0
     grad_views: bool = False
     grad_bytes: int | None = None  # the cost graph's attribute: a view's gradient buffer, when not its storage's size

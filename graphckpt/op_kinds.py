@@ -125,6 +125,8 @@ class OpKinds(TorchDispatchMode):
         self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
         self.narrow_calls: list[tuple] = []  # (func, args, kwargs as layouts): see :meth:`_note_narrow`
         self.narrow_at: list[int] = []  # for each of them, its place in ``events``: just after its results
+        self.narrow_kernel: list[bool] = []  # for each of them, whether selective checkpointing would keep its
+        # outputs (a matmul's): a rerun served from the cache does not call it, nor make its scratch
         self.caching = caching_devices()
         self.cached_casts: list[tuple[int, Any, int]] = []  # (storage key, weak reference, bytes): parameter
         # casts autocast's cache keeps to the end of forward (passes.costgraph's ``autocast_cache_bytes``)
@@ -154,7 +156,7 @@ class OpKinds(TorchDispatchMode):
             self.events.append(-entry[0] - 1)
             del self.tensors[key]
 
-    def _note_narrow(self, func: Any, layouts: tuple) -> None:
+    def _note_narrow(self, func: Any, layouts: tuple, kernel: bool) -> None:
         """Keep a call :func:`replayed_for_scratch` names for replay (:attr:`narrow_calls`, its
         args and kwargs as ``layouts``), and where it ran among the node's storages
         (:meth:`narrow_heights`), after its results are followed: on CPU such kernels allocate
@@ -165,6 +167,7 @@ class OpKinds(TorchDispatchMode):
         its budgets without it, and replays cost profile time."""
         self.narrow_calls.append((func, *layouts))
         self.narrow_at.append(len(self.events))
+        self.narrow_kernel.append(kernel)
 
     def narrow_heights(self) -> list[int]:
         """For each call of :attr:`narrow_calls`, the bytes of the storages the node's calls
@@ -206,7 +209,7 @@ class OpKinds(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
         if narrow:
-            self._note_narrow(func, layouts)
+            self._note_narrow(func, layouts, kernel=is_expensive)
         if self.caching and is_cast(func) and cached_by_autocast(args[0], result, self.caching):
             self.cached_casts.append((*storage_key_and_ref(result), allocated_bytes(result)))
         if is_expensive:

@@ -59,6 +59,8 @@ class _CostInterpreter(fx.Interpreter):
         self.costs: dict[str, NodeCost] = {}
         self.narrow_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls on 16-bit floats
         self.narrow_heights: dict[str, list[int]] = {}  # node -> what each of them ran on (OpKinds.narrow_heights)
+        self.narrow_kernel: dict[str, list[bool]] = {}  # node -> of each, whether a rerun served from the selective
+        # cache calls it not (OpKinds.narrow_kernel)
         for tensor in (*module.parameters(), *module.buffers()):
             self.owner[storage_key(tensor)] = PARAM
         self.param_names = {id(p): name for name, p in module.named_parameters()}  # a tied one: its first name
@@ -91,10 +93,12 @@ class _CostInterpreter(fx.Interpreter):
             result, *self.fetch_args_kwargs_from_env(node))
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
                                         forward_extra_bytes=kinds.forward_extra_bytes(),
+                                        cached_rerun_extra_bytes=kinds.forward_extra_bytes(),
                                         grad_views=cost.grad_views or identity)
         if kinds.narrow_calls:
             self.narrow_calls[node.name] = kinds.narrow_calls
             self.narrow_heights[node.name] = kinds.narrow_heights()
+            self.narrow_kernel[node.name] = kinds.narrow_kernel
         if self.backward and node.op.startswith("call_"):
             self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if kinds.opaque else None))
         return result
@@ -137,20 +141,25 @@ class _CostInterpreter(fx.Interpreter):
             stack.extend(next_function for next_function, _ in function.next_functions)
         return claimed
 
-    def add_forward_scratch(self) -> dict[str, int]:
+    def add_forward_scratch(self) -> dict[str, tuple[int, int]]:
         """Raise each node's ``forward_extra_bytes`` to the most its forward holds while one of
         its calls on 16-bit floats runs: the scratch that call's kernel allocates inside itself
         (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`, replayed unless measured before in
         this process: :func:`measure_kernel_scratch`) on what the node's earlier calls made
-        and had not freed, its results among them (:func:`graphckpt.node_cost.with_forward_scratch`).
-        Returns the bytes added, by node."""
+        and had not freed, its results among them (:func:`graphckpt.node_cost.with_forward_scratch`);
+        and its ``cached_rerun_extra_bytes`` by the scratch of the calls a rerun served from
+        selective checkpointing's cache still makes: not a matmul's, whose output the cache
+        hands back without calling it. Returns the bytes added to each, by node."""
         added = {}
         for name, scratches in scratch_by_call(self.narrow_calls).items():
-            before = self.costs[name].forward_extra_bytes
-            most = with_forward_scratch(before, self.narrow_heights[name], scratches)
-            if most > before:
-                added[name] = most - before
-                self.costs[name] = replace(self.costs[name], forward_extra_bytes=most)
+            cost = self.costs[name]
+            most = with_forward_scratch(cost.forward_extra_bytes, self.narrow_heights[name], scratches)
+            rerun_scratches = [0 if kernel else scratch
+                               for scratch, kernel in zip(scratches, self.narrow_kernel[name], strict=True)]
+            rerun_before = cost.cached_rerun_extra_bytes or 0
+            rerun = with_forward_scratch(rerun_before, self.narrow_heights[name], rerun_scratches)
+            added[name] = (most - cost.forward_extra_bytes, rerun - rerun_before)
+            self.costs[name] = replace(cost, forward_extra_bytes=most, cached_rerun_extra_bytes=rerun)
         return added
 
     def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:

@@ -53,6 +53,7 @@ class GraphIndex:
     released_early: list[tuple[int, ...]]
     saved_extra: list[int]
     forward_extra: list[int]
+    cached_rerun_extra: list[int]  # forward_extra of a rerun whose kernels the selective cache serves
     autocast_cache: list[int]
     autocast_cached: tuple[int, ...]  # the nodes with ``autocast_cache`` bytes
     selective_extra: list[int]
@@ -117,6 +118,9 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         released_early=[tuple(map(ids.__getitem__, early)) for early in columns["released_early"]],
         saved_extra=columns["saved_extra_bytes"],
         forward_extra=columns["forward_extra_bytes"],
+        cached_rerun_extra=[extra if cached is None else cached
+                            for extra, cached in zip(columns["forward_extra_bytes"], columns["cached_rerun_extra_bytes"],
+                                                     strict=True)],
         autocast_cache=columns["autocast_cache_bytes"],
         autocast_cached=tuple(i for i, cached in enumerate(columns["autocast_cache_bytes"]) if cached),
         selective_extra=columns["selective_extra_bytes"],
@@ -130,8 +134,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
 
 
 _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
-            "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes", "param_grad_bytes", "grad_views",
-            "grad_bytes")
+            "cached_rerun_extra_bytes", "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes",
+            "param_grad_bytes", "grad_views", "grad_bytes")
 
 
 class LimitExceeded(Exception):

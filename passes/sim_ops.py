@@ -65,7 +65,9 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
         # Its temporaries, held for a moment; run without saving, what it saves beyond values
         # too (made inside the op all the same, let go when it returns), and with autocast's
         # cache off, its casts.
-        moment = forward_extra[node] + (0 if save else saved_extra[node]) + (0 if caching else cached[node])
+        # Served from selective checkpointing's cache (``consumed``), its kernels do not run.
+        extra = index.cached_rerun_extra[node] if node in taken else forward_extra[node]
+        moment = extra + (0 if save else saved_extra[node]) + (0 if caching else cached[node])
         if moment:
             memory.touch(moment)
         for value in reads[node]:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from passes.checkmate import MAX_OPS, CheckmateResult, checkmate_schedule
 from passes.costgraph import add_value, check_cost_graph
 from passes.graph_facts import op_nodes
+from passes.plan import Plan
 from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES, choose_plan
 from passes.training_graph import (
@@ -405,14 +406,50 @@ def check_monotone(graph: nx.DiGraph, fractions: list[float]) -> None:
         assert larger.recompute_flops <= smaller.recompute_flops
 
 
+def in_run_order(graph: nx.DiGraph, plan: Plan) -> nx.DiGraph:
+    """A copy of ``graph`` whose ops' ``order`` is the order ``plan`` runs them in (its
+    segments one after another). The MILP schedules ops in ``order``; a plan may run an op
+    later than eager does (an op reading only a weight, put in a later segment), and its peak
+    may then be below every schedule in eager order."""
+    ordered = graph.copy()
+    slots = sorted(graph.nodes[name]["order"] for name in op_nodes(graph))
+    run = [name for segment in plan.segments for name in segment.nodes]
+    for name, slot in zip(run, slots, strict=True):
+        ordered.nodes[name]["order"] = slot
+    return ordered
+
+
 def check_strategies(graph: nx.DiGraph, segments: int | None) -> None:
     """Each plan's run (its simulated peak, its recompute) is one of the schedules the MILP
-    searches, so the MILP at that peak fits and recomputes no more."""
+    searches over the ops in the plan's order, so the MILP at that peak fits and recomputes
+    no more."""
     for strategy in sorted(STRATEGIES):
         plan = choose_plan(graph, strategy, segments)
-        result = checkmate_schedule(graph, plan.peak_bytes, time_limit=20)
+        result = checkmate_schedule(in_run_order(graph, plan), plan.peak_bytes, time_limit=20)
         assert result is not None and result.status == "optimal", strategy
         assert result.recompute_flops <= plan.recompute_flops, strategy
+
+
+def test_a_plan_running_an_op_later_than_eager_is_checked_in_its_own_order() -> None:
+    """Found by hypothesis: op2 reads only a weight and saves a 5-byte extra; the mincut plan
+    runs it after op3, so its extra is gone before op3's backward, at a peak (140 B) no
+    schedule in eager order reaches."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=28)
+    add_value(graph, "w", kind="param", order=1, bytes=0)
+    add_value(graph, "op0", kind="op", order=2, bytes=1, reads=["w"])
+    add_value(graph, "op1", kind="op", order=3, bytes=29, reads=["op0"])
+    add_value(graph, "op2", kind="op", order=4, bytes=1, reads=["w"], saved_extra_bytes=5, flops=1)
+    add_value(graph, "op3", kind="op", order=5, bytes=15, reads=["op1", "x"], saved=("op1",), param_grad_bytes=30)
+    add_value(graph, "op4", kind="op", order=6, bytes=1, reads=["op3"], saved=("op3",), grad_views=True)
+    add_value(graph, "op5", kind="op", order=7, bytes=22, reads=["op4"])
+    add_value(graph, "output", kind="output", order=8, bytes=0, reads=["op2", "op5"])
+    check_cost_graph(graph)
+    plan = choose_plan(graph, "mincut", None)
+    run = [name for segment in plan.segments for name in segment.nodes]
+    assert run.index("op2") > run.index("op3")
+    assert checkmate_schedule(graph, plan.peak_bytes, time_limit=20) is None
+    check_strategies(graph, None)
 
 
 FEW = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -244,6 +244,29 @@ def test_a_recompute_takes_a_cached_nodes_inner_matmul_outputs_out_of_the_cache_
     assert "selective cache" not in {s.kind for s in peak.storages}, peak
 
 
+@pytest.mark.parametrize("rerun_extra", [None, 10])
+def test_a_recompute_served_from_the_cache_holds_the_nodes_rerun_temporaries_only(rerun_extra: int | None) -> None:
+    """A node a selective segment keeps comes back from selective checkpointing's cache in the
+    recompute: its matmul is not called, so its scratch (a bf16 GEMM's, in
+    ``forward_extra_bytes``) is not made, only ``cached_rerun_extra_bytes`` (``None``: all of
+    ``forward_extra_bytes``). In forward, where it runs, it holds all of them."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=500, requires_grad=True)
+    add_value(graph, "a", kind="op", order=1, bytes=100, reads=["x"], saved=("x",), expensive=True,
+              forward_extra_bytes=1000, cached_rerun_extra_bytes=rerun_extra)
+    add_value(graph, "b", kind="op", order=2, bytes=100, reads=["a"], saved=("a",))
+    add_value(graph, "output", kind="output", order=3, bytes=0, reads=["b"])
+    check_cost_graph(graph)
+    segments = (replace(make_segments(graph, [(["a", "b"], True)])[0], saved_inside=("a",)),)
+    peak = peak_breakdown(graph, segments)
+    gradients = {s.name for s in peak.storages if s.kind == "gradient"}
+    assert peak.reached_by == "a temporary of 1000 bytes"
+    if rerun_extra is None:  # in the recompute: a, b, b's gradient and the 1000
+        assert (peak.peak_bytes, gradients) == (1300, {"b"})
+    else:  # in forward: a and the 1000; the recompute holds a, b, b's gradient and 10
+        assert (peak.peak_bytes, gradients) == (1100, set())
+
+
 def test_scratch_is_held_with_the_gradients_added_into_existing_buffers() -> None:
     # c's backward leaves c (output), grad a, grad b = 30; b's backward makes a gradient for a
     # that is added into grad a (10), and holds its scratch (100) while that gradient exists.
