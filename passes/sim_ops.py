@@ -159,14 +159,20 @@ def _added_into_buffers(memory: LiveMemory, node: int, returned: Returned) -> No
     in place, or out of place into a new buffer where another value's gradient still views
     the old one, the gradient added is a view of it, or the old one is a slice of a larger
     buffer (``cat``'s), as autograd sums in place only into a dense tensor it holds the only
-    reference to; and its parameters' gradients summed out of place with shared weights'
-    buffers, each of which goes with its last reader's backward."""
+    reference to (the sum made while the old buffer and the gradient added are alive, as the
+    exact solver's training graph has it); and its parameters' gradients summed out of place
+    with shared weights' buffers, each of which goes with its last reader's backward."""
+    old = 0  # bytes of the buffer the last sum made out of place read, when that let it go
     for value, size in returned.added:
         buffer = memory.gradient_buffer(value)
         if memory.shares_gradient(value) or buffer == returned.view_of or memory.live.get(buffer, 0) > size:
             memory.allocate(slot(value, GRAD), size)  # beside the old, which its view then lets go
+            before = memory.current
             memory.free_gradient(value)
-    memory.touch(returned.made_to_add + returned.summed)
+            old = before - memory.current
+    # What it returned is alive until added in: with the last sum, and the buffer that sum read
+    # (a shared weight's sum comes after the buffers' sums, that buffer gone)
+    memory.touch(returned.made_to_add + returned.summed + (0 if returned.summed else old))
     if returned.own > 0:
         memory.free(slot(node, PARAM_GRAD))
     for param, _ in memory.index.shared[node]:
