@@ -34,6 +34,8 @@ class NodeCost:
     grad_bytes: int | None = None  # the cost graph's attribute: a view's gradient buffer, when not its storage's size
     selective_extra_bytes: int = 0
     saves_from: str = "outputs"  # the cost graph's attribute: "nothing", "inputs" or "outputs"
+    param_grad_cast_bytes: int = 0  # the cost graph's attribute: of param_grad_bytes, those made by casting up
+    param_grad_narrow_bytes: int = 0  # the cost graph's attribute: the 16-bit gradients cast up
     param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
     released_early: tuple[str, ...] = ()  # the cost graph's attribute: saved values let go before backward's peak
     backward_allocates: bool = False  # the cost graph's attribute: its backward makes a new storage

@@ -35,13 +35,19 @@ def caching_devices() -> frozenset[str]:
     return frozenset(device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
 
 
+def narrows_a_trained_leaf(source: Any, cast: Any) -> bool:
+    """Whether ``cast``, a ``_to_copy`` of ``source``, makes a float32 leaf that requires grad
+    (a parameter) 16-bit: autocast's cast of a weight, whose gradient backward makes 16-bit and
+    then casts up (the cost graph's ``param_grad_cast_bytes``)."""
+    return (isinstance(source, torch.Tensor) and isinstance(cast, torch.Tensor) and source.dtype == torch.float32
+            and source.requires_grad and source.is_leaf and cast.dtype in NARROW_FLOATS)
+
+
 def cached_by_autocast(source: Any, cast: Any, devices: frozenset[str]) -> bool:
     """Whether autocast's cache keeps ``cast``, a ``_to_copy`` of ``source``, until its region
-    ends: a float32 leaf that requires grad (a parameter) made 16-bit on a device whose autocast
+    ends: a parameter made 16-bit (:func:`narrows_a_trained_leaf`) on a device whose autocast
     caches (ATen's ``cached_cast``)."""
-    return (isinstance(source, torch.Tensor) and isinstance(cast, torch.Tensor) and source.device.type in devices
-            and source.dtype == torch.float32 and source.requires_grad and source.is_leaf
-            and cast.dtype in NARROW_FLOATS)
+    return narrows_a_trained_leaf(source, cast) and source.device.type in devices
 
 
 EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
@@ -130,6 +136,8 @@ class OpKinds(TorchDispatchMode):
         self.caching = caching_devices()
         self.cached_casts: list[tuple[int, Any, int]] = []  # (storage key, weak reference, bytes): parameter
         # casts autocast's cache keeps to the end of forward (passes.costgraph's ``autocast_cache_bytes``)
+        self.parameter_casts: list[tuple[int, int]] = []  # (bytes of the 16-bit copy, of the parameter) of each
+        # parameter this node casts (passes.costgraph's ``param_grad_narrow_bytes``, ``param_grad_cast_bytes``)
         self.running = True
 
     def __exit__(self, *exc: Any) -> Any:
@@ -210,8 +218,10 @@ class OpKinds(TorchDispatchMode):
                 self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
         if narrow:
             self._note_narrow(func, layouts, kernel=is_expensive)
-        if self.caching and is_cast(func) and cached_by_autocast(args[0], result, self.caching):
-            self.cached_casts.append((*storage_key_and_ref(result), allocated_bytes(result)))
+        if is_cast(func) and narrows_a_trained_leaf(args[0], result):
+            self.parameter_casts.append((allocated_bytes(result), allocated_bytes(args[0])))
+            if cached_by_autocast(args[0], result, self.caching):
+                self.cached_casts.append((*storage_key_and_ref(result), allocated_bytes(result)))
         if is_expensive:
             self.expensive_outputs.extend((*storage_key_and_ref(t), allocated_bytes(t))
                                           for t in tree_leaves(result) if isinstance(t, torch.Tensor))

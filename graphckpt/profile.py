@@ -32,6 +32,7 @@ from graphckpt.torch_compat import (
     FakeTensorMode,
     allocated_bytes,
     allocation_size,
+    casts_up_a_parameter_gradient,
     fake_module_copy,
     flop_counter,
     is_accumulate_grad,
@@ -135,7 +136,7 @@ class _CostInterpreter(fx.Interpreter):
                 continue
             self.grad_fns.add(function)
             claimed.append(function)
-            if name is not None:
+            if name is not None and not casts_up_a_parameter_gradient(function):  # (param_grad_cast_bytes)
                 function.register_prehook(enter)
                 function.register_hook(leave)
             stack.extend(next_function for next_function, _ in function.next_functions)
@@ -215,7 +216,8 @@ class _CostInterpreter(fx.Interpreter):
         own = self.costs[node.name]
         inputs = [] if own.grad_views else [n.name for n in node.all_input_nodes
                                             if n.op != "get_attr" and self.costs[n.name].requires_grad]
-        return sum(map(self._gradient_size, inputs)) + own.param_grad_bytes
+        made = own.param_grad_bytes - own.param_grad_cast_bytes + own.param_grad_narrow_bytes  # 16-bit where cast
+        return sum(map(self._gradient_size, inputs)) + made
 
     def _gradient_size(self, name: str) -> int:
         """Bytes of the gradient buffer of value ``name``, as the cost graph's
@@ -280,6 +282,9 @@ class _CostInterpreter(fx.Interpreter):
         freed = sum(nbytes for _, ref, nbytes in kinds.expensive_outputs if not storage_alive(ref))  # (keys reused)
         remade = 0 if any(key in own for key, _, _ in kinds.expensive_outputs) else fresh  # selective_extra
         cached = {key: nbytes for key, ref, nbytes in kinds.cached_casts if key not in kept and storage_alive(ref)}
+        param_grad = self._param_grad_bytes(node)
+        casts = kinds.parameter_casts  # of its own parameters' gradients only (not more than it makes)
+        casts = casts if sum(full for _, full in casts) <= param_grad else []
         return NodeCost(
             bytes=0 if node.op == "get_attr" else fresh,
             alias_of=alias_of,
@@ -293,7 +298,9 @@ class _CostInterpreter(fx.Interpreter):
             grad_bytes=gradient if alias_of is not None else None,  # a view's gradient has its own size
             selective_extra_bytes=selective_extra(sum(inner.values()) + freed, remade),
             autocast_cache_bytes=sum(cached.values()),
-            param_grad_bytes=self._param_grad_bytes(node),
+            param_grad_bytes=param_grad,
+            param_grad_cast_bytes=sum(full for _, full in casts),
+            param_grad_narrow_bytes=sum(narrow for narrow, _ in casts),
             param_grads=self._param_grads(node),
             shape=shape,
             dtype=dtype,

@@ -59,6 +59,7 @@ class GraphIndex:
     selective_extra: list[int]
     backward_extra: list[int]
     param_grad: list[int]
+    param_grad_cast: list[tuple[int, int]]  # (bytes cast up after the function, the 16-bit bytes it made)
     grad_views: list[bool]
     grad_reads: list[tuple[tuple[int, int], ...]]  # reads backward makes a gradient for, with its bytes
     shared: list[tuple[tuple[int, int], ...]]  # op -> (shared parameter's id, gradient bytes) it reads
@@ -126,6 +127,7 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         selective_extra=columns["selective_extra_bytes"],
         backward_extra=columns["backward_extra_bytes"],
         param_grad=columns["param_grad_bytes"],
+        param_grad_cast=list(zip(columns["param_grad_cast_bytes"], columns["param_grad_narrow_bytes"], strict=True)),
         grad_views=[bool(views) for views in columns["grad_views"]],
         grad_reads=[tuple((v, grad_bytes[v]) for v in read if grad_from[v]) for read in reads],
         shared=[tuple(params) for params in shared],
@@ -135,7 +137,7 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
 
 _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
             "cached_rerun_extra_bytes", "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes",
-            "param_grad_bytes", "grad_views", "grad_bytes")
+            "param_grad_bytes", "param_grad_cast_bytes", "param_grad_narrow_bytes", "grad_views", "grad_bytes")
 
 
 class LimitExceeded(Exception):

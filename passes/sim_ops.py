@@ -129,16 +129,18 @@ def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> Returned | 
             own -= nbytes
         else:  # a later one is made beside it, and their sum (out of place) replaces it
             summed += nbytes
+    cast_up, narrow = index.param_grad_cast[node]  # made 16-bit here, cast up once it has returned
+    over = cast_up - narrow if index.shared[node] else 0  # a shared weight's: held at full width from here
     if own > 0:
-        memory.allocate(slot(node, PARAM_GRAD), own)
+        memory.allocate(slot(node, PARAM_GRAD), own + over - cast_up + narrow)
     for value in index.released_early[node]:
         memory.release(value)
     if index.backward_extra[node] or made_to_add:  # (a no-op otherwise: most nodes, on the replay's hot path)
-        memory.touch(index.backward_extra[node] + made_to_add)
+        memory.touch(max(0, index.backward_extra[node] + made_to_add - over))
     view_of = memory.gradient_buffer(node) if views else None
     memory.free_gradient(node)
     if added or own > 0 or index.shared[node]:
-        return Returned(tuple(added), made_to_add, own, summed, view_of)
+        return Returned(tuple(added), made_to_add, own, summed, view_of, narrow if over else cast_up)
     return None
 
 
@@ -151,6 +153,7 @@ class Returned(NamedTuple):
     own: int  # bytes of its parameters' gradients, alive until autograd adds them into ``.grad``
     summed: int  # bytes of them summed out of place into a shared weight's buffer
     view_of: int | None  # the buffer whose views it handed on (its gradient's), if it did
+    cast_up: int = 0  # bytes held on top while autograd casts its parameters' gradients up from 16-bit ones
 
 
 def _added_into_buffers(memory: LiveMemory, node: int, returned: Returned) -> None:
@@ -161,7 +164,9 @@ def _added_into_buffers(memory: LiveMemory, node: int, returned: Returned) -> No
     buffer (``cat``'s), as autograd sums in place only into a dense tensor it holds the only
     reference to (the sum made while the old buffer and the gradient added are alive, as the
     exact solver's training graph has it); and its parameters' gradients summed out of place
-    with shared weights' buffers, each of which goes with its last reader's backward."""
+    with shared weights' buffers, each of which goes with its last reader's backward; and the
+    gradients of parameters it read through autocast's casts, made 16-bit, cast up
+    (``param_grad_cast_bytes``)."""
     old = 0  # bytes of the buffer the last sum made out of place read, when that let it go
     for value, size in returned.added:
         buffer = memory.gradient_buffer(value)
@@ -173,6 +178,8 @@ def _added_into_buffers(memory: LiveMemory, node: int, returned: Returned) -> No
     # What it returned is alive until added in: with the last sum, and the buffer that sum read
     # (a shared weight's sum comes after the buffers' sums, that buffer gone)
     memory.touch(returned.made_to_add + returned.summed + (0 if returned.summed else old))
+    if returned.cast_up:  # then each cast up from the 16-bit one it made, which lives until then
+        memory.touch(returned.cast_up)
     if returned.own > 0:
         memory.free(slot(node, PARAM_GRAD))
     for param, _ in memory.index.shared[node]:

@@ -21,8 +21,9 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
     (one node per gradient buffer it makes, new or a shared weight's first, all it returns
     and its scratch for a moment on the last), then, once it has returned and let its saved
     values go, what it adds into existing buffers (a node per sum made out of place, and
-    everything it returned for a moment). ``owner`` maps each value to the node of its
-    gradient buffer (the seeds' at first)."""
+    everything it returned for a moment; then its parameters' gradients cast up from the
+    16-bit ones it made, where it read them through autocast's casts). ``owner`` maps each
+    value to the node of its gradient buffer (the seeds' at first)."""
     holders = Counter(owner.values())  # gradient buffer node -> values whose gradient it still is
     shared = _shared_by_op(graph)
     accumulators: dict[str, int] = {}  # shared parameter -> the node of its summed gradient
@@ -42,10 +43,13 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
         firsts = [(param, nbytes) for param, nbytes in params if param not in accumulators]
         later = [(param, nbytes) for param, nbytes in params if param in accumulators]
         own = max(0, graph.nodes[k]["param_grad_bytes"] - sum(nbytes for _, nbytes in firsts))
+        cast_up, narrow = graph.nodes[k]["param_grad_cast_bytes"], graph.nodes[k]["param_grad_narrow_bytes"]
+        over = cast_up - narrow if params else 0  # a shared weight's: held at full width from the function on
+        own_made = own + over - cast_up + narrow  # what the function makes of them: 16-bit where read through casts
         # The function: new buffers, the first gradients of shared weights, all it returns with its scratch.
         buffers = [(u, None, gradient_bytes(graph, u)) for u in inputs if u not in owner and not views]
         buffers += [(None, param, nbytes) for param, nbytes in firsts]
-        transient = own + graph.nodes[k]["backward_extra_bytes"] + made_to_add if gets_grad else 0
+        transient = own_made + max(0, graph.nodes[k]["backward_extra_bytes"] + made_to_add - over) if gets_grad else 0
         for position, (u, param, nbytes) in enumerate(buffers or [(None, None, 0)]):
             node = add(f"backward:{k}" + (f":{u or param}" if position else ""), nbytes, reads,
                        about=u or k, transient=transient if position == max(len(buffers) - 1, 0) else 0)
@@ -64,10 +68,12 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
         sums += [(None, 0, [accumulators[param] for param, _ in later])] if later else []
         for position, (u, nbytes, preds) in enumerate(sums):
             node = add(f"added:{k}" + (f":{u}" if u else ""), nbytes, preds, about=u or k,
-                       transient=own + made_to_add + sum(n for _, n in later) if position == len(sums) - 1 else 0)
+                       transient=own_made + made_to_add + sum(n for _, n in later) if position == len(sums) - 1 else 0)
             if u is not None:
                 owner[u] = node
                 holders[node] += 1
+        if cast_up and gets_grad:  # then its parameters' gradients cast up, each with its 16-bit one
+            add(f"cast-up:{k}", 0, (), about=k, transient=own_made + (narrow if over else cast_up))
         for param, _ in params:
             pending[param] -= 1
     for param, node in accumulators.items():  # a reader whose backward never runs: held to the end

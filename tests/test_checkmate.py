@@ -344,7 +344,8 @@ def small_cost_graphs(draw, autocast: bool = False) -> nx.DiGraph:
     their storage, ``grad_bytes``), saved values, extra bytes, forward temporaries, a few
     unrecomputable or uncuttable nodes, ops that need no gradient, ops whose backward hands
     their inputs views of their own gradient (``grad_views``), a weight several ops make
-    gradients for (summed in one buffer); with
+    gradients for (summed in one buffer), parameter gradients made 16-bit and cast up
+    (``param_grad_cast_bytes``); with
     ``autocast``, casts autocast's cache keeps to the end of forward (a checkpoint call's
     forward does not cache them, a schedule's does: no longer one of the MILP's schedules)."""
     graph = nx.DiGraph()
@@ -360,12 +361,15 @@ def small_cost_graphs(draw, autocast: bool = False) -> nx.DiGraph:
         view = graph.nodes[reads[0]]["kind"] == "op" and draw(st.integers(0, 4)) == 4
         alias_of = (graph.nodes[reads[0]]["alias_of"] or reads[0]) if view else None
         savable = [r for r in reads if graph.nodes[r]["kind"] != "param"] + [name]
+        own = draw(st.sampled_from([0, 30]))
+        cast_up = draw(st.sampled_from([0, 0, 20, own])) if own else 0  # read through autocast's casts
         add_value(graph, name, kind="op", order=index + 2, bytes=0 if view else draw(st.integers(1, 40)),
                   reads=reads, alias_of=alias_of, flops=draw(st.integers(0, 20)),
                   recomputable=draw(st.integers(0, 7)) != 7, cuttable=draw(st.integers(0, 9)) != 9,
                   saved=tuple(v for v in savable if draw(st.booleans())),
                   saved_extra_bytes=draw(st.sampled_from([0, 0, 5])),
-                  param_grad_bytes=draw(st.sampled_from([0, 30])) + shared * ("w" in reads),
+                  param_grad_bytes=own + shared * ("w" in reads),
+                  param_grad_cast_bytes=cast_up, param_grad_narrow_bytes=cast_up // 2,
                   requires_grad=draw(st.integers(0, 5)) != 5,
                   grad_views=draw(st.integers(0, 3)) == 3,  # a cat, an add or reshape passing its gradient through
                   grad_bytes=draw(st.sampled_from([None, None, 7, 60])) if view else None,  # a slice's, an expand's

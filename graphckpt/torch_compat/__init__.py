@@ -214,6 +214,14 @@ def is_accumulate_grad(function: Any) -> bool:
     return hasattr(function, "variable")
 
 
+def casts_up_a_parameter_gradient(function: Any) -> bool:
+    """Whether an autograd graph node is the backward of autocast's cast of a parameter
+    (``ToCopyBackward0`` feeding a leaf's ``AccumulateGrad``): it casts the 16-bit gradient
+    up to the parameter's width after the op's own backward has returned. Checked on 2.13."""
+    return function.name() == "ToCopyBackward0" and any(
+        next_function is not None and is_accumulate_grad(next_function) for next_function, _ in function.next_functions)
+
+
 def is_cast(func: Any) -> bool:
     """Whether an ATen call is ``aten._to_copy``: what a cast (``.to(dtype)``, and each of
     autocast's) dispatches to. Checked on 2.13."""
