@@ -60,8 +60,8 @@ class _CostInterpreter(fx.Interpreter):
         self.costs: dict[str, NodeCost] = {}
         self.narrow_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls on 16-bit floats
         self.narrow_heights: dict[str, list[int]] = {}  # node -> what each of them ran on (OpKinds.narrow_heights)
-        self.narrow_kernel: dict[str, list[bool]] = {}  # node -> of each, whether a rerun served from the selective
-        # cache calls it not (OpKinds.narrow_kernel)
+        self.narrow_kernel: dict[str, list[bool]] = {}  # node -> of each, whether it is a matmul's, which a rerun
+        # served from selective checkpointing's cache does not call (OpKinds.narrow_kernel)
         for tensor in (*module.parameters(), *module.buffers()):
             self.owner[storage_key(tensor)] = PARAM
         self.param_names = {id(p): name for name, p in module.named_parameters()}  # a tied one: its first name

@@ -285,8 +285,9 @@ def test_a_kept_matmul_rerun_from_the_cache_holds_no_scratch_of_its_kernel() -> 
     """A selective segment keeps ``up`` (its matmul output, in selective checkpointing's
     cache), so its recompute runs ``up``'s casts and not its GEMM: the scratch a bf16 GEMM
     makes on CPU, in ``forward_extra_bytes``, is no part of that recompute
-    (``cached_rerun_extra_bytes``). Simulated with it, this plan measured 0.88x its simulated
-    peak; LLaMA's bf16 plan at 0.5 of eager, whose SwiGLU projections a segment kept, 0.95x.
+    (``cached_rerun_extra_bytes``). Simulated with that scratch, this plan measured 0.88x its
+    simulated peak; LLaMA's bf16 plan at 0.5 of eager, whose SwiGLU projections a segment
+    kept, 0.95x.
     Holds on a machine whose GEMM makes no scratch as well."""
     from dataclasses import replace
 
