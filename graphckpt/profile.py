@@ -92,9 +92,9 @@ class _CostInterpreter(fx.Interpreter):
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
         identity = node.op.startswith("call_") and cost.alias_of is not None and returns_an_input(
             result, *self.fetch_args_kwargs_from_env(node))
+        temporaries = kinds.forward_extra_bytes()  # a cached rerun's too, until 16-bit scratch tells them apart
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
-                                        forward_extra_bytes=kinds.forward_extra_bytes(),
-                                        cached_rerun_extra_bytes=kinds.forward_extra_bytes(),
+                                        forward_extra_bytes=temporaries, cached_rerun_extra_bytes=temporaries,
                                         grad_views=cost.grad_views or identity)
         if kinds.narrow_calls:
             self.narrow_calls[node.name] = kinds.narrow_calls

@@ -10,7 +10,7 @@ the node attributes :mod:`passes.costgraph` defines (``bytes``, ``alias_of``, ``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 
@@ -22,6 +22,33 @@ def gradient_bytes(graph: nx.DiGraph, name: str) -> int:
     view's own size), else the size of the storage it lives in."""
     own = graph.nodes[name]["grad_bytes"]
     return graph.nodes[storage_root(graph, name)]["bytes"] if own is None else own
+
+
+class CastUp(NamedTuple):
+    """How an op's backward makes the gradients of the parameters it reads through autocast's
+    16-bit casts (``param_grad_cast_bytes``), as the simulator and the exact solver's training
+    graph both count it: its function makes them ``narrowed_by`` bytes smaller than
+    ``param_grad_bytes`` (16-bit), ``backward_extra_bytes`` already holds ``scratch_less`` of
+    them, and once it has returned they are cast up with ``moment`` bytes on top of them."""
+
+    narrowed_by: int
+    scratch_less: int
+    moment: int
+
+
+def cast_up(cast_bytes: int, narrow_bytes: int, reads_shared: bool) -> CastUp:
+    """:class:`CastUp` of an op whose cast parameters' gradients are ``cast_bytes`` at full
+    width and ``narrow_bytes`` at 16 bits. The op reading a shared weight (``reads_shared``)
+    holds that gradient at full width from its function on, as the sum needs it: its scratch,
+    counted on the 16-bit gradient, is that much less, and the cast up holds the 16-bit one
+    on top.
+
+    >>> cast_up(40, 20, False), cast_up(40, 20, True)
+    (CastUp(narrowed_by=20, scratch_less=0, moment=40), CastUp(narrowed_by=0, scratch_less=20, moment=20))
+    """
+    if reads_shared:
+        return CastUp(0, cast_bytes - narrow_bytes, narrow_bytes if cast_bytes else 0)
+    return CastUp(cast_bytes - narrow_bytes, 0, cast_bytes)
 
 
 def _parameter_readers(graph: nx.DiGraph) -> dict[str, tuple[int, list[str]]]:

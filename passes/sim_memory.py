@@ -21,7 +21,7 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.kept_bytes import shared_parameters
+from passes.kept_bytes import CastUp, cast_up, shared_parameters
 
 # What an integer key names, beside the node (:func:`slot`); a value's storage is VALUE.
 SLOT_KINDS = 10
@@ -59,7 +59,7 @@ class GraphIndex:
     selective_extra: list[int]
     backward_extra: list[int]
     param_grad: list[int]
-    param_grad_cast: list[tuple[int, int]]  # (bytes cast up after the function, the 16-bit bytes it made)
+    cast_up: list[CastUp]  # how it makes the gradients of parameters it reads through autocast's casts
     grad_views: list[bool]
     grad_reads: list[tuple[tuple[int, int], ...]]  # reads backward makes a gradient for, with its bytes
     shared: list[tuple[tuple[int, int], ...]]  # op -> (shared parameter's id, gradient bytes) it reads
@@ -127,7 +127,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         selective_extra=columns["selective_extra_bytes"],
         backward_extra=columns["backward_extra_bytes"],
         param_grad=columns["param_grad_bytes"],
-        param_grad_cast=list(zip(columns["param_grad_cast_bytes"], columns["param_grad_narrow_bytes"], strict=True)),
+        cast_up=[cast_up(cast, narrow, bool(params)) for cast, narrow, params in
+                 zip(columns["param_grad_cast_bytes"], columns["param_grad_narrow_bytes"], shared, strict=True)],
         grad_views=[bool(views) for views in columns["grad_views"]],
         grad_reads=[tuple((v, grad_bytes[v]) for v in read if grad_from[v]) for read in reads],
         shared=[tuple(params) for params in shared],

@@ -129,18 +129,17 @@ def _gradients_of(memory: LiveMemory, node: int, grads: set[int]) -> Returned | 
             own -= nbytes
         else:  # a later one is made beside it, and their sum (out of place) replaces it
             summed += nbytes
-    cast_up, narrow = index.param_grad_cast[node]  # made 16-bit here, cast up once it has returned
-    over = cast_up - narrow if index.shared[node] else 0  # a shared weight's: held at full width from here
+    cast = index.cast_up[node]  # what it makes 16-bit here, cast up once it has returned
     if own > 0:
-        memory.allocate(slot(node, PARAM_GRAD), own + over - cast_up + narrow)
+        memory.allocate(slot(node, PARAM_GRAD), own - cast.narrowed_by)
     for value in index.released_early[node]:
         memory.release(value)
     if index.backward_extra[node] or made_to_add:  # (a no-op otherwise: most nodes, on the replay's hot path)
-        memory.touch(max(0, index.backward_extra[node] + made_to_add - over))
+        memory.touch(max(0, index.backward_extra[node] + made_to_add - cast.scratch_less))
     view_of = memory.gradient_buffer(node) if views else None
     memory.free_gradient(node)
     if added or own > 0 or index.shared[node]:
-        return Returned(tuple(added), made_to_add, own, summed, view_of, narrow if over else cast_up)
+        return Returned(tuple(added), made_to_add, own, summed, view_of, cast.moment)
     return None
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import networkx as nx
 
 from passes.graph_facts import needs_grad, storage_root
-from passes.kept_bytes import gradient_bytes, shared_parameters
+from passes.kept_bytes import cast_up, gradient_bytes, shared_parameters
 
 
 def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, list], index: dict[str, int],
@@ -43,13 +43,13 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
         firsts = [(param, nbytes) for param, nbytes in params if param not in accumulators]
         later = [(param, nbytes) for param, nbytes in params if param in accumulators]
         own = max(0, graph.nodes[k]["param_grad_bytes"] - sum(nbytes for _, nbytes in firsts))
-        cast_up, narrow = graph.nodes[k]["param_grad_cast_bytes"], graph.nodes[k]["param_grad_narrow_bytes"]
-        over = cast_up - narrow if params else 0  # a shared weight's: held at full width from the function on
-        own_made = own + over - cast_up + narrow  # what the function makes of them: 16-bit where read through casts
+        cast = cast_up(graph.nodes[k]["param_grad_cast_bytes"], graph.nodes[k]["param_grad_narrow_bytes"], bool(params))
+        own_made = own - cast.narrowed_by  # what the function makes of them: 16-bit where read through casts
         # The function: new buffers, the first gradients of shared weights, all it returns with its scratch.
         buffers = [(u, None, gradient_bytes(graph, u)) for u in inputs if u not in owner and not views]
         buffers += [(None, param, nbytes) for param, nbytes in firsts]
-        transient = own_made + max(0, graph.nodes[k]["backward_extra_bytes"] + made_to_add - over) if gets_grad else 0
+        transient = own_made + max(0, graph.nodes[k]["backward_extra_bytes"] + made_to_add - cast.scratch_less) \
+            if gets_grad else 0
         for position, (u, param, nbytes) in enumerate(buffers or [(None, None, 0)]):
             node = add(f"backward:{k}" + (f":{u or param}" if position else ""), nbytes, reads,
                        about=u or k, transient=transient if position == max(len(buffers) - 1, 0) else 0)
@@ -72,8 +72,8 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
             if u is not None:
                 owner[u] = node
                 holders[node] += 1
-        if cast_up and gets_grad:  # then its parameters' gradients cast up, each with its 16-bit one
-            add(f"cast-up:{k}", 0, (), about=k, transient=own_made + (narrow if over else cast_up))
+        if cast.moment and gets_grad:  # then its parameters' gradients cast up, each with its 16-bit one
+            add(f"cast-up:{k}", 0, (), about=k, transient=own_made + cast.moment)
         for param, _ in params:
             pending[param] -= 1
     for param, node in accumulators.items():  # a reader whose backward never runs: held to the end
