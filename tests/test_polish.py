@@ -1,0 +1,56 @@
+"""Tests of polishing a schedule window by window (:func:`passes.guided_solve.polish`): pure
+networkx and HiGHS, no torch."""
+
+from __future__ import annotations
+
+import time
+from itertools import pairwise
+
+import pytest
+
+from passes.checkmate import build_milp, recompute_objective
+from passes.guided_solve import Incumbent, polish, value_windows
+from passes.training_graph import training_graph
+from tests.test_checkmate import UNIT, chain
+
+pytestmark = pytest.mark.full_solver_time  # what the solves find, not only that they end
+
+
+def test_value_windows_cover_every_forward_value_half_a_window_apart() -> None:
+    """Each window frees the R and S columns of ``width`` consecutive forward values, the
+    next starts half a window later, and together they free every such column."""
+    training = training_graph(chain(12))
+    model = build_milp(training, 6 * UNIT)
+    cost = recompute_objective(model, training)
+    windows = value_windows(model, cost, 4)
+    value_of = {column: key[2] for key, column in model.columns.items() if key[0] in ("R", "S")}
+    values = [sorted({value_of[column] for column in window}) for window in windows]
+    assert all(len(v) <= 4 and v == list(range(v[0], v[0] + len(v))) for v in values)  # consecutive
+    assert all(later[0] - earlier[0] == 2 for earlier, later in pairwise(values))
+    forward = {key[2] for key, column in model.columns.items() if key[0] == "R" and cost[column] > 0}
+    freed = {column for window in windows for column in window}
+    assert freed == {column for column, value in value_of.items() if value <= max(forward)}
+    assert value_windows(model, cost, 4, offset=1)[0] != windows[0]  # the second lane's start elsewhere
+
+
+def test_polishing_a_poorer_schedule_finds_the_least_recompute() -> None:
+    """From a schedule recomputing more than the optimum (values the optimum holds into
+    backward forced out), the windows find the optimum's recompute, and the schedule they
+    end at is a solution of the whole model (its objective read back from its columns)."""
+    training = training_graph(chain(12))
+    model = build_milp(training, 6 * UNIT)
+    cost = recompute_objective(model, training)
+    best = model.solve(cost, 20)
+    assert best.status == "optimal" and best.x is not None
+    first_backward = training.n_forward
+    held = {column: 0.0 for key, column in model.columns.items()
+            if key[0] == "S" and key[1] == first_backward and best.x[column] > 0.5 and not training.kept[key[2]]}
+    poorer = model.fixed(held).solve(cost, 20)
+    assert poorer.x is not None and poorer.objective > best.objective + 0.5  # a start worth polishing
+    found = Incumbent(None)
+    found.offer(poorer)
+    polish(model, cost, found, time.perf_counter() + 20)
+    assert found.best is not None and found.best.x is not None
+    assert found.best.objective == pytest.approx(best.objective)
+    assert float(cost @ found.best.x) == pytest.approx(found.best.objective)
+    assert model.solve(cost, 20, cutoff=found.best.objective - 0.5).status == "infeasible"  # none better
