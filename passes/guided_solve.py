@@ -25,8 +25,8 @@ FREED_AT = ((0.5, 0.08), (0.3, 0.08), (0.1, 0.12))  # (an S the LP relaxation ho
 # the share of the time limit it may take on top of it): the smaller sub-MIPs, smallest first (freed_neighbourhoods)
 POLISH_SHARE = 0.3  # of a guided solve's time limit, kept for polishing the best schedule found where no solve
 # proved it least: fit_budget on the 8 random DAGs of 40 ops at 0.3 of eager of scripts/planner_gap.py (seed 0),
-# 5 s for the solver: 8% less recompute in all (9418 -> 8662 FLOPs), less on 6 of 7 graphs (up to 15%), 2% more
-# on one; seed 1's: 3% less; at 0.5 and 0.7 the same plans (those solves prove their schedule least first).
+# 5 s for the solver: 8% less recompute in all (9418 -> 8641-8662 FLOPs in two runs), less on 6 of 7 graphs (up
+# to 18%), 1.5% more on one; seed 1's: 3% less; at 0.5 and 0.7 the same plans (those solves prove theirs least).
 # A share of 0.5 left the guided solves too little time to beat the plan in hand (the cutoff) on one graph
 POLISH_WIDTH = 8  # values whose columns one window frees at first; a pass that betters nothing widens it by half
 POLISH_SECONDS = 0.3  # the most one window's sub-MIP may take: most are solved (proved) in less
