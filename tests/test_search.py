@@ -104,3 +104,53 @@ def test_a_flag_called_unread_changes_no_plan(seed: int, data: st.DataObject) ->
             flipped[position] = not flipped[position]
             assert _built(graph, layout) == before, (kind, position)
             flipped[position] = not flipped[position]
+
+
+def test_search_seeds_stops_at_the_first_seed_that_fits_and_else_keeps_the_lowest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeds are climbed in turn: the first plan fitting the budget ends it; where none fits
+    the answer is the one least over, then cheapest."""
+    from dataclasses import replace
+
+    import passes.search
+    from passes.search import search_seeds
+
+    graph = random_cost_graph(random.Random(0), 16)
+    plan = DynamicProgram(graph).smallest()
+    peaks = {0: 120, 1: 110, 2: 100, 3: 90}
+    climbed: list[int] = []
+
+    def climb(graph, starts, budget_bytes, seed=0, remat=True):
+        climbed.append(seed)
+        return replace(plan, peak_bytes=peaks[seed])
+
+    monkeypatch.setattr(passes.search, "search", climb)
+    assert search_seeds(graph, [plan], 100, 4).peak_bytes == 100 and climbed == [0, 1, 2]
+    climbed.clear()
+    assert search_seeds(graph, [plan], 50, 3).peak_bytes == 100 and climbed == [0, 1, 2]
+    climbed.clear()
+    assert search_seeds(graph, [plan], 50, 1).peak_bytes == 120 and climbed == [0]
+
+
+def test_a_budget_below_every_plan_in_hand_tries_more_seeds_where_no_floor_is_solved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit_budget climbs from :data:`passes.search.SEEDS_BELOW_FLOOR` seeds where the exact
+    solver gives no floor (``exact_seconds=0``, or more than 40 ops), one seed where it does."""
+    import passes.budget_search
+    from passes.search import SEEDS_BELOW_FLOOR
+
+    asked: list[int] = []
+    real = passes.budget_search.search_seeds
+
+    def counted(graph, starts, budget_bytes, seeds):
+        asked.append(seeds)
+        return real(graph, starts, budget_bytes, seeds)
+
+    monkeypatch.setattr(passes.budget_search, "search_seeds", counted)
+    graph = random_cost_graph(random.Random(1), 16)
+    below = DynamicProgram(graph).smallest().peak_bytes // 4
+    for exact_seconds, seeds in ((0, SEEDS_BELOW_FLOOR), (0.5, 1)):
+        asked.clear()
+        with pytest.raises(BudgetError):
+            fit_budget(graph, below, exact_seconds=exact_seconds)
+        assert asked == [seeds]
