@@ -12,7 +12,8 @@ graph (``Segment.schedule``), which codegen runs as a :class:`graphckpt.exact.Sc
 
 On the 16-op random DAGs of ``scripts/planner_gap.py`` at 0.5 and 0.7 of eager these
 schedules recompute exactly what the unrestricted MILP's do, in 0.1-3 s; on 40 ops HiGHS
-often stops at its time limit, and then the schedule is the best it found.
+often stops at its time limit, and then the schedule is the best it found, polished window by
+window in the last part of that time (:func:`passes.guided_solve.polish`).
 """
 
 from __future__ import annotations
