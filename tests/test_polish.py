@@ -54,3 +54,30 @@ def test_polishing_a_poorer_schedule_finds_the_least_recompute() -> None:
     assert found.best.objective == pytest.approx(best.objective)
     assert float(cost @ found.best.x) == pytest.approx(found.best.objective)
     assert model.solve(cost, 20, cutoff=found.best.objective - 0.5).status == "infeasible"  # none better
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_guided_solve_stopped_unproven_polishes_in_each_lane(lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the guided solves end without proving their schedule least, every lane polishes
+    it until the time limit, and what comes back is a schedule of the whole model."""
+    import passes.guided_solve
+    from passes.guided_solve import guided_solve
+
+    polished: list[bool] = []
+    real = passes.guided_solve.polish
+
+    def watched(model, cost, found, deadline, shifted=False):
+        polished.append(shifted)
+        return real(model, cost, found, deadline, shifted)
+
+    monkeypatch.setattr(passes.guided_solve, "lanes", lambda: lanes)
+    monkeypatch.setattr(passes.guided_solve, "polish", watched)
+    training = training_graph(chain(30))
+    model = build_milp(training, 6 * UNIT)  # not proven in seconds: a chain this long is symmetric
+    cost = recompute_objective(model, training)
+    started = time.perf_counter()
+    found = guided_solve(model, cost, 6.0, None)  # its first schedule comes after 0.6-1 s here, the polish at 4.2
+    assert time.perf_counter() - started < 6.0 * 1.3 + 1  # one lane: the freed sub-MIPs may run over
+    assert found.status == "time_limit" and found.x is not None
+    assert float(cost @ found.x) == pytest.approx(found.objective)
+    assert sorted(polished) == ([False, True] if lanes == 2 else [False])
