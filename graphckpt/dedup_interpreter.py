@@ -21,7 +21,7 @@ from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, strided_bytes
 from graphckpt.op_keys import module_signature, node_key, same_parameters, tensor_layout, users_key
 from graphckpt.op_kinds import caching_devices
-from graphckpt.profile import PARAM, _CostInterpreter
+from graphckpt.profile import PARAM, AddedScratch, _CostInterpreter
 from graphckpt.scratch import KERNEL_EXTRA
 from graphckpt.scratch import call_key as kernel_call_key
 from graphckpt.torch_compat import (
@@ -238,14 +238,14 @@ class DedupInterpreter(_CostInterpreter):
             self.gradients.watch(node.name, list(outputs), inputs)
         return result
 
-    def add_forward_scratch(self) -> dict[str, tuple[int, int]]:
+    def add_forward_scratch(self) -> dict[str, AddedScratch]:
         """As the full profile's, and each ghost gets its representative's."""
         added = super().add_forward_scratch()
         for ghost, representative in self.ghosts.items():
             if representative in added:
-                cost, (forward, rerun) = self.costs[ghost], added[representative]
-                self.costs[ghost] = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + forward,
-                                            cached_rerun_extra_bytes=(cost.cached_rerun_extra_bytes or 0) + rerun)
+                cost, scratch = self.costs[ghost], added[representative]
+                self.costs[ghost] = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + scratch.forward,
+                                            cached_rerun_extra_bytes=(cost.cached_rerun_extra_bytes or 0) + scratch.rerun)
                 added[ghost] = added[representative]
         return added
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -43,6 +43,14 @@ from graphckpt.torch_compat import (
 from passes.costgraph import saves_from
 
 PARAM = "<param>"
+
+
+class AddedScratch(NamedTuple):
+    """What :meth:`_CostInterpreter.add_forward_scratch` added to one node: bytes on its
+    ``forward_extra_bytes`` and on its ``cached_rerun_extra_bytes``."""
+
+    forward: int
+    rerun: int
 
 
 class _CostInterpreter(fx.Interpreter):
@@ -142,7 +150,7 @@ class _CostInterpreter(fx.Interpreter):
             stack.extend(next_function for next_function, _ in function.next_functions)
         return claimed
 
-    def add_forward_scratch(self) -> dict[str, tuple[int, int]]:
+    def add_forward_scratch(self) -> dict[str, AddedScratch]:
         """Raise each node's ``forward_extra_bytes`` to the most its forward holds while one of
         its calls on 16-bit floats runs: the scratch that call's kernel allocates inside itself
         (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`, replayed unless measured before in
@@ -159,7 +167,7 @@ class _CostInterpreter(fx.Interpreter):
                                for scratch, kernel in zip(scratches, self.narrow_kernel[name], strict=True)]
             rerun_before = cost.cached_rerun_extra_bytes or 0
             rerun = with_forward_scratch(rerun_before, self.narrow_heights[name], rerun_scratches)
-            added[name] = (most - cost.forward_extra_bytes, rerun - rerun_before)
+            added[name] = AddedScratch(most - cost.forward_extra_bytes, rerun - rerun_before)
             self.costs[name] = replace(cost, forward_extra_bytes=most, cached_rerun_extra_bytes=rerun)
         return added
 
