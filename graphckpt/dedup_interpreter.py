@@ -19,6 +19,7 @@ from graphckpt.ghosts import Ghost, GhostCall, Template, ViewTemplate, first_slo
 from graphckpt.gradient_watch import GradientWatch
 from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, strided_bytes
+from graphckpt.node_gradients import gradients_made, param_grad_bytes, param_grads
 from graphckpt.op_keys import module_signature, node_key, same_parameters, tensor_layout, users_key
 from graphckpt.op_kinds import caching_devices
 from graphckpt.profile import PARAM, AddedScratch, _CostInterpreter
@@ -196,8 +197,8 @@ class DedupInterpreter(_CostInterpreter):
         if any(storage_key(t) not in self.owner for t in outputs) or (
                 outputs and self.owner[storage_key(outputs[0])] != (alias or PARAM)):
             return _MISSING
-        self.costs[node.name] = replace(template.cost, alias_of=alias, param_grad_bytes=self._param_grad_bytes(node),
-                                        param_grads=self._param_grads(node))
+        self.costs[node.name] = replace(template.cost, alias_of=alias, param_grad_bytes=param_grad_bytes(self.module, node),
+                                        param_grads=param_grads(self.module, node, self.param_names))
         self.keep_alive.append((result, []))
         if self.backward:
             self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if template.recorded else None))
@@ -228,8 +229,8 @@ class DedupInterpreter(_CostInterpreter):
         saved = tuple(node.name if slot is None else self.owner[storage_key(inputs[slot])] for slot in template.saved)
         eval_alias = None if template.eval_alias is None else self.owner[storage_key(inputs[template.eval_alias])]
         self.costs[node.name] = replace(template.cost, saved=tuple(dict.fromkeys(saved)), eval_alias_of=eval_alias,
-                                        param_grad_bytes=self._param_grad_bytes(node),
-                                        param_grads=self._param_grads(node))
+                                        param_grad_bytes=param_grad_bytes(self.module, node),
+                                        param_grads=param_grads(self.module, node, self.param_names))
         result = tree_unflatten(list(outputs), template.spec)
         self.keep_alive.append((result, []))
         self.ghosts[node.name] = template.name
@@ -274,7 +275,7 @@ class DedupInterpreter(_CostInterpreter):
                                             self.recorder.allocates(representative))
             most, allocates = recorded[representative]
             self.costs[ghost] = replace(self.costs[ghost],
-                                        backward_extra_bytes=max(0, most - self._gradient_bytes(self.nodes[ghost])),
+                                        backward_extra_bytes=max(0, most - gradients_made(self.costs, self.nodes[ghost])),
                                         released_early=self._ghost_released(ghost, representative),
                                         backward_allocates=allocates)
 

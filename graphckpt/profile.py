@@ -23,7 +23,8 @@ from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
 from graphckpt.backward_record import Recorder
-from graphckpt.node_cost import NodeCost, describe_tensors, selective_extra, trainable_bytes, with_forward_scratch
+from graphckpt.node_cost import NodeCost, describe_tensors, selective_extra, with_forward_scratch
+from graphckpt.node_gradients import gradients_made, param_grad_bytes, param_grads
 from graphckpt.op_keys import eval_output_storage
 from graphckpt.op_kinds import GRADIENT_VIEW_OPS, OpKinds
 from graphckpt.pass_through import PassThroughWatch, returns_an_input
@@ -205,7 +206,7 @@ class _CostInterpreter(fx.Interpreter):
         for name, scratches in scratch_by_call(self.recorder.calls).items():
             most, peak = self.recorder.most_with_scratch(name, scratches)
             self.costs[name] = replace(self.costs[name],
-                                       backward_extra_bytes=max(0, most - self._gradient_bytes(nodes[name])),
+                                       backward_extra_bytes=max(0, most - gradients_made(self.costs, nodes[name])),
                                        released_early=peak.released_before,
                                        backward_allocates=self.recorder.allocates(name))
 
@@ -214,48 +215,6 @@ class _CostInterpreter(fx.Interpreter):
         through (:class:`graphckpt.pass_through.PassThroughWatch`)."""
         for name in self.pass_through.passing():
             self.costs[name] = replace(self.costs[name], grad_views=True)
-
-    def _gradient_bytes(self, node: fx.Node) -> int:
-        """Bytes of the gradients the simulator gives ``node``'s backward: one buffer for
-        each input that takes part in backward (its ``grad_bytes``, else its storage's
-        size), none when they are views of its own (``grad_views``), and its parameter
-        gradients. What its backward holds beyond them (:meth:`Recorder.most_with_scratch`
-        of it, or of the representative of a ghost) is its ``backward_extra_bytes``."""
-        own = self.costs[node.name]
-        inputs = [] if own.grad_views else [n.name for n in node.all_input_nodes
-                                            if n.op != "get_attr" and self.costs[n.name].requires_grad]
-        made = own.param_grad_bytes - own.param_grad_cast_bytes + own.param_grad_narrow_bytes  # 16-bit where cast
-        return sum(map(self._gradient_size, inputs)) + made
-
-    def _gradient_size(self, name: str) -> int:
-        """Bytes of the gradient buffer of value ``name``, as the cost graph's
-        :func:`passes.kept_bytes.gradient_bytes` reads them."""
-        cost = self.costs[name]
-        if cost.grad_bytes is not None:
-            return cost.grad_bytes
-        return self.costs[cost.alias_of].bytes if cost.alias_of in self.costs else cost.bytes
-
-    def _param_grad_bytes(self, node: fx.Node) -> int:
-        """Bytes of parameter gradients this node's backward creates (before they are
-        accumulated into ``.grad``)."""
-        if node.op == "call_module":
-            return trainable_bytes(self.module.get_submodule(node.target).parameters())
-        if node.op == "get_attr":  # the parameter itself: the size of its gradient
-            return trainable_bytes([self.fetch_attr(node.target)])
-        return trainable_bytes(self.fetch_attr(n.target) for n in node.all_input_nodes if n.op == "get_attr")
-
-    def _param_grads(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
-        """The cost graph's ``param_grads``: the trained parameters inside a ``call_module``
-        node, or the one a ``get_attr`` node is, under the model's (first) name for each, so
-        that a module called twice, or tied to another, is seen to share its gradients."""
-        if node.op == "call_module":
-            params = list(self.module.get_submodule(node.target).parameters())
-        elif node.op == "get_attr":
-            params = [self.fetch_attr(node.target)]
-        else:
-            return ()
-        return tuple((self.param_names[id(p)], trainable_bytes([p])) for p in params
-                     if id(p) in self.param_names and trainable_bytes([p]))
 
     def _cost(self, node: fx.Node, result: Any, saved: list[torch.Tensor], flops: int, kinds: OpKinds) -> NodeCost:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
@@ -290,7 +249,7 @@ class _CostInterpreter(fx.Interpreter):
         freed = sum(nbytes for _, ref, nbytes in kinds.expensive_outputs if not storage_alive(ref))  # (keys reused)
         remade = 0 if any(key in own for key, _, _ in kinds.expensive_outputs) else fresh  # selective_extra
         cached = {key: nbytes for key, ref, nbytes in kinds.cached_casts if key not in kept and storage_alive(ref)}
-        param_grad = self._param_grad_bytes(node)
+        param_grad = param_grad_bytes(self.module, node)
         casts = kinds.parameter_casts  # of its own parameters' gradients only (not more than it makes)
         casts = casts if sum(full for _, full in casts) <= param_grad else []
         return NodeCost(
@@ -309,7 +268,7 @@ class _CostInterpreter(fx.Interpreter):
             param_grad_bytes=param_grad,
             param_grad_cast_bytes=sum(full for _, full in casts),
             param_grad_narrow_bytes=sum(narrow for narrow, _ in casts),
-            param_grads=self._param_grads(node),
+            param_grads=param_grads(self.module, node, self.param_names),
             shape=shape,
             dtype=dtype,
         )
