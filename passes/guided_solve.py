@@ -125,18 +125,20 @@ def polish(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, shi
     again is decided for a few values at a time, with everything else as the schedule has
     it: from the 2 s schedule, 3 s of windows of 8 values found one of 1044 FLOPs (one run)."""
     width = POLISH_WIDTH
+    fixable = [column for key, column in model.columns.items() if key[0] in ("R", "S")]
     while _left(deadline) > 0 and found.best is not None:
         windows = value_windows(model, cost, width, width // 4 if shifted else 0)
         if len(windows) < 2:  # one window frees the whole model: nothing smaller to solve
             return
-        _polish_pass(model, cost, found, deadline, windows)
+        _polish_pass(model, cost, found, deadline, windows, fixable)
         width += width // 2
 
 
-def _polish_pass(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, windows: list[list[int]]) -> None:
+def _polish_pass(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, windows: list[list[int]],
+                 fixable: list[int]) -> None:
     """Windows solved in turn, around and around, until every one in a row proves that
-    nothing in it beats the best schedule (or ``deadline``)."""
-    fixable = [column for key, column in model.columns.items() if key[0] in ("R", "S")]
+    nothing in it beats the best schedule (or ``deadline``); ``fixable``: the ``R`` and ``S``
+    columns, those a window does not free fixed."""
     proven_in_a_row, turn = 0, 0
     while proven_in_a_row < len(windows) and _left(deadline) > 0:
         best = found.best
