@@ -25,7 +25,7 @@ from passes.segments import PlanError, validate_plan
 from passes.sim_peak import peak_breakdown
 from passes.simulate import eager_peak
 from tests.equivalence import assert_trains_like_twice, fresh_pair
-from tests.test_checkmate import assert_valid_schedule, small_cost_graphs
+from tests.milp_graphs import assert_valid_schedule, small_cost_graphs
 
 pytestmark = pytest.mark.full_solver_time  # what the exact solver's schedules recompute and that they are found
 

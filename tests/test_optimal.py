@@ -28,8 +28,8 @@ from passes.graph_facts import op_nodes
 from passes.optimal import DynamicProgram, children, memory_unit, plan_for_budget
 from passes.simulate import eager_peak
 from passes.strategies import choose_plan
+from tests.cost_graph_draws import SETTINGS, cost_graphs
 from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair, zoo_pair
-from tests.test_passes_properties import SETTINGS, cost_graphs
 from tests.thorough import examples
 
 BRUTE_FORCE_SLOTS = 40

@@ -1,32 +1,22 @@
-"""Property tests of the passes on random cost graphs (pure networkx, no torch).
-
-``cost_graphs`` draws DAG cost graphs that obey the node-attribute contract of
-:mod:`passes.costgraph`; the properties check every strategy's plan, the min-cut search
-against a brute force over all down-closed cuts, prefix costs and articulation points.
-"""
+"""Property tests of the strategies on random cost graphs (pure networkx, no torch): every
+strategy's plan is valid, auto is the best of its candidates, replays and keeps agree with a
+fresh search. The graphs are tests/cost_graph_draws.py's; the cuts' own properties are
+tests/test_cuts_properties.py."""
 
 from __future__ import annotations
 
 import networkx as nx
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import passes.peak_queries as peak_queries
-from passes.costgraph import DEFAULTS, add_value, check_cost_graph
-from passes.cuts import (
-    INF,
-    articulation_points,
-    last_reader,
-    min_cut_between,
-    nearest_positions,
-    op_positions,
-    prefix_costs,
-)
-from passes.graph_facts import keeps_order, op_nodes, storage_root
+from passes.costgraph import add_value, check_cost_graph
+from passes.cuts import INF
+from passes.graph_facts import op_nodes
 from passes.heuristics import sqrt_candidate
 from passes.keeps import least_with_keeps, with_keeps
-from passes.kept_bytes import boundary, boundary_bytes, keep_cost
+from passes.kept_bytes import boundary_bytes
 from passes.peak_queries import peak_exceeds, peak_within
 from passes.plan import simulated
 from passes.remat import remat_chain
@@ -34,92 +24,8 @@ from passes.segments import make_segments, segment_edges, validate_plan
 from passes.sim_memory import LimitExceeded
 from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES, choose_plan
+from tests.cost_graph_draws import SETTINGS, CostGraph, cost_graphs
 from tests.thorough import examples
-
-
-class CostGraph(nx.DiGraph):
-    """A cost graph that prints as the ``add_value`` calls rebuilding it (for failing examples)."""
-
-    def __repr__(self) -> str:
-        lines = ["graph = nx.DiGraph(measured=True)"]
-        for name, attributes in sorted(self.nodes(data=True), key=lambda item: item[1]["order"]):
-            extra = {k: v for k, v in attributes.items()
-                     if k not in ("kind", "order", "bytes", "label") and DEFAULTS.get(k, object()) != v}
-            args = "".join(f", {k}={v!r}" for k, v in extra.items())
-            reads = sorted(self.predecessors(name), key=lambda n: self.nodes[n]["order"])
-            lines.append(f"add_value(graph, {name!r}, kind={attributes['kind']!r}, "
-                         f"order={attributes['order']}, bytes={attributes['bytes']}, reads={reads!r}{args})")
-        return "\n".join(lines)
-
-
-SETTINGS = settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def _mostly_true(draw, one_in: int) -> bool:
-    """``False`` about once in ``one_in`` draws; shrinks towards ``True``."""
-    return draw(st.integers(0, one_in - 1)) != one_in - 1
-
-
-@st.composite
-def cost_graphs(draw, max_ops: int = 30, inputs: tuple[int, int] = (1, 2), max_reads: int = 3) -> nx.DiGraph:
-    """A random cost graph obeying the contract of :mod:`passes.costgraph`.
-
-    ``inputs`` then ``params`` and ``op`` s interleaved, each op reading 1-3 earlier values;
-    some ops are views (0 bytes, ``alias_of`` the storage root of the value they read),
-    a few are not recomputable or not cuttable; one ``output`` sink reads every op
-    nobody else reads, plus maybe others.
-    """
-    graph = CostGraph(measured=True)  # bytes, not node counts
-    order = 0
-    readable: list[str] = []
-    for index in range(draw(st.integers(*inputs))):
-        name = f"x{index}"
-        add_value(graph, name, kind="input", order=order, bytes=draw(st.integers(0, 64)),
-                  requires_grad=draw(st.booleans()))
-        readable.append(name)
-        order += 1
-    n_ops = draw(st.integers(1, max_ops))
-    n_params = draw(st.integers(0, 2))
-    param_slots = sorted(draw(st.lists(st.integers(0, n_ops - 1), min_size=n_params, max_size=n_params)))
-    params = 0
-    for index in range(n_ops):
-        while param_slots and param_slots[0] == index:
-            param_slots.pop(0)
-            name = f"p{params}"
-            params += 1
-            add_value(graph, name, kind="param", order=order, bytes=0)
-            readable.append(name)
-            order += 1
-        reads = draw(st.lists(st.sampled_from(readable), min_size=1, max_size=max_reads, unique=True))
-        base = reads[0]
-        view = graph.nodes[base]["kind"] in ("op", "input") and draw(st.integers(0, 4)) == 0
-        if view:
-            nbytes, alias_of = 0, storage_root(graph, base)
-        else:
-            nbytes, alias_of = draw(st.one_of(st.just(0), st.integers(1, 100))), None
-        name = f"op{index}"
-        savable = [r for r in reads if graph.nodes[r]["kind"] != "param"] + [name]
-        saved = tuple(v for v in savable if draw(st.booleans()))
-        add_value(
-            graph, name, kind="op", order=order, bytes=nbytes, reads=reads,
-            alias_of=alias_of,
-            flops=draw(st.integers(0, 1000)),
-            recomputable=_mostly_true(draw, 8),
-            cuttable=_mostly_true(draw, 10),
-            saved=saved,
-            saved_extra_bytes=draw(st.one_of(st.just(0), st.integers(1, 50))),
-            requires_grad=_mostly_true(draw, 6),
-            ordered=not _mostly_true(draw, 6),
-        )
-        readable.append(name)
-        order += 1
-    ops = [n for n in readable if graph.nodes[n]["kind"] == "op"]
-    unread = [n for n in ops if graph.out_degree(n) == 0]
-    others = draw(st.lists(st.sampled_from(readable), max_size=3, unique=True))
-    add_value(graph, "output", kind="output", order=order, bytes=0,
-              reads=list(dict.fromkeys([*unread, *others])))
-    check_cost_graph(graph)
-    return graph
 
 
 def unrecomputable_op_reading_an_uncuttable_value() -> CostGraph:
@@ -286,173 +192,6 @@ def test_keeping_values_never_recomputes_less_than_keeping_them_all(graph: nx.Di
     plan = choose_plan(graph, strategy, None)
     kept = with_keeps(graph, plan, slack * plan.peak_bytes)
     assert least_with_keeps(graph, plan) <= kept.cost_key[0] <= plan.cost_key[0]
-
-
-# --- min-cut -----------------------------------------------------------------------------
-
-
-def _cut_cost(graph: nx.DiGraph, ops: list[str], low: int, window_before: set[str]) -> float:
-    """Bytes of keeping what ``ops[:low] ∪ window_before ∪ inputs`` hands to the rest:
-    one ``keep_cost`` per value read from outside, no storage dedup."""
-    before = set(ops[:low]) | window_before | {n for n, k in graph.nodes(data="kind") if k == "input"}
-    return sum((keep_cost(graph, v) for v in before
-                if any(r not in before for r in graph.successors(v))), 0.0)
-
-
-def _down_closed_subsets(graph: nx.DiGraph, window: list[str]):
-    """Every subset of ``window`` holding the window predecessors of each of its ops, and
-    the earlier ordered ops of each ordered op (they keep their eager order)."""
-    inside = set(window)
-    ordered = [n for n in window if keeps_order(graph, n)]
-
-    def extend(index: int, chosen: set[str]):
-        if index == len(window):
-            yield set(chosen)
-            return
-        yield from extend(index + 1, chosen)
-        name = window[index]
-        earlier = ordered[: ordered.index(name)] if name in ordered else []
-        if all(p in chosen for p in graph.predecessors(name) if p in inside) and all(e in chosen for e in earlier):
-            chosen.add(name)
-            yield from extend(index + 1, chosen)
-            chosen.discard(name)
-
-    yield from extend(0, set())
-
-
-@st.composite
-def windows(draw, max_ops: int = 30):
-    graph = draw(cost_graphs(max_ops=max_ops))
-    ops = op_nodes(graph)
-    low = draw(st.integers(0, len(ops)))
-    high = draw(st.integers(low, len(ops)))
-    mark = draw(st.one_of(st.none(), st.integers(low, max(low, high - 1))))
-    return graph, low, high, mark
-
-
-def _check_min_cut(graph: nx.DiGraph, low: int, high: int, mark: int | None, brute_force: bool) -> None:
-    ops, position = op_positions(graph)
-    last = last_reader(graph, position)
-    found = min_cut_between(graph, ops, position, last, low, high, mark)
-    window = ops[low:high]
-    best = min(_cut_cost(graph, ops, low, w) for w in _down_closed_subsets(graph, window)) \
-        if brute_force else None
-    if found is None:
-        if brute_force:
-            assert best == INF, f"None returned but a cut of {best} bytes exists"
-        return
-    nbytes, before = found
-    assert before <= set(window), "the before-set holds only window ops"
-    op_set = set(ops)
-    computed = set(ops[:low]) | before
-    for name in before:
-        missing = [p for p in graph.predecessors(name) if p in op_set and p not in computed]
-        assert not missing, f"{name} is before the cut but reads {missing} after it"
-    assert not any(position[n] >= high for n in before)
-    ordered = [n for n in window if keeps_order(graph, n)]
-    assert all(set(ordered[: ordered.index(n)]) <= before for n in before if n in ordered), "order broken"
-    cost = _cut_cost(graph, ops, low, before)
-    assert nbytes == cost, f"reported {nbytes} bytes, the boundary it implies keeps {cost}"
-    assert cost < INF
-    if brute_force:
-        assert nbytes == best, f"reported {nbytes} bytes, brute force finds {best}"
-
-
-@SETTINGS
-@given(case=windows(max_ops=30))
-def test_min_cut_between_is_a_down_closed_separating_cut(case) -> None:
-    graph, low, high, mark = case
-    _check_min_cut(graph, low, high, mark, brute_force=False)
-
-
-@SETTINGS
-@given(case=windows(max_ops=12))
-def test_min_cut_between_matches_brute_force(case) -> None:
-    graph, low, high, mark = case
-    _check_min_cut(graph, low, high, mark, brute_force=True)
-
-
-def many_free_inputs() -> CostGraph:
-    """Ten inputs (free to keep) read by one op of 1 byte."""
-    graph = CostGraph()
-    inputs = [f"x{i}" for i in range(10)]
-    for order, name in enumerate(inputs):
-        add_value(graph, name, kind="input", order=order, bytes=4)
-    add_value(graph, "op", kind="op", order=10, bytes=1, reads=inputs)
-    add_value(graph, "output", kind="output", order=11, bytes=0, reads=["op"])
-    return graph
-
-
-@settings(max_examples=60, deadline=None)
-@given(graph=cost_graphs(max_ops=3, inputs=(4, 12), max_reads=12))
-@example(graph=many_free_inputs())
-def test_min_cut_between_with_many_inputs_matches_brute_force(graph: nx.DiGraph) -> None:
-    """Inputs cost nothing to keep, however many of them cross the cut."""
-    ops = op_nodes(graph)
-    for low in range(len(ops) + 1):
-        for high in range(low, len(ops) + 1):
-            _check_min_cut(graph, low, high, None, brute_force=True)
-
-
-def test_min_cut_between_many_free_inputs_example() -> None:
-    """Ten inputs read by one op: keeping the inputs costs 0 bytes, keeping the op 1."""
-    graph = many_free_inputs()
-    ops, position = op_positions(graph)
-    found = min_cut_between(graph, ops, position, last_reader(graph, position), 0, 1, 0)
-    assert found == (0.0, set())
-
-
-# --- prefix costs and articulation points ---------------------------------------------
-
-
-@SETTINGS
-@given(graph=cost_graphs())
-def test_prefix_costs_match_boundary_bytes(graph: nx.DiGraph) -> None:
-    ops = op_nodes(graph)
-    inputs = {n for n, k in graph.nodes(data="kind") if k == "input"}
-    costs = prefix_costs(graph)
-    assert len(costs) == len(ops)
-    for index in range(len(ops)):
-        expected = boundary_bytes(graph, boundary(graph, set(ops[: index + 1]) | inputs))
-        assert costs[index] == expected, (index, ops[index])
-
-
-def _separates(flow: nx.DiGraph, inputs: list[str], sink: str, removed: str) -> bool:
-    rest = flow.subgraph(n for n in flow if n != removed)
-    return not any(nx.has_path(rest, i, sink) for i in inputs)
-
-
-@SETTINGS
-@given(graph=cost_graphs())
-def test_articulation_points_separate_inputs_from_output(graph: nx.DiGraph) -> None:
-    points = articulation_points(graph)
-    flow = graph.subgraph(n for n, k in graph.nodes(data="kind") if k != "param")
-    inputs = [n for n, k in graph.nodes(data="kind") if k == "input"]
-    assert len(points) == len(set(points))
-    assert points == sorted(points, key=lambda n: graph.nodes[n]["order"]), "in execution order"
-    for name in points:
-        assert graph.nodes[name]["kind"] == "op"
-        assert _separates(flow, inputs, "output", name), f"removing {name} leaves a path"
-    if any(nx.has_path(flow, i, "output") for i in inputs):
-        expected = [n for n in op_nodes(graph) if _separates(flow, inputs, "output", n)]
-        assert points == expected, "every separating op is an articulation point"
-
-
-@SETTINGS
-@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=30), st.data())
-def test_nearest_positions_matches_the_plain_search(weights: list[float], data) -> None:
-    """Boundaries chosen by bisection equal the first closest later candidate, target by
-    target (zero-weight ops make ties; ties go to the earlier position)."""
-    cumulative = [sum(weights[: i + 1]) for i in range(len(weights))]
-    candidates = sorted(data.draw(st.sets(st.integers(0, len(weights) - 1))))
-    targets = sorted(data.draw(st.lists(st.sampled_from([-1.0, 0.25, *cumulative, cumulative[-1] + 1]), max_size=8)))
-    chosen: list[int] = []
-    for target in targets:
-        later = [c for c in candidates if not chosen or c > chosen[-1]]
-        if not later:
-            break
-        chosen.append(min(later, key=lambda c: abs(cumulative[c] - target)))
-    assert nearest_positions(cumulative, candidates, targets) == chosen
 
 
 def test_a_plan_worse_than_eager_falls_back_to_eager_and_says_so() -> None:

@@ -11,7 +11,7 @@ import pytest
 from passes.checkmate import build_milp, recompute_objective
 from passes.guided_solve import Incumbent, polish, value_windows
 from passes.training_graph import training_graph
-from tests.test_checkmate import UNIT, chain
+from tests.milp_graphs import UNIT, chain
 
 pytestmark = pytest.mark.full_solver_time  # what the solves find, not only that they end
 

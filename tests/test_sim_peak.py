@@ -11,7 +11,7 @@ from passes.costgraph import add_value
 from passes.sim_peak import peak_breakdown
 from passes.simulate import eager_segments, simulate
 from passes.strategies import STRATEGIES
-from tests.test_passes_properties import cost_graphs
+from tests.cost_graph_draws import cost_graphs
 
 
 @settings(max_examples=30, deadline=None)
