@@ -127,7 +127,12 @@ def layout_of(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanLayout:
 
 def score(graph: nx.DiGraph, segments: Sequence[Segment], budget_bytes: float) -> tuple:
     """What the search lowers: bytes over the budget, then recompute."""
-    return (max(0, simulate(graph, segments).peak_bytes - budget_bytes), *cost_key(graph, segments))
+    return ranked(simulate(graph, segments).peak_bytes, cost_key(graph, segments), budget_bytes)
+
+
+def ranked(peak_bytes: float, key: tuple, budget_bytes: float) -> tuple:
+    """:func:`score` of a plan whose peak and :attr:`Plan.cost_key` are known."""
+    return (max(0, peak_bytes - budget_bytes), *key)
 
 
 def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_bytes: float, bar: tuple) -> tuple | None:
@@ -142,7 +147,7 @@ def score_if_no_worse(graph: nx.DiGraph, segments: Sequence[Segment], budget_byt
     peak = peak_within(graph, segments, budget_bytes + bar[0])
     if peak is None:
         return None
-    trial = (max(0, peak - budget_bytes), *key)
+    trial = ranked(peak, key, budget_bytes)
     return trial if trial <= bar else None
 
 
@@ -287,13 +292,9 @@ def search_seeds(graph: nx.DiGraph, starts: Sequence[Plan], budget_bytes: float,
         found = search(graph, starts, budget_bytes, seed=seed)
         if found is None:
             return best
-        if best is None or _over_then_cost(found, budget_bytes) < _over_then_cost(best, budget_bytes):
+        if best is None or ranked(found.peak_bytes, found.cost_key, budget_bytes) < ranked(
+                best.peak_bytes, best.cost_key, budget_bytes):
             best = found
         if best.peak_bytes <= budget_bytes:
             return best
     return best
-
-
-def _over_then_cost(plan: Plan, budget_bytes: float) -> tuple:
-    """What :func:`search_seeds` compares plans by, as :func:`score` does."""
-    return (max(0, plan.peak_bytes - budget_bytes), *plan.cost_key)
