@@ -29,7 +29,11 @@ POLISH_SHARE = 0.3  # of a guided solve's time limit, kept for polishing the bes
 # to 18%), 1.5% more on one; seed 1's: 3% less; at 0.5 and 0.7 the same plans (those solves prove theirs least).
 # A share of 0.5 left the guided solves too little time to beat the plan in hand (the cutoff) on one graph
 POLISH_WIDTH = 8  # values whose columns one window frees at first; a pass that betters nothing widens it by half
-POLISH_SECONDS = 0.3  # the most one window's sub-MIP may take: most are solved (proved) in less
+POLISH_SECONDS = 1.0  # the most one window's sub-MIP may take: most are solved (proved) in less. fit_budget at
+# 0.3 of eager with 5 s for the solver, recomputed FLOPs in all over planner_gap's 8 random DAGs of 40 ops (3 runs
+# each): 0.3 s 9216/8777/9082, 0.6 s 8607/8958/8658, 1.0 s 8544/8682/8630, 2.0 s 8561 (one run); seed 1's graphs
+# 5993/5995 at 0.3 s and 0.6 s, 6086/6096 at 1.0 s (one graph 6% more); the zoo MLP (20 ops) recomputes 15
+# matmuls at 1.0 s in 5 of 5 runs, 17 at 0.3 s in 5 of 5
 LANE_FREED_AT = ((0.5, 0.15), (0.3, 0.25), (0.1, 1.0))  # the same in a lane of their own, ending with the time
 # limit: the least fixed of them needs seconds at 0.3 of eager (a 40-op DAG: 2.4 s for a schedule recomputing 33%
 # less than the one found in 0.4 s), which one lane never gives it after the whole-set sub-MIP's 90%
@@ -121,9 +125,10 @@ def polish(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, shi
     Branch and bound on the whole model improves a schedule found at a tight budget slowly:
     HiGHS's proven bound stays far below it (a 40-op DAG at 0.3 of eager: a schedule of 2001
     FLOPs after 2 s, 1488 after 5 s, 1182 after 20 s). A window's sub-MIP, a few hundred
-    columns free, is solved in a fraction of a second, and where a value is kept or made
-    again is decided for a few values at a time, with everything else as the schedule has
-    it: from the 2 s schedule, 3 s of windows of 8 values found one of 1044 FLOPs (one run)."""
+    columns free, is mostly solved in a fraction of a second (each may take
+    :data:`POLISH_SECONDS`), and where a value is kept or made again is decided for a few
+    values at a time, with everything else as the schedule has it: from the 2 s schedule,
+    3 s of windows of 8 values found one of 1044 FLOPs (one run)."""
     width = POLISH_WIDTH
     fixable = [column for key, column in model.columns.items() if key[0] in ("R", "S")]
     while _left(deadline) > 0 and found.best is not None:
