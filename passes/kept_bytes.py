@@ -89,6 +89,16 @@ def shared_parameters(graph: nx.DiGraph) -> list[tuple[str, int, tuple[str, ...]
     return shared
 
 
+def shared_by_reader(graph: nx.DiGraph) -> dict[str, list[tuple[str, int]]]:
+    """For each op, the shared parameters it makes a gradient for (:func:`shared_parameters`),
+    as ``(param, gradient bytes)`` in their order there."""
+    by_reader: dict[str, list[tuple[str, int]]] = {}
+    for param, nbytes, readers in shared_parameters(graph):
+        for reader in readers:
+            by_reader.setdefault(reader, []).append((param, nbytes))
+    return by_reader
+
+
 def keep_cost(graph: nx.DiGraph, name: str) -> float:
     """Bytes it costs to keep ``name`` alive across a boundary; ``inf`` when not cuttable.
 

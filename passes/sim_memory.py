@@ -21,7 +21,7 @@ from weakref import WeakKeyDictionary
 
 import networkx as nx
 
-from passes.kept_bytes import CastUp, cast_up, shared_parameters
+from passes.kept_bytes import CastUp, cast_up, shared_by_reader, shared_parameters
 
 # What an integer key names, beside the node (:func:`slot`); a value's storage is VALUE.
 SLOT_KINDS = 10
@@ -99,13 +99,11 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
                   for root, own in zip(roots, columns["grad_bytes"], strict=True)]
     pred, succ = graph.pred, graph.succ  # each graph.pred makes a new view: bound once
     reads = [[ids[v] for v in pred[name]] for name in names]
-    shared: list[list[tuple[int, int]]] = [[] for _ in names]
-    shared_readers: dict[int, int] = {}
-    for number, (_, nbytes, readers) in enumerate(shared_parameters(graph)):
-        param = len(names) + number  # parameters go by the model's names, not always nodes: ids past the nodes'
-        shared_readers[param] = len(readers)
-        for reader in readers:
-            shared[ids[reader]].append((param, nbytes))
+    params = shared_parameters(graph)  # they go by the model's names, not always nodes: ids past the nodes'
+    param_ids = {param: len(names) + number for number, (param, _, _) in enumerate(params)}
+    shared_readers = {param_ids[param]: len(readers) for param, _, readers in params}
+    by_reader = shared_by_reader(graph)
+    shared = [[(param_ids[param], nbytes) for param, nbytes in by_reader.get(name, ())] for name in names]
     return GraphIndex(
         ids=ids,
         names=names,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import networkx as nx
 
 from passes.graph_facts import needs_grad, storage_root
-from passes.kept_bytes import cast_up, gradient_bytes, shared_parameters
+from passes.kept_bytes import cast_up, gradient_bytes, shared_by_reader, shared_parameters
 
 
 def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, list], index: dict[str, int],
@@ -25,7 +25,7 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
     16-bit ones it made, where it read them through autocast's casts). ``owner`` maps each
     value to the node of its gradient buffer (the seeds' at first)."""
     holders = Counter(owner.values())  # gradient buffer node -> values whose gradient it still is
-    shared = _shared_by_op(graph)
+    shared = shared_by_reader(graph)
     accumulators: dict[str, int] = {}  # shared parameter -> the node of its summed gradient
     pending = {param: len(readers) for param, _, readers in shared_parameters(graph)}
     for k in reversed(list(index)):
@@ -95,12 +95,3 @@ def _summed_out_of_place(graph: nx.DiGraph, added: list[str], owner: dict[str, i
             summed.append(u)
             holders[owner[u]] -= 1
     return summed
-
-
-def _shared_by_op(graph: nx.DiGraph) -> dict[str, list[tuple[str, int]]]:
-    """For each op, the shared weights it makes a gradient for (:func:`passes.kept_bytes.shared_parameters`)."""
-    by_op: dict[str, list[tuple[str, int]]] = {}
-    for param, nbytes, readers in shared_parameters(graph):
-        for reader in readers:
-            by_op.setdefault(reader, []).append((param, nbytes))
-    return by_op
