@@ -131,8 +131,9 @@ def polish(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, shi
     3 s of windows of 8 values found one of 1044 FLOPs (one run)."""
     width = POLISH_WIDTH
     fixable = [column for key, column in model.columns.items() if key[0] in ("R", "S")]
+    by_value = value_columns(model, cost)
     while _left(deadline) > 0 and found.best is not None:
-        windows = value_windows(model, cost, width, width // 4 if shifted else 0)
+        windows = value_windows(by_value, width, width // 4 if shifted else 0)
         if len(windows) < 2:  # one window frees the whole model: nothing smaller to solve
             return
         _polish_pass(model, cost, found, deadline, windows, fixable)
@@ -159,24 +160,30 @@ def _polish_pass(model: Milp, cost: np.ndarray, found: Incumbent, deadline: floa
         turn += 1
 
 
-def value_windows(model: Milp, cost: np.ndarray, width: int, offset: int = 0) -> list[list[int]]:
-    """The ``R`` and ``S`` columns of ``width`` consecutive forward values (those whose
-    ``R`` costs something, and the extras among them), one list a window, windows half a
-    window apart from value ``offset`` on: what :func:`polish` frees at a time.
-
-    Consecutive values, not a window of stages: whether a value is kept from forward is its
-    ``S`` columns over every stage from its op to its last use, so freeing a window of
-    stages cannot drop or keep any value (tried: from the same 2 s schedule, 3 s of
-    stage windows found 1468 FLOPs, value windows 1044)."""
+def value_columns(model: Milp, cost: np.ndarray) -> list[list[int]]:
+    """The ``R`` and ``S`` columns of each forward value (those whose ``R`` costs something,
+    and the extras among them), in the forward's order: what :func:`value_windows` frees."""
     forward = 1 + max((key[2] for key, column in model.columns.items() if key[0] == "R" and cost[column] > 0),
                       default=-1)
     by_value: list[list[int]] = [[] for _ in range(forward)]
     for key, column in model.columns.items():
         if key[0] in ("R", "S") and key[2] < forward:
             by_value[key[2]].append(column)
+    return by_value
+
+
+def value_windows(by_value: list[list[int]], width: int, offset: int = 0) -> list[list[int]]:
+    """The columns of ``width`` consecutive forward values (``by_value``: :func:`value_columns`),
+    one list a window, windows half a window apart from value ``offset`` on: what
+    :func:`polish` frees at a time.
+
+    Consecutive values, not a window of stages: whether a value is kept from forward is its
+    ``S`` columns over every stage from its op to its last use, so freeing a window of
+    stages cannot drop or keep any value (tried: from the same 2 s schedule, 3 s of
+    stage windows found 1468 FLOPs, value windows 1044)."""
     step = max(width // 2, 1)
     return [[column for columns in by_value[start:start + width] for column in columns]
-            for start in range(offset, max(forward - step, offset + 1), step)]
+            for start in range(offset, max(len(by_value) - step, offset + 1), step)]
 
 
 class Incumbent:

@@ -9,7 +9,7 @@ from itertools import pairwise
 import pytest
 
 from passes.checkmate import build_milp, recompute_objective
-from passes.guided_solve import Incumbent, polish, value_windows
+from passes.guided_solve import Incumbent, polish, value_columns, value_windows
 from passes.training_graph import training_graph
 from tests.milp_graphs import UNIT, chain
 
@@ -22,7 +22,7 @@ def test_value_windows_cover_every_forward_value_half_a_window_apart() -> None:
     training = training_graph(chain(12))
     model = build_milp(training, 6 * UNIT)
     cost = recompute_objective(model, training)
-    windows = value_windows(model, cost, 4)
+    windows = value_windows(value_columns(model, cost), 4)
     value_of = {column: key[2] for key, column in model.columns.items() if key[0] in ("R", "S")}
     values = [sorted({value_of[column] for column in window}) for window in windows]
     assert all(len(v) <= 4 and v == list(range(v[0], v[0] + len(v))) for v in values)  # consecutive
@@ -30,7 +30,7 @@ def test_value_windows_cover_every_forward_value_half_a_window_apart() -> None:
     forward = {key[2] for key, column in model.columns.items() if key[0] == "R" and cost[column] > 0}
     freed = {column for window in windows for column in window}
     assert freed == {column for column, value in value_of.items() if value <= max(forward)}
-    assert value_windows(model, cost, 4, offset=1)[0] != windows[0]  # the second lane's start elsewhere
+    assert value_windows(value_columns(model, cost), 4, offset=1)[0] != windows[0]  # the second lane's start elsewhere
 
 
 def test_polishing_a_poorer_schedule_finds_the_least_recompute() -> None:
