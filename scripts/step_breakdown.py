@@ -9,7 +9,9 @@ Every variant's step is profiled (:func:`graphckpt.tools.step_profile.profile_st
 median of three profiled steps): kernel time, GPU idle time, kernels launched, ATen calls,
 host time inside graphckpt's recomputes and remakes; each graphckpt plan is timed head to
 head against its anchor (paired rounds, order alternating, median with a 95% bootstrap
-interval). On a CPU the kernel columns are empty.
+interval). On a CPU the kernel columns are empty, and the time the cost model predicts a
+plan adds (``cost="time"``) stands beside the host's time inside its recomputes: on a CPU the
+recomputes' kernels are that host time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from graphckpt.tools.pairs import head_to_head, rerun_with_retaining_allocator
 from graphckpt.tools.step_profile import StepProfile, profile_step
 
 HEADER = ["| model | variant | peak / eager's | step / anchor's (median, 95% CI) | kernel time | GPU idle | kernels "
-          "| ATen calls | host in recomputes | extra over eager: predicted / kernel |",
+          "| ATen calls | host in recomputes | extra over eager: predicted / kernel (a CPU: predicted) |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
@@ -72,7 +74,8 @@ def breakdown(name: str, rounds: int, device: str, costs: tuple[str, ...] = ("fl
             pair = head_to_head(step, anchor_step, rounds)
             low, high = pair.interval()
             predicted = _ms(ours.predicted_extra_seconds) if ours.predicted_extra_seconds is not None else "-"
-            extra = f"{predicted} / {_ms(profile.kernel_seconds - eager.kernel_seconds)}" if profile.kernels else ""
+            extra = f"{predicted} / {_ms(profile.kernel_seconds - eager.kernel_seconds)}" if profile.kernels \
+                else predicted  # a CPU: what it predicts the recomputes take, beside host in recomputes
             rows.append(_row(name, f"{label} ({len(ours.plan.segments)} segments)",
                              measured_peak(ours.module, inputs, loss) / eager_peak,
                              f"{pair.median:.3f} [{low:.3f}, {high:.3f}]", profile, extra))
