@@ -191,7 +191,8 @@ def document(cases: list[Case], results: dict[str, list[Result]], skipped: dict[
              "*faults / step* are the minor page faults of a timed step in this run. "
              "*simulated* is graphckpt's own prediction of the peak; *extra time* is what graphckpt's cost model "
              "predicts its plan adds to eager's step (measured op times of what it reruns, and the checkpoint "
-             "calls' own cost) against the measured median difference; *build* is capture + costs + plan + "
+             "calls' own cost) against, on a CPU, the time spent inside its recomputes in a profiled step, and the "
+             "measured median difference of steps; *build* is capture + costs + plan + "
              "codegen (or compile time).", "", _load_line(options), "", "## Targets", ""]
     lines += [verdict.markdown() for verdict in targets(results)]
     for case in cases:

@@ -32,6 +32,7 @@ from graphckpt.tools.anchors import Skipped, Variant, block_anchor, compile_anch
 from graphckpt.tools.console import quiet_profiler
 from graphckpt.tools.measure import infer_device, peak_memory, training_step
 from graphckpt.tools.pairs import minor_faults
+from graphckpt.tools.step_profile import profile_step
 from passes.budget import BudgetError
 from passes.plan import Plan
 
@@ -57,6 +58,7 @@ class Result:
     faults_per_step: float = 0.0  # minor page faults per timed step
     extra_seconds: float = 0.0  # median over rounds of this step minus eager's
     predicted_extra_seconds: float | None = None  # the plan's recompute and overhead, in measured op time
+    recompute_seconds: float | None = None  # host time inside its recomputes in a profiled step (a CPU's)
     default_time_ratio: float | None = None  # time_ratio measured again with glibc's default allocator
     caveat: str = ""  # why its step is not the model's step, if it is not (Variant.caveat)
     times: list[float] = field(default_factory=list, repr=False)
@@ -155,10 +157,12 @@ def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callab
     for variant, run in zip(variants, runs, strict=True):
         run()
         _tick(progress, f"warm-up {variant.name}")
-    peaks = []
+    peaks, recomputes = [], []
     for variant, run in zip(variants, runs, strict=True):
+        device = infer_device(variant.module, inputs)
         with quiet_profiler():
-            peaks.append(peak_memory(run, device=infer_device(variant.module, inputs)))
+            peaks.append(peak_memory(run, device=device))
+            recomputes.append(recompute_seconds(variant, run, device))
         _tick(progress, f"peak {variant.name}")
     times: list[list[float]] = [[] for _ in variants]
     faults = [0] * len(variants)
@@ -170,7 +174,17 @@ def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callab
             times[index].append(time.perf_counter() - start)
             faults[index] += minor_faults() - before
             _tick(progress, f"round {round_index + 1}/{steps}")
-    return _results(variants, peaks, times, [f / steps for f in faults])
+    return _results(variants, peaks, times, [f / steps for f in faults], recomputes)
+
+
+def recompute_seconds(variant: Variant, run: Callable[[], None], device: torch.device) -> float | None:
+    """The host's time inside ``variant``'s recomputes in one profiled step: on a CPU, what
+    rerunning them took, for the cost model's prediction to be checked against without the
+    noise of whole steps; ``None`` on a GPU (there the host only launches their kernels) or for
+    a variant graphckpt did not rewrite."""
+    if variant.kind != "graphckpt" or device.type != "cpu":
+        return None
+    return profile_step(run, device, repeats=1).recompute_host_seconds
 
 
 def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
@@ -183,10 +197,10 @@ def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
 
 
 def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[list[float]],
-             faults: Sequence[float]) -> list[Result]:
+             faults: Sequence[float], recomputes: Sequence[float | None]) -> list[Result]:
     base_peak = peaks[0]
     results = []
-    for variant, peak, seconds, fault_count in zip(variants, peaks, times, faults, strict=True):
+    for variant, peak, seconds, fault_count, recompute in zip(variants, peaks, times, faults, recomputes, strict=True):
         median = statistics.median(seconds)
         plan = variant.plan
         results.append(Result(
@@ -197,7 +211,8 @@ def _results(variants: Sequence[Variant], peaks: Sequence[int], times: Sequence[
             recompute_fraction=plan.recompute_flops / max(plan.forward_flops, 1) if plan else None,
             budget=variant.budget, plan_seconds=variant.plan_seconds, faults_per_step=fault_count,
             extra_seconds=statistics.median(t - b for t, b in zip(seconds, times[0], strict=True)),
-            predicted_extra_seconds=variant.predicted_extra_seconds, caveat=variant.caveat, times=seconds))
+            predicted_extra_seconds=variant.predicted_extra_seconds, recompute_seconds=recompute,
+            caveat=variant.caveat, times=seconds))
     return results
 
 

@@ -19,7 +19,8 @@ from graphckpt.tools.pairs import HeadToHead
 from passes.units import format_bytes
 
 COLUMNS = ("variant", "setting", "measured peak", "× eager", "simulated peak", "step", "× eager",
-           "× eager, default allocator", "faults / step", "extra time: predicted / measured", "build")
+           "× eager, default allocator", "faults / step", "extra time: predicted / in recomputes / measured",
+           "build")
 
 
 def _cpu_model() -> str:
@@ -49,8 +50,9 @@ def result_row(result: Result) -> str:
     build = "" if result.plan_seconds is None else f"{result.plan_seconds:.1f} s"
     simulated = "" if result.simulated_peak_bytes is None else format_bytes(result.simulated_peak_bytes)
     default = "" if result.default_time_ratio is None else f"{result.default_time_ratio:.2f}"
-    extra = ("" if result.predicted_extra_seconds is None else
-             f"{result.predicted_extra_seconds * 1e3:.0f} / {result.extra_seconds * 1e3:.0f} ms")
+    extra = "" if result.predicted_extra_seconds is None else " / ".join(
+        f"{seconds * 1e3:.0f}" for seconds in (result.predicted_extra_seconds, result.recompute_seconds,
+                                              result.extra_seconds) if seconds is not None) + " ms"
     setting = f"{result.setting} (trains unlike eager: see below)" if result.caveat else result.setting
     cells = (result.name, setting, format_bytes(result.peak_bytes), f"{result.peak_ratio:.2f}",
              simulated, f"{result.step_seconds * 1e3:.0f} ms", f"{result.time_ratio:.2f}", default,
