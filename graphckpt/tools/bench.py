@@ -143,7 +143,8 @@ def _tick(progress: ReportProgress | None, message: str) -> None:
 
 def measure_variants(variants: Sequence[Variant], inputs: tuple, loss_fn: Callable[[Any], torch.Tensor],
                      *, steps: int = 5, progress: ReportProgress | None = None) -> list[Result]:
-    """Warm up every variant, measure its peak once, then time ``steps`` interleaved rounds.
+    """Warm up every variant, measure its peak once (and on a CPU the time inside a graphckpt
+    plan's recomputes: :func:`recompute_seconds`), then time ``steps`` interleaved rounds.
 
     The first variant is the baseline of the ratios (put eager first). Each round starts at
     the next variant, so none always runs after the same one (a step after a large one
