@@ -5,7 +5,7 @@ of :data:`passes.strategies.STRATEGIES` turns one into a :class:`passes.plan.Pla
 :func:`passes.strategies.plan_graph` picks one by name or fits a memory budget.
 """
 
-from passes.costgraph import CostGraphError, add_value, check_cost_graph, unit_cost_graph
+from passes.costgraph import CostGraphError, add_value, check_cost_graph
 from passes.plan import Plan
 from passes.segments import PlanError, Segment, validate_plan
 from passes.simulate import Simulation, simulate
@@ -24,6 +24,5 @@ __all__ = [
     "choose_plan",
     "plan_graph",
     "simulate",
-    "unit_cost_graph",
     "validate_plan",
 ]

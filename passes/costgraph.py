@@ -221,8 +221,8 @@ A cost graph does not change once planning starts: the passes read its attribute
 flat maps and sets once per graph (:func:`per_graph_value`, :func:`node_attribute`). To try
 other costs, change a ``graph.copy()``.
 
-Unit costs (every op 1 byte, 1 flop) are what :func:`unit_cost_graph` builds when no shapes
-are known, so the strategies of the papers still work on node counts.
+Without example inputs the torch side costs every op 1 byte and 1 flop (``measured`` false:
+:func:`graphckpt.costs.prepare`), so the strategies of the papers still work on node counts.
 """
 
 from __future__ import annotations
@@ -318,13 +318,3 @@ def check_cost_graph(graph: nx.DiGraph) -> None:
         if graph.nodes[source]["order"] >= graph.nodes[target]["order"]:
             raise CostGraphError(f"edge {source!r} -> {target!r} goes backwards in 'order'")
 
-
-def unit_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:
-    """A copy of ``graph`` where every op costs 1 byte and 1 flop: node counting."""
-    unit = graph.copy()
-    for _, attributes in unit.nodes(data=True):
-        is_op = attributes["kind"] == "op"
-        attributes["bytes"] = int(is_op and attributes["alias_of"] is None)
-        attributes["flops"] = int(is_op)
-        attributes["grad_bytes"] = None
-    return unit
