@@ -14,7 +14,7 @@ from passes.blocks import block_mixes
 from passes.budget import unreachable
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
-from passes.exact import EXACT_MAX_OPS, EXACT_TIME_LIMIT, exact_plan, floors_below
+from passes.exact import EXACT_TIME_LIMIT, exact_plan, exact_solvable, floors_below
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
@@ -89,7 +89,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     rounded: Rounded | None = None  # the relaxation is solved at most once
     if chosen is None:  # below the floor of the program and the flat plans: search toward it
         smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
-        floor_solved = exact_seconds > 0 and len(op_nodes(graph)) <= EXACT_MAX_OPS  # else only searches go lower
+        floor_solved = exact_solvable(graph, exact_seconds)  # else only searches go lower
         searched = search_seeds(graph, smallest, budget_bytes, 1 if floor_solved else SEEDS_BELOW_FLOOR)
         if searched is not None and searched.peak_bytes <= budget_bytes:
             chosen, origin = searched, "a searched plan below the dynamic program's floor"

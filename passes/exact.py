@@ -45,7 +45,7 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     With ``beat`` (a plan in hand's recompute), also ``None`` when no schedule recomputes
     less: the solver, told so, prunes what cannot beat it and proves that in a fraction of
     the full solve's time."""
-    if not _solvable(graph, time_limit):
+    if not exact_solvable(graph, time_limit):
         return None
     result, optimal = _cheapest_schedule(graph, budget_bytes, time_limit, beat)
     if result is None:
@@ -65,7 +65,7 @@ def floor_plan(graph: nx.DiGraph, time_limit: float = EXACT_TIME_LIMIT, below: f
     the solve found none in time (with ``below``, the peak of a plan in hand: none peaking
     less, :func:`passes.floor.least_peak_schedule`). Its peak is the schedule's as the
     runtime runs it, at or above the solver's."""
-    if not _solvable(graph, time_limit):
+    if not exact_solvable(graph, time_limit):
         return None
     found = least_peak_schedule(graph, time_limit, executable=True, below=below)
     if found is None or found.R is None or found.S is None:
@@ -90,7 +90,7 @@ def floors_below(graph: nx.DiGraph, time_limit: float, below: float) -> tuple[Pl
     return lowest, floor
 
 
-def _solvable(graph: nx.DiGraph, time_limit: float) -> bool:
+def exact_solvable(graph: nx.DiGraph, time_limit: float) -> bool:
     """Whether exact schedules are sought for ``graph``: time given (``exact=False`` gives
     none), at most :data:`EXACT_MAX_OPS` ops, and a runtime with hooks (``hooks``)."""
     return time_limit > 0 and len(op_nodes(graph)) <= EXACT_MAX_OPS and bool(graph.graph.get("hooks", True))
