@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 
+import torch
 from torch import fx
 
 from graphckpt.node_cost import NodeCost, trainable_bytes
@@ -16,11 +17,10 @@ def param_grad_bytes(module: fx.GraphModule, node: fx.Node) -> int:
     """Bytes of parameter gradients ``node``'s backward creates (before they are accumulated
     into ``.grad``): a ``call_module`` node's parameters, the parameter a ``get_attr`` node
     is, or those its ``get_attr`` inputs are."""
-    if node.op == "call_module":
-        return trainable_bytes(module.get_submodule(node.target).parameters())
-    if node.op == "get_attr":  # the parameter itself: the size of its gradient
-        return trainable_bytes([operator.attrgetter(node.target)(module)])
-    return trainable_bytes(operator.attrgetter(n.target)(module) for n in node.all_input_nodes if n.op == "get_attr")
+    params = _own_parameters(module, node)
+    if params is None:
+        params = [operator.attrgetter(n.target)(module) for n in node.all_input_nodes if n.op == "get_attr"]
+    return trainable_bytes(params)
 
 
 def param_grads(module: fx.GraphModule, node: fx.Node, names: Mapping[int, str]) -> tuple[tuple[str, int], ...]:
@@ -28,13 +28,18 @@ def param_grads(module: fx.GraphModule, node: fx.Node, names: Mapping[int, str])
     node, or the one a ``get_attr`` node is, under the model's (first) name for each
     (``names``, by ``id``), so that a module called twice, or tied to another, is seen to
     share its gradients."""
-    if node.op == "call_module":
-        params = list(module.get_submodule(node.target).parameters())
-    elif node.op == "get_attr":
-        params = [operator.attrgetter(node.target)(module)]
-    else:
-        return ()
+    params = _own_parameters(module, node) or []
     return tuple((names[id(p)], trainable_bytes([p])) for p in params if id(p) in names and trainable_bytes([p]))
+
+
+def _own_parameters(module: fx.GraphModule, node: fx.Node) -> list[torch.Tensor] | None:
+    """The parameters inside a ``call_module`` node, or the one a ``get_attr`` node is;
+    ``None`` for other nodes."""
+    if node.op == "call_module":
+        return list(module.get_submodule(node.target).parameters())
+    if node.op == "get_attr":
+        return [operator.attrgetter(node.target)(module)]
+    return None
 
 
 def gradients_made(costs: Mapping[str, NodeCost], node: fx.Node) -> int:
