@@ -316,7 +316,7 @@ def test_no_step_runs_before_an_op_no_gradient_reaches() -> None:
     """A Linear called once more for nothing (``mods_linear0_1``, ``mods_linear4``): its
     ``grad_fn`` never runs, so a step placed before it never ran and ``mul_``'s backward found
     ``relu_1`` missing (the random-model property test's example)."""
-    from tests.test_random_models import BATCH, WIDTH, ModelSpec, RecipeModel
+    from tests.random_model_draws import BATCH, WIDTH, ModelSpec, RecipeModel
 
     spec = ModelSpec(modules=(("linear0", "linear"), ("linear1", "linear"), ("linear2", "linear"),
                               ("linear3", "linear"), ("linear4", "linear"), ("linear5", "linear"),
