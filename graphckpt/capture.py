@@ -216,7 +216,9 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
     ``is_causal=True``) but build it as a tensor when traced. On a GPU a mask changes which
     fused attention kernel runs: more memory and time, and with attention dropout other
     random draws than the model's own (ViT on CUDA trained differently). Folding restores
-    the model's call. A mask computed from the inputs (padding) is left alone.
+    the model's call. A mask computed from the inputs (padding) or from the model's
+    parameters or buffers (a learned position bias) is left alone: only a mask that can
+    never change is folded (:func:`_reads_inputs_or_state`).
     """
     changed = False
     meanings: dict[fx.Node, str | None] = {}  # one mask serves every layer: evaluated once
@@ -228,8 +230,8 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
             continue
         if mask not in meanings:
             ancestors = _ancestors(mask)
-            reads_input = any(n.op not in ("call_function", "get_attr") for n in ancestors)
-            meanings[mask] = None if reads_input else mask_meaning(_evaluate(graph_module, mask, ancestors), None)
+            fixed = not _reads_inputs_or_state(graph_module, ancestors)
+            meanings[mask] = mask_meaning(_evaluate(graph_module, mask, ancestors), None) if fixed else None
         meaning = meanings[mask]
         if meaning is None or (meaning == "causal" and _is_causal(node)):
             continue
@@ -286,6 +288,18 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
             found.add(current)
             stack.extend(current.all_input_nodes)
     return found
+
+
+def _reads_inputs_or_state(graph_module: fx.GraphModule, ancestors: set[fx.Node]) -> bool:
+    """Whether a value computed from ``ancestors`` reads an input, a parameter or a buffer,
+    and so may differ at another call: Swin's relative position bias table starts at zeros,
+    so the additive mask it makes lets every query see every key when captured, and folding
+    it away would leave the table out of forward and without a gradient for good."""
+    state = {id(t) for _, t in graph_module.named_parameters(remove_duplicate=False)}
+    state |= {id(t) for _, t in graph_module.named_buffers(remove_duplicate=False)}
+    return any(n.op not in ("call_function", "get_attr")
+               or (n.op == "get_attr" and id(operator.attrgetter(n.target)(graph_module)) in state)
+               for n in ancestors)
 
 
 def _is_causal(attention: fx.Node) -> bool:

@@ -14,12 +14,13 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 class Attention(nn.Module):
-    """One attention call whose mask is all true, causal, or the caller's."""
+    """One attention call whose mask is all true, causal, a learned bias, or the caller's."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.project = nn.Linear(8, 24)
+        self.bias_table = nn.Parameter(torch.zeros(9))  # a learned relative position bias, at zero as Swin's starts
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x).unsqueeze(1).chunk(3, dim=-1)
@@ -29,6 +30,8 @@ class Attention(nn.Module):
             mask = (positions[None, :] >= 0).expand(length, length)
         elif self.kind == "causal":
             mask = positions[None, :] <= positions[:, None]
+        elif self.kind == "learned":
+            mask = self.bias_table[positions[None, :] - positions[:, None] + length - 1]
         else:
             mask = padding[:, None, None, :].expand(-1, 1, length, length)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -68,3 +71,20 @@ def test_mask_meaning_of_additive_masks() -> None:
     assert mask_meaning(torch.zeros(2, 1, 4, 4), None) == "none"
     assert mask_meaning(causal.transpose(0, 1), None) is None
     assert mask_meaning(torch.full((4, 4), 0.5), None) is None
+
+
+def test_a_mask_made_from_parameters_stays() -> None:
+    """A learned bias is all zeros when captured (Swin's table starts so) but is no constant:
+    folded away, the table would never reach forward nor get a gradient."""
+    torch.manual_seed(0)
+    model = Attention("learned")
+    x, padding = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool)
+    graph_module = trace_export(model, (x, padding), {})
+    (call,) = [n for n in graph_module.graph.nodes if n.target is SDPA]
+    assert isinstance(call.args[3], torch.fx.Node)
+    graph_module(x, padding).square().sum().backward()
+    captured = model.bias_table.grad.clone()
+    model.zero_grad()
+    model(x, padding).square().sum().backward()
+    assert captured.abs().sum() > 0
+    torch.testing.assert_close(captured, model.bias_table.grad)
