@@ -110,6 +110,19 @@ def phi() -> Example:
     return _lm(tf.PhiForCausalLM(config))
 
 
+def mixtral() -> Example:
+    config = tf.MixtralConfig(**_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    return _lm(tf.MixtralForCausalLM(config))
+
+
+def mamba() -> Example:
+    """Mamba's reference PyTorch path (no ``mamba_ssm`` kernels): a selective scan over the
+    sequence, written as a Python loop of small ops."""
+    config = tf.MambaConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, state_size=8,
+                            use_cache=False, **_SPECIAL)
+    return _lm(tf.MambaForCausalLM(config))
+
+
 # ---------------------------------------------------------------- encoders (dropout on)
 
 _ENCODER = {"vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
@@ -178,6 +191,26 @@ def deit() -> Example:
     return tf.DeiTForImageClassification(tf.DeiTConfig(**_VIT)), (), _images()
 
 
+def swin() -> Example:
+    """Shifted windows of 4x4 patches, a learned relative position bias (zeros at first) added
+    to each window's attention mask."""
+    config = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                           num_labels=10)
+    return tf.SwinForImageClassification(config), (), _images()
+
+
+def clip() -> Example:
+    """Text and image towers trained on their contrastive loss (``return_loss``)."""
+    text = {"vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+            "intermediate_size": FFN, "max_position_embeddings": 64, **_SPECIAL}
+    vision = {"image_size": 32, "patch_size": 4, "hidden_size": WIDTH, "num_hidden_layers": LAYERS,
+              "num_attention_heads": HEADS, "intermediate_size": FFN}
+    model = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision))
+    tokens = _tokens()
+    del tokens["labels"]
+    return model, (), {**tokens, "pixel_values": _images()["pixel_values"], "return_loss": True}
+
+
 # ---------------------------------------------------------------- convolutional nets
 
 def resnet() -> Example:
@@ -195,6 +228,12 @@ def regnet() -> Example:
 def mobilenet_v2() -> Example:
     config = tf.MobileNetV2Config(depth_multiplier=0.35, image_size=64, num_labels=10, classifier_dropout_prob=0.2)
     return tf.MobileNetV2ForImageClassification(config), (), _conv_images()
+
+
+def efficientnet() -> Example:
+    config = tf.EfficientNetConfig(image_size=64, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
+                                   num_labels=10)
+    return tf.EfficientNetForImageClassification(config), (), _conv_images()
 
 
 def convnext() -> Example:
@@ -265,6 +304,8 @@ def entries() -> list[Entry]:
         Entry("qwen2", "decoder LM", "Qwen2: GQA with q/k/v biases, rotary, RMSNorm (sdpa)", qwen2),
         Entry("gemma", "decoder LM", "Gemma: multi-query attention, GeGLU, scaled embeddings", gemma),
         Entry("phi", "decoder LM", "Phi: parallel block, partial rotary, dense GELU MLP", phi),
+        Entry("mixtral", "decoder LM", "Mixtral: sparse mixture of 4 experts, top-2 routing, GQA", mixtral),
+        Entry("mamba", "state space", "Mamba: selective scan (reference PyTorch path), causal conv1d, RMSNorm", mamba),
         Entry("bert", "encoder", "BERT masked LM: post-LN, token types, dropout 0.1", bert),
         Entry("roberta", "encoder", "RoBERTa masked LM: padding-offset positions, dropout 0.1", roberta),
         Entry("electra", "encoder", "ELECTRA discriminator: factorised embeddings, per-token BCE loss", electra),
@@ -274,10 +315,15 @@ def entries() -> list[Entry]:
         Entry("bart", "encoder-decoder", "BART: learned positions, shared embeddings, dropout 0.1 (sdpa)", bart),
         Entry("vit", "vision transformer", "ViT: 4x4 patches of 32x32 images, CLS token, dropout 0.1", vit),
         Entry("deit", "vision transformer", "DeiT: ViT with a distillation token, dropout 0.1", deit),
+        Entry("swin", "vision transformer", "Swin: shifted windows, learned relative position bias, patch merging",
+              swin),
+        Entry("clip", "contrastive", "CLIP: text and vision towers, contrastive loss", clip),
         Entry("resnet", "conv + BatchNorm", "ResNet: basic blocks, BatchNorm, max-pool stem", resnet),
         Entry("regnet", "conv + BatchNorm", "RegNet: grouped convs, squeeze-excitation, BatchNorm", regnet),
         Entry("mobilenet_v2", "conv + BatchNorm", "MobileNetV2: inverted residuals, depthwise convs, ReLU6",
               mobilenet_v2),
+        Entry("efficientnet", "conv + BatchNorm", "EfficientNet: MBConv blocks, squeeze-excitation, SiLU, drop path",
+              efficientnet),
         Entry("convnext", "conv + LayerNorm", "ConvNeXt: depthwise 7x7, channels-last LayerNorm, drop path",
               convnext),
         Entry("wav2vec2", "speech", "Wav2Vec2: conv feature encoder, GroupNorm, conv positions, dropout 0.1",
