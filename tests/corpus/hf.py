@@ -199,6 +199,14 @@ def swin() -> Example:
     return tf.SwinForImageClassification(config), (), _images()
 
 
+def levit() -> Example:
+    """A convolutional stem of four stride-2 convolutions, then attention with learned biases
+    and BatchNorm'd linear layers."""
+    config = tf.LevitConfig(image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 4], depths=[1, 1, 1],
+                            key_dim=[8, 8, 8], num_labels=10)
+    return tf.LevitForImageClassification(config), (), _conv_images()
+
+
 def clip() -> Example:
     """Text and image towers trained on their contrastive loss (``return_loss``)."""
     text = {"vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
@@ -317,6 +325,7 @@ def entries() -> list[Entry]:
         Entry("deit", "vision transformer", "DeiT: ViT with a distillation token, dropout 0.1", deit),
         Entry("swin", "vision transformer", "Swin: shifted windows, learned relative position bias, patch merging",
               swin),
+        Entry("levit", "vision transformer", "LeViT: convolutional stem, attention biases, BatchNorm'd linears", levit),
         Entry("clip", "contrastive", "CLIP: text and vision towers, contrastive loss", clip),
         Entry("resnet", "conv + BatchNorm", "ResNet: basic blocks, BatchNorm, max-pool stem", resnet),
         Entry("regnet", "conv + BatchNorm", "RegNet: grouped convs, squeeze-excitation, BatchNorm", regnet),
