@@ -39,11 +39,11 @@ def _registry() -> dict[str, Entry]:
 
     entries: list[Entry] = []
     try:
-        from tests.corpus import hf
+        from tests.corpus import hf, hf_vision
     except ImportError:  # transformers is a test-only dependency
         pass
     else:
-        entries += hf.entries()
+        entries += hf.entries() + hf_vision.entries()
     entries += torch_models.entries()
     return {entry.name: entry for entry in entries}
 

@@ -19,7 +19,7 @@ VOCAB, SEQ, BATCH = 128, 32, 4
 WIDTH, HEADS, FFN, LAYERS = 64, 4, 128, 2
 
 
-def _tokens(labels: str = "ids") -> dict[str, torch.Tensor]:
+def tokens(labels: str = "ids") -> dict[str, torch.Tensor]:
     """Token ids, an attention mask (the last sequence ends in 6 pads) and labels: the ids
     themselves (language modelling), ``"binary"`` per-token 0/1 (ELECTRA's discriminator)."""
     generator = torch.Generator().manual_seed(1)
@@ -30,19 +30,19 @@ def _tokens(labels: str = "ids") -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": target}
 
 
-def _images(classes: int = 10, size: int = 32, batch: int = BATCH) -> dict[str, torch.Tensor]:
+def images(classes: int = 10, size: int = 32, batch: int = BATCH) -> dict[str, torch.Tensor]:
     """A batch of random RGB images and class labels."""
     generator = torch.Generator().manual_seed(1)
     return {"pixel_values": torch.randn(batch, 3, size, size, generator=generator),
             "labels": torch.randint(0, classes, (batch,), generator=generator)}
 
 
-def _conv_images() -> dict[str, torch.Tensor]:
+def conv_images() -> dict[str, torch.Tensor]:
     """8 images of 64x64 for the convolutional nets (their stems divide the size by 4)."""
-    return _images(size=64, batch=8)
+    return images(size=64, batch=8)
 
 
-def _audio(classes: int = 4, samples: int = 1600) -> dict[str, torch.Tensor]:
+def audio(classes: int = 4, samples: int = 1600) -> dict[str, torch.Tensor]:
     """A batch of random raw waveforms and clip labels."""
     generator = torch.Generator().manual_seed(1)
     return {"input_values": torch.randn(BATCH, samples, generator=generator),
@@ -51,12 +51,12 @@ def _audio(classes: int = 4, samples: int = 1600) -> dict[str, torch.Tensor]:
 
 def _lm(model: Any, attention: str = "eager", labels: str = "ids") -> Example:
     model.config._attn_implementation = attention
-    return model, (), _tokens(labels)
+    return model, (), tokens(labels)
 
 
-_SPECIAL = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+SPECIAL_TOKENS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
 _DECODER = {"vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-            "intermediate_size": FFN, "max_position_embeddings": 64, "use_cache": False, **_SPECIAL}
+            "intermediate_size": FFN, "max_position_embeddings": 64, "use_cache": False, **SPECIAL_TOKENS}
 
 
 # ---------------------------------------------------------------- decoder language models
@@ -70,7 +70,7 @@ def gpt2() -> Example:
 def opt() -> Example:
     config = tf.OPTConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, ffn_dim=FFN,
                           num_attention_heads=HEADS, max_position_embeddings=64, word_embed_proj_dim=WIDTH,
-                          use_cache=False, **_SPECIAL)
+                          use_cache=False, **SPECIAL_TOKENS)
     return _lm(tf.OPTForCausalLM(config))
 
 
@@ -81,7 +81,7 @@ def gpt_neox() -> Example:
 
 def bloom() -> Example:
     config = tf.BloomConfig(vocab_size=VOCAB, hidden_size=WIDTH, n_layer=LAYERS, n_head=HEADS, use_cache=False,
-                            **_SPECIAL)
+                            **SPECIAL_TOKENS)
     return _lm(tf.BloomForCausalLM(config))
 
 
@@ -119,7 +119,7 @@ def mamba() -> Example:
     """Mamba's reference PyTorch path (no ``mamba_ssm`` kernels): a selective scan over the
     sequence, written as a Python loop of small ops."""
     config = tf.MambaConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, state_size=8,
-                            use_cache=False, **_SPECIAL)
+                            use_cache=False, **SPECIAL_TOKENS)
     return _lm(tf.MambaForCausalLM(config))
 
 
@@ -176,114 +176,6 @@ def bart() -> Example:
     return _lm(tf.BartForConditionalGeneration(config), "sdpa")
 
 
-# ---------------------------------------------------------------- vision transformers
-
-_VIT = {"hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "intermediate_size": FFN,
-        "image_size": 32, "patch_size": 4, "num_labels": 10, "hidden_dropout_prob": 0.1,
-        "attention_probs_dropout_prob": 0.1}
-
-
-def vit() -> Example:
-    return tf.ViTForImageClassification(tf.ViTConfig(**_VIT)), (), _images()
-
-
-def deit() -> Example:
-    return tf.DeiTForImageClassification(tf.DeiTConfig(**_VIT)), (), _images()
-
-
-def swin() -> Example:
-    """Shifted windows of 4x4 patches, a learned relative position bias (zeros at first) added
-    to each window's attention mask."""
-    config = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-                           num_labels=10)
-    return tf.SwinForImageClassification(config), (), _images()
-
-
-def levit() -> Example:
-    """A convolutional stem of four stride-2 convolutions, then attention with learned biases
-    and BatchNorm'd linear layers."""
-    config = tf.LevitConfig(image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 4], depths=[1, 1, 1],
-                            key_dim=[8, 8, 8], num_labels=10)
-    return tf.LevitForImageClassification(config), (), _conv_images()
-
-
-def clip() -> Example:
-    """Text and image towers trained on their contrastive loss (``return_loss``)."""
-    text = {"vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-            "intermediate_size": FFN, "max_position_embeddings": 64, **_SPECIAL}
-    vision = {"image_size": 32, "patch_size": 4, "hidden_size": WIDTH, "num_hidden_layers": LAYERS,
-              "num_attention_heads": HEADS, "intermediate_size": FFN}
-    model = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision))
-    tokens = _tokens()
-    del tokens["labels"]
-    return model, (), {**tokens, "pixel_values": _images()["pixel_values"], "return_loss": True}
-
-
-# ---------------------------------------------------------------- convolutional nets
-
-def resnet() -> Example:
-    config = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1],
-                             layer_type="basic", num_labels=10)
-    return tf.ResNetForImageClassification(config), (), _conv_images()
-
-
-def regnet() -> Example:
-    config = tf.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1],
-                             groups_width=8, num_labels=10)
-    return tf.RegNetForImageClassification(config), (), _conv_images()
-
-
-def mobilenet_v2() -> Example:
-    config = tf.MobileNetV2Config(depth_multiplier=0.35, image_size=64, num_labels=10, classifier_dropout_prob=0.2)
-    return tf.MobileNetV2ForImageClassification(config), (), _conv_images()
-
-
-def efficientnet() -> Example:
-    config = tf.EfficientNetConfig(image_size=64, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
-                                   num_labels=10)
-    return tf.EfficientNetForImageClassification(config), (), _conv_images()
-
-
-def convnext() -> Example:
-    config = tf.ConvNextConfig(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1], num_labels=10,
-                               drop_path_rate=0.1)
-    return tf.ConvNextForImageClassification(config), (), _conv_images()
-
-
-# ---------------------------------------------------------------- speech / audio
-
-# SpecAugment (mask_time_prob) draws its masks with numpy and LayerDrop decides with a Python
-# `if` on torch.rand: neither can be captured as a graph (numpy draws would be baked in as
-# constants), so both are off; every dropout stays at its default.
-_SPEECH = {"hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "intermediate_size": FFN,
-           "conv_dim": (32, 32, 32), "conv_stride": (5, 2, 2), "conv_kernel": (10, 3, 3),
-           "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4, "num_labels": 4,
-           "mask_time_prob": 0.0, "layerdrop": 0.0}
-
-
-def wav2vec2() -> Example:
-    return tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(**_SPEECH)), (), _audio()
-
-
-def hubert() -> Example:
-    return tf.HubertForSequenceClassification(tf.HubertConfig(**_SPEECH)), (), _audio()
-
-
-def whisper() -> Example:
-    config = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, encoder_layers=LAYERS, decoder_layers=LAYERS,
-                              encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
-                              decoder_ffn_dim=FFN, d_model=WIDTH, max_source_positions=16, max_target_positions=64,
-                              dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, use_cache=False,
-                              decoder_start_token_id=0, pad_token_id=2, bos_token_id=0, eos_token_id=1,
-                              begin_suppress_tokens=None, suppress_tokens=None)
-    generator = torch.Generator().manual_seed(1)
-    inputs = {"input_features": torch.randn(BATCH, 16, 32, generator=generator),
-              "labels": torch.randint(3, VOCAB, (BATCH, 16), generator=generator)}
-    model = tf.WhisperForConditionalGeneration(config)
-    model.config._attn_implementation = "eager"
-    return model, (), inputs
-
-
 def gpt2_real_width(layers: int = 12, seq: int = 512, batch: int = 2) -> Example:
     """GPT-2 small at its real width: d=768, 12 heads, the 50257-token vocabulary, ``layers``
     blocks, ``batch`` sequences of ``seq`` tokens (no padding), dropout 0.1, eager attention."""
@@ -301,7 +193,8 @@ GPT2_REAL_WIDTH = Entry("gpt2_real_width", "decoder LM", "GPT-2 small: 12 layers
 
 
 def entries() -> list[Entry]:
-    """Every Hugging Face corpus entry, grouped by family."""
+    """The language models (decoders, encoders, encoder-decoders), grouped by family; the
+    vision, convolutional and audio ones are in :mod:`tests.corpus.hf_vision`."""
     return [
         Entry("gpt2", "decoder LM", "GPT-2: learned positions, Conv1D projections, dropout 0.1", gpt2),
         Entry("opt", "decoder LM", "OPT: learned positions (offset 2), ReLU MLP, dropout 0.1", opt),
@@ -321,22 +214,4 @@ def entries() -> list[Entry]:
         Entry("albert", "encoder", "ALBERT masked LM: one layer's weights shared by every layer", albert),
         Entry("t5", "encoder-decoder", "T5: relative position buckets, RMS LayerNorm, dropout 0.1", t5),
         Entry("bart", "encoder-decoder", "BART: learned positions, shared embeddings, dropout 0.1 (sdpa)", bart),
-        Entry("vit", "vision transformer", "ViT: 4x4 patches of 32x32 images, CLS token, dropout 0.1", vit),
-        Entry("deit", "vision transformer", "DeiT: ViT with a distillation token, dropout 0.1", deit),
-        Entry("swin", "vision transformer", "Swin: shifted windows, learned relative position bias, patch merging",
-              swin),
-        Entry("levit", "vision transformer", "LeViT: convolutional stem, attention biases, BatchNorm'd linears", levit),
-        Entry("clip", "contrastive", "CLIP: text and vision towers, contrastive loss", clip),
-        Entry("resnet", "conv + BatchNorm", "ResNet: basic blocks, BatchNorm, max-pool stem", resnet),
-        Entry("regnet", "conv + BatchNorm", "RegNet: grouped convs, squeeze-excitation, BatchNorm", regnet),
-        Entry("mobilenet_v2", "conv + BatchNorm", "MobileNetV2: inverted residuals, depthwise convs, ReLU6",
-              mobilenet_v2),
-        Entry("efficientnet", "conv + BatchNorm", "EfficientNet: MBConv blocks, squeeze-excitation, SiLU, drop path",
-              efficientnet),
-        Entry("convnext", "conv + LayerNorm", "ConvNeXt: depthwise 7x7, channels-last LayerNorm, drop path",
-              convnext),
-        Entry("wav2vec2", "speech", "Wav2Vec2: conv feature encoder, GroupNorm, conv positions, dropout 0.1",
-              wav2vec2),
-        Entry("hubert", "speech", "HuBERT: Wav2Vec2-style encoder, sequence classification", hubert),
-        Entry("whisper", "speech", "Whisper: conv stem on log-mel, encoder-decoder, dropout 0.1", whisper),
     ]
