@@ -123,6 +123,29 @@ def mamba() -> Example:
     return _lm(tf.MambaForCausalLM(config))
 
 
+
+def gemma2() -> Example:
+    config = tf.Gemma2Config(**_DECODER, num_key_value_heads=2, head_dim=16, sliding_window=16)
+    return _lm(tf.Gemma2ForCausalLM(config))
+
+
+def qwen2_moe() -> Example:
+    config = tf.Qwen2MoeConfig(**_DECODER, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    return _lm(tf.Qwen2MoeForCausalLM(config))
+
+
+def falcon() -> Example:
+    config = tf.FalconConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                             use_cache=False, **SPECIAL_TOKENS)
+    return _lm(tf.FalconForCausalLM(config))
+
+
+def gpt_bigcode() -> Example:
+    config = tf.GPTBigCodeConfig(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB, n_positions=64,
+                                 use_cache=False, bos_token_id=0, eos_token_id=1)
+    return _lm(tf.GPTBigCodeForCausalLM(config))
+
 # ---------------------------------------------------------------- encoders (dropout on)
 
 _ENCODER = {"vocab_size": VOCAB, "hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
@@ -157,6 +180,26 @@ def albert() -> Example:
                              attention_probs_dropout_prob=0.1)
     return _lm(tf.AlbertForMaskedLM(config))
 
+
+
+def deberta_v2() -> Example:
+    return _lm(tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(**_ENCODER)))
+
+
+def funnel() -> Example:
+    config = tf.FunnelConfig(vocab_size=VOCAB, block_sizes=[1, 1], d_model=WIDTH, n_head=HEADS, d_head=16, d_inner=FFN)
+    return _lm(tf.FunnelForMaskedLM(config))
+
+
+def convbert() -> Example:
+    return _lm(tf.ConvBertForMaskedLM(tf.ConvBertConfig(**_ENCODER)))
+
+
+def modernbert() -> Example:
+    config = tf.ModernBertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS,
+                                 num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=64,
+                                 cls_token_id=0, sep_token_id=1, **SPECIAL_TOKENS)
+    return _lm(tf.ModernBertForMaskedLM(config))
 
 # ---------------------------------------------------------------- encoder-decoder
 
@@ -206,12 +249,21 @@ def entries() -> list[Entry]:
         Entry("gemma", "decoder LM", "Gemma: multi-query attention, GeGLU, scaled embeddings", gemma),
         Entry("phi", "decoder LM", "Phi: parallel block, partial rotary, dense GELU MLP", phi),
         Entry("mixtral", "decoder LM", "Mixtral: sparse mixture of 4 experts, top-2 routing, GQA", mixtral),
+        Entry("gemma2", "decoder LM", "Gemma 2: logit soft-capping, alternating sliding-window layers", gemma2),
+        Entry("qwen2_moe", "decoder LM", "Qwen2-MoE: 4 routed experts beside a gated shared expert", qwen2_moe),
+        Entry("falcon", "decoder LM", "Falcon: parallel attention and MLP, multi-query attention", falcon),
+        Entry("gpt_bigcode", "decoder LM", "GPT-BigCode: GPT-2 layout with multi-query attention", gpt_bigcode),
         Entry("mamba", "state space", "Mamba: selective scan (reference PyTorch path), causal conv1d, RMSNorm", mamba),
         Entry("bert", "encoder", "BERT masked LM: post-LN, token types, dropout 0.1", bert),
         Entry("roberta", "encoder", "RoBERTa masked LM: padding-offset positions, dropout 0.1", roberta),
         Entry("electra", "encoder", "ELECTRA discriminator: factorised embeddings, per-token BCE loss", electra),
         Entry("distilbert", "encoder", "DistilBERT masked LM: no token types, dropout 0.1", distilbert),
         Entry("albert", "encoder", "ALBERT masked LM: one layer's weights shared by every layer", albert),
+        Entry("deberta_v2", "encoder", "DeBERTa-v2: disentangled relative attention", deberta_v2),
+        Entry("funnel", "encoder", "Funnel: pooled query sequence between blocks, then upsampled", funnel),
+        Entry("convbert", "encoder", "ConvBERT: span-based dynamic convolution heads beside attention", convbert),
+        Entry("modernbert", "encoder", "ModernBERT: alternating local and global attention, GeGLU, no biases",
+              modernbert),
         Entry("t5", "encoder-decoder", "T5: relative position buckets, RMS LayerNorm, dropout 0.1", t5),
         Entry("bart", "encoder-decoder", "BART: learned positions, shared embeddings, dropout 0.1 (sdpa)", bart),
     ]

@@ -52,6 +52,40 @@ def clip() -> Example:
     return model, (), {**text_inputs, "pixel_values": images()["pixel_values"], "return_loss": True}
 
 
+
+def beit() -> Example:
+    config = tf.BeitConfig(image_size=32, patch_size=4, hidden_size=WIDTH, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, intermediate_size=FFN, num_labels=10,
+                           use_relative_position_bias=True)
+    return tf.BeitForImageClassification(config), (), images()
+
+
+def dinov2() -> Example:
+    config = tf.Dinov2Config(image_size=32, patch_size=4, hidden_size=WIDTH, num_hidden_layers=LAYERS,
+                             num_attention_heads=HEADS, intermediate_size=FFN, num_labels=10)
+    return tf.Dinov2ForImageClassification(config), (), images()
+
+
+def vitmae() -> Example:
+    """Pre-training: a random 75% of the patches masked (``torch.rand``, ``argsort``, ``gather``
+    inside the graph), the rest encoded, a small decoder rebuilding the pixels."""
+    config = tf.ViTMAEConfig(image_size=32, patch_size=4, hidden_size=WIDTH, num_hidden_layers=LAYERS,
+                             num_attention_heads=HEADS, intermediate_size=FFN, decoder_hidden_size=32,
+                             decoder_num_hidden_layers=1, decoder_num_attention_heads=HEADS, decoder_intermediate_size=64)
+    return tf.ViTMAEForPreTraining(config), (), {"pixel_values": images()["pixel_values"]}
+
+
+def segformer() -> Example:
+    config = tf.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=10, decoder_hidden_size=32)
+    return tf.SegformerForImageClassification(config), (), images()
+
+
+def mobilevit() -> Example:
+    config = tf.MobileViTConfig(image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 8, 16, 16, 32, 48, 160],
+                                num_labels=10)
+    return tf.MobileViTForImageClassification(config), (), conv_images()
+
 # ---------------------------------------------------------------- convolutional nets
 
 def resnet() -> Example:
@@ -125,6 +159,13 @@ def entries() -> list[Entry]:
         Entry("swin", "vision transformer", "Swin: shifted windows, learned relative position bias, patch merging",
               swin),
         Entry("levit", "vision transformer", "LeViT: convolutional stem, attention biases, BatchNorm'd linears", levit),
+        Entry("beit", "vision transformer", "BEiT: learned relative position bias, layer scale", beit),
+        Entry("dinov2", "vision transformer", "DINOv2: layer scale, interpolated position embeddings", dinov2),
+        Entry("vitmae", "vision transformer", "ViTMAE pre-training: random patch masking in the graph, pixel decoder",
+              vitmae),
+        Entry("segformer", "vision transformer", "SegFormer: hierarchical encoder, spatially reduced attention, "
+              "Mix-FFN depthwise convs", segformer),
+        Entry("mobilevit", "conv + attention", "MobileViT: inverted residuals, unfolded-patch transformers", mobilevit),
         Entry("clip", "contrastive", "CLIP: text and vision towers, contrastive loss", clip),
         Entry("resnet", "conv + BatchNorm", "ResNet: basic blocks, BatchNorm, max-pool stem", resnet),
         Entry("regnet", "conv + BatchNorm", "RegNet: grouped convs, squeeze-excitation, BatchNorm", regnet),
