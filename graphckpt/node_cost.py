@@ -69,9 +69,9 @@ def selective_extra(inner_bytes: int, remade_bytes: int) -> int:
 
 
 def with_forward_scratch(temporaries: int, heights: list[int], scratches: list[int]) -> int:
-    """A node's ``forward_extra_bytes`` with the kernel scratch of its calls on 16-bit floats:
+    """A node's ``forward_extra_bytes`` with the kernel scratch of its replayed calls:
     the most of its ``temporaries``' peak and each call's scratch on what the node held while
-    it ran (``heights``: :meth:`graphckpt.op_kinds.OpKinds.narrow_heights`), above what it ends
+    it ran (``heights``: :meth:`graphckpt.op_kinds.OpKinds.scratch_heights`), above what it ends
     with. Laid on the whole temporaries' peak instead, the 64 KiB of scratch of the ``add``
     that puts T5's float32 position bias on its attention scores, early in the math kernel
     under bf16, over-simulated its plans by 5-7% (stop 69).

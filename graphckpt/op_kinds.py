@@ -99,7 +99,7 @@ def mixes_float_widths(args: tuple, kwargs: Mapping[str, Any]) -> bool:
 
 
 def replayed_for_scratch(func: Any, opaque: bool, args: tuple, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a forward call's kernel scratch is measured (:meth:`OpKinds._note_narrow`): an
+    """Whether a forward call's kernel scratch is measured (:meth:`OpKinds._note_for_replay`): an
     ``opaque`` call, or one mixing float widths (:func:`mixes_float_widths`), on 16-bit floats;
     and a convolution of any width. oneDNN's float32 convolution allocates inside itself too:
     LeViT's stem (3 -> 4 channels, stride 2, 8 images of 64x64) takes 512 KiB beside its
@@ -134,9 +134,9 @@ class OpKinds(TorchDispatchMode):
         self.made: list[int] = []  # bytes of each storage a call made, in order
         self.events: list[int] = []  # indices into ``made``: ``i`` made, ``-i - 1`` freed, in time order
         self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
-        self.narrow_calls: list[tuple] = []  # (func, args, kwargs as layouts): see :meth:`_note_narrow`
-        self.narrow_at: list[int] = []  # for each of them, its place in ``events``: just after its results
-        self.narrow_kernel: list[bool] = []  # for each of them, whether selective checkpointing would keep its
+        self.scratch_calls: list[tuple] = []  # (func, args, kwargs as layouts): see :meth:`_note_for_replay`
+        self.scratch_at: list[int] = []  # for each of them, its place in ``events``: just after its results
+        self.scratch_kernel: list[bool] = []  # for each of them, whether selective checkpointing would keep its
         # outputs (a matmul's): a rerun served from the cache does not call it, nor make its scratch
         self.caching = caching_devices()
         self.cached_casts: list[tuple[int, Any, int]] = []  # (storage key, weak reference, bytes): parameter
@@ -169,22 +169,22 @@ class OpKinds(TorchDispatchMode):
             self.events.append(-entry[0] - 1)
             del self.tensors[key]
 
-    def _note_narrow(self, func: Any, layouts: tuple, kernel: bool) -> None:
-        """Keep a call :func:`replayed_for_scratch` names for replay (:attr:`narrow_calls`, its
+    def _note_for_replay(self, func: Any, layouts: tuple, kernel: bool) -> None:
+        """Keep a call :func:`replayed_for_scratch` names for replay (:attr:`scratch_calls`, its
         args and kwargs as ``layouts``), and where it ran among the node's storages
-        (:meth:`narrow_heights`), after its results are followed: on CPU such kernels allocate
+        (:meth:`scratch_heights`), after its results are followed: on CPU such kernels allocate
         inside themselves, where no dispatch mode sees it (``mean`` of bf16 copies its input to
         float32, ``slow_conv2d`` builds its im2col buffer), and this scratch is part of the
         node's forward peak. wav2vec2 planned under bf16 measured 1.05x its simulated peak for
         want of its pooling ``mean``'s copy. Float32 calls are not replayed: the corpus keeps
         its budgets without it, and replays cost profile time; convolutions are the exception
         (:func:`replayed_for_scratch`)."""
-        self.narrow_calls.append((func, *layouts))
-        self.narrow_at.append(len(self.events))
-        self.narrow_kernel.append(kernel)
+        self.scratch_calls.append((func, *layouts))
+        self.scratch_at.append(len(self.events))
+        self.scratch_kernel.append(kernel)
 
-    def narrow_heights(self) -> list[int]:
-        """For each call of :attr:`narrow_calls`, the bytes of the storages the node's calls
+    def scratch_heights(self) -> list[int]:
+        """For each call of :attr:`scratch_calls`, the bytes of the storages the node's calls
         had made and not freed while it ran (its own results among them), above those alive
         when the node ended: what its kernel scratch sits on, on top of what the node makes
         and saves (:func:`graphckpt.node_cost.with_forward_scratch`). Negative
@@ -192,7 +192,7 @@ class OpKinds(TorchDispatchMode):
         running = [0]
         for event in self.events:
             running.append(running[-1] + (self.made[event] if event >= 0 else -self.made[-event - 1]))
-        return [running[position] - running[-1] for position in self.narrow_at]
+        return [running[position] - running[-1] for position in self.scratch_at]
 
     def forward_extra_bytes(self) -> int:
         """Peak bytes of the storages the node's calls made, above those still alive when it
@@ -215,15 +215,15 @@ class OpKinds(TorchDispatchMode):
         self.expensive = self.expensive or is_expensive
         opaque = not (func.is_view or torch.Tag.pointwise in func.tags)
         self.opaque = self.opaque or opaque
-        narrow = replayed_for_scratch(func, opaque, args, kwargs or {})
-        layouts = layouts_of(args, kwargs or {}) if narrow else ()  # as it is called (an in-place call writes)
+        replayed = replayed_for_scratch(func, opaque, args, kwargs or {})
+        layouts = layouts_of(args, kwargs or {}) if replayed else ()  # as it is called (an in-place call writes)
         result = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
                 self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
-        if narrow:
-            self._note_narrow(func, layouts, kernel=is_expensive)
+        if replayed:
+            self._note_for_replay(func, layouts, kernel=is_expensive)
         if is_cast(func) and narrows_a_trained_leaf(args[0], result):
             self.parameter_casts.append((allocated_bytes(result), allocated_bytes(args[0])))
             if cached_by_autocast(args[0], result, self.caching):

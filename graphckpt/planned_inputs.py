@@ -25,7 +25,7 @@ loss outside the model on 16-bit outputs is priced in float32 (``loss_widening``
 :mod:`passes.costgraph`), a convolution's saved input counted alive during its backward
 kernel's scratch (:meth:`graphckpt.backward_record.Recorder.backward_peak`), and the scratch
 16-bit kernels allocate inside themselves measured: forward calls on 16-bit floats replayed
-(:meth:`graphckpt.op_kinds.OpKinds._note_narrow`), BatchNorm's backward replayed with the
+(:meth:`graphckpt.op_kinds.OpKinds._note_for_replay`), BatchNorm's backward replayed with the
 float32 statistics its kernel gets. The corpus planned under bf16: docs/corpus_autocast.md.
 """
 

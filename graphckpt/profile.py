@@ -67,10 +67,10 @@ class _CostInterpreter(fx.Interpreter):
         self.owner: dict[int, str] = {}
         self.keep_alive: list[Any] = []
         self.costs: dict[str, NodeCost] = {}
-        self.narrow_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls on 16-bit floats
-        self.narrow_heights: dict[str, list[int]] = {}  # node -> what each of them ran on (OpKinds.narrow_heights)
-        self.narrow_kernel: dict[str, list[bool]] = {}  # node -> of each, whether it is a matmul's, which a rerun
-        # served from selective checkpointing's cache does not call (OpKinds.narrow_kernel)
+        self.scratch_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls replayed for kernel scratch
+        self.scratch_heights: dict[str, list[int]] = {}  # node -> what each of them ran on (OpKinds.scratch_heights)
+        self.scratch_kernel: dict[str, list[bool]] = {}  # node -> of each, whether it is a matmul's, which a rerun
+        # served from selective checkpointing's cache does not call (OpKinds.scratch_kernel)
         for tensor in (*module.parameters(), *module.buffers()):
             self.owner[storage_key(tensor)] = PARAM
         self.param_names = {id(p): name for name, p in module.named_parameters()}  # a tied one: its first name
@@ -105,10 +105,10 @@ class _CostInterpreter(fx.Interpreter):
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
                                         forward_extra_bytes=temporaries, cached_rerun_extra_bytes=temporaries,
                                         grad_views=cost.grad_views or identity)
-        if kinds.narrow_calls:
-            self.narrow_calls[node.name] = kinds.narrow_calls
-            self.narrow_heights[node.name] = kinds.narrow_heights()
-            self.narrow_kernel[node.name] = kinds.narrow_kernel
+        if kinds.scratch_calls:
+            self.scratch_calls[node.name] = kinds.scratch_calls
+            self.scratch_heights[node.name] = kinds.scratch_heights()
+            self.scratch_kernel[node.name] = kinds.scratch_kernel
         if self.backward and node.op.startswith("call_"):
             self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if kinds.opaque else None))
         return result
@@ -154,20 +154,20 @@ class _CostInterpreter(fx.Interpreter):
     def add_forward_scratch(self) -> dict[str, AddedScratch]:
         """Raise each node's ``forward_extra_bytes`` to the most its forward holds while one of
         its calls on 16-bit floats runs: the scratch that call's kernel allocates inside itself
-        (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`, replayed unless measured before in
+        (:meth:`graphckpt.op_kinds.OpKinds._note_for_replay`, replayed unless measured before in
         this process: :func:`measure_kernel_scratch`) on what the node's earlier calls made
         and had not freed, its results among them (:func:`graphckpt.node_cost.with_forward_scratch`);
         and its ``cached_rerun_extra_bytes`` by the scratch of the calls a rerun served from
         selective checkpointing's cache still makes: not a matmul's, whose output the cache
         hands back without calling it. Returns the bytes added to each, by node."""
         added = {}
-        for name, scratches in scratch_by_call(self.narrow_calls).items():
+        for name, scratches in scratch_by_call(self.scratch_calls).items():
             cost = self.costs[name]
-            most = with_forward_scratch(cost.forward_extra_bytes, self.narrow_heights[name], scratches)
+            most = with_forward_scratch(cost.forward_extra_bytes, self.scratch_heights[name], scratches)
             rerun_scratches = [0 if kernel else scratch
-                               for scratch, kernel in zip(scratches, self.narrow_kernel[name], strict=True)]
+                               for scratch, kernel in zip(scratches, self.scratch_kernel[name], strict=True)]
             rerun_before = cost.cached_rerun_extra_bytes or 0
-            rerun = with_forward_scratch(rerun_before, self.narrow_heights[name], rerun_scratches)
+            rerun = with_forward_scratch(rerun_before, self.scratch_heights[name], rerun_scratches)
             added[name] = AddedScratch(most - cost.forward_extra_bytes, rerun - rerun_before)
             self.costs[name] = replace(cost, forward_extra_bytes=most, cached_rerun_extra_bytes=rerun)
         return added

@@ -67,7 +67,7 @@ def test_a_16_bit_kernels_scratch_in_forward_is_simulated() -> None:
     """Planned under bf16, the step's peak is the pooling ``mean``'s: its input, and the copy
     its kernel makes on CPU (twice the input, in float32); wav2vec2's pooling made it 1.05x
     its simulated peak before forward calls on 16-bit floats were replayed
-    (:meth:`graphckpt.op_kinds.OpKinds._note_narrow`). Holds on a machine whose kernel makes
+    (:meth:`graphckpt.op_kinds.OpKinds._note_for_replay`). Holds on a machine whose kernel makes
     no copy as well: the simulated peak is measured the same way."""
     torch.manual_seed(0)
     simulated, measured = _eager_peaks(PooledLinear(), (torch.randn(8, 128, 64),))

@@ -226,7 +226,7 @@ def test_the_profile_leaves_no_reference_cycles(dedup: bool) -> None:
     assert _own_cyclic_garbage(12, dedup) == 0
 
 
-def test_narrow_heights_are_what_a_forward_call_runs_on_above_what_the_node_ends_with() -> None:
+def test_scratch_heights_are_what_a_forward_call_runs_on_above_what_the_node_ends_with() -> None:
     """Where each 16-bit forward call's kernel scratch sits: what the node's calls had made
     and not freed just after the call's own results, less what is alive when the node ends
     (its value and what it saves), which the simulator holds beside the temporaries."""
@@ -235,8 +235,8 @@ def test_narrow_heights_are_what_a_forward_call_runs_on_above_what_the_node_ends
     kinds = OpKinds()
     kinds.made = [64, 256, 32]  # a cast, a score matrix, the result
     kinds.events = [0, 1, -1, 2, -2]  # cast made, scores made, cast freed, result made, scores freed
-    kinds.narrow_at = [1, 2, 4]  # just after the cast; after the scores; after the result
-    assert kinds.narrow_heights() == [64 - 32, 64 + 256 - 32, 256 + 32 - 32]
+    kinds.scratch_at = [1, 2, 4]  # just after the cast; after the scores; after the result
+    assert kinds.scratch_heights() == [64 - 32, 64 + 256 - 32, 256 + 32 - 32]
 
 
 def test_a_forward_calls_scratch_is_laid_on_what_the_node_held_while_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
