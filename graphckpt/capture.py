@@ -222,6 +222,7 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
     """
     changed = False
     meanings: dict[fx.Node, str | None] = {}  # one mask serves every layer: evaluated once
+    state: set[int] | None = None  # ids of the parameters and buffers, found at the first mask
     for node in list(graph_module.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or len(node.args) <= MASK_ARGUMENT:
             continue
@@ -230,7 +231,8 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
             continue
         if mask not in meanings:
             ancestors = _ancestors(mask)
-            fixed = not _reads_inputs_or_state(graph_module, ancestors)
+            state = _state_ids(graph_module) if state is None else state
+            fixed = not _reads_inputs_or_state(graph_module, ancestors, state)
             meanings[mask] = mask_meaning(_evaluate(graph_module, mask, ancestors), None) if fixed else None
         meaning = meanings[mask]
         if meaning is None or (meaning == "causal" and _is_causal(node)):
@@ -290,13 +292,18 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return found
 
 
-def _reads_inputs_or_state(graph_module: fx.GraphModule, ancestors: set[fx.Node]) -> bool:
-    """Whether a value computed from ``ancestors`` reads an input, a parameter or a buffer,
-    and so may differ at another call: Swin's relative position bias table starts at zeros,
-    so the additive mask it makes lets every query see every key when captured, and folding
-    it away would leave the table out of forward and without a gradient for good."""
-    state = {id(t) for _, t in graph_module.named_parameters(remove_duplicate=False)}
-    state |= {id(t) for _, t in graph_module.named_buffers(remove_duplicate=False)}
+def _state_ids(graph_module: fx.GraphModule) -> set[int]:
+    """``id`` of every parameter and buffer of ``graph_module``, tied ones under each name."""
+    return ({id(t) for _, t in graph_module.named_parameters(remove_duplicate=False)}
+            | {id(t) for _, t in graph_module.named_buffers(remove_duplicate=False)})
+
+
+def _reads_inputs_or_state(graph_module: fx.GraphModule, ancestors: set[fx.Node], state: set[int]) -> bool:
+    """Whether a value computed from ``ancestors`` reads an input, a parameter or a buffer
+    (``state``: :func:`_state_ids`), and so may differ at another call: Swin's relative
+    position bias table starts at zeros, so the additive mask it makes lets every query see
+    every key when captured, and folding it away would leave the table out of forward and
+    without a gradient for good."""
     return any(n.op not in ("call_function", "get_attr")
                or (n.op == "get_attr" and id(operator.attrgetter(n.target)(graph_module)) in state)
                for n in ancestors)

@@ -153,7 +153,8 @@ class _CostInterpreter(fx.Interpreter):
 
     def add_forward_scratch(self) -> dict[str, AddedScratch]:
         """Raise each node's ``forward_extra_bytes`` to the most its forward holds while one of
-        its calls on 16-bit floats runs: the scratch that call's kernel allocates inside itself
+        its replayed calls runs (on 16-bit floats, or a convolution: :func:`graphckpt.op_kinds.replayed_for_scratch`):
+        the scratch that call's kernel allocates inside itself
         (:meth:`graphckpt.op_kinds.OpKinds._note_for_replay`, replayed unless measured before in
         this process: :func:`measure_kernel_scratch`) on what the node's earlier calls made
         and had not freed, its results among them (:func:`graphckpt.node_cost.with_forward_scratch`);
