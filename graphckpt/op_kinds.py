@@ -54,6 +54,11 @@ CONVOLUTION_OPS = frozenset({"convolution", "_convolution", "mkldnn_convolution"
                              "cudnn_convolution"})
 EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", *CONVOLUTION_OPS, "_scaled_dot_product_flash_attention",
                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
+SCRATCH_AT_ANY_WIDTH = frozenset({*CONVOLUTION_OPS, "_safe_softmax"})
+"""Ops whose kernels allocate inside themselves at every float width, so their forward calls
+are replayed for scratch in float32 too (:func:`replayed_for_scratch`): oneDNN's convolution,
+and the math attention's ``_safe_softmax``, which builds a boolean mask of its input's
+``-inf`` entries and each row's ``all`` of it beside its output."""
 # CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu``) is left out on purpose:
 # a selective segment keeps every expensive output it holds, with no choice per segment, and
 # keeping attention's made HF GPT-2's plans at torch.compile 0.5's peak slower, predicted and
@@ -101,10 +106,12 @@ def mixes_float_widths(args: tuple, kwargs: Mapping[str, Any]) -> bool:
 def replayed_for_scratch(func: Any, opaque: bool, args: tuple, kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward call's kernel scratch is measured (:meth:`OpKinds._note_for_replay`): an
     ``opaque`` call, or one mixing float widths (:func:`mixes_float_widths`), on 16-bit floats;
-    and a convolution of any width. oneDNN's float32 convolution allocates inside itself too:
-    LeViT's stem (3 -> 4 channels, stride 2, 8 images of 64x64) takes 512 KiB beside its
-    128 KiB output, and its recompute in backward measured 12% over its plan's simulated peak."""
-    if func.overloadpacket.__name__ in CONVOLUTION_OPS:
+    and one of :data:`SCRATCH_AT_ANY_WIDTH` of any width. oneDNN's float32 convolution allocates
+    inside itself too: LeViT's stem (3 -> 4 channels, stride 2, 8 images of 64x64) takes 512 KiB
+    beside its 128 KiB output, and its recompute in backward measured 12% over its plan's
+    simulated peak. A 6-block Swin's float32 floor plan measured 3.1% over its simulated peak
+    for want of its attention softmax's 34 KiB of mask."""
+    if func.overloadpacket.__name__ in SCRATCH_AT_ANY_WIDTH:
         return True
     return (opaque or mixes_float_widths(args, kwargs)) and any(
         isinstance(t, torch.Tensor) and t.dtype in NARROW_FLOATS for t in tree_leaves((args, kwargs)))
@@ -132,6 +139,7 @@ class OpKinds(TorchDispatchMode):
         # (storage key, weak reference, bytes), never the tensor, which would outlive its use here and hide a
         # temporary from forward_extra_bytes (attention's last matmul output under bf16: 66 KB on ViT)
         self.made: list[int] = []  # bytes of each storage a call made, in order
+        self.cached_made: set[int] = set()  # indices into ``made`` of the outputs selective checkpointing keeps
         self.events: list[int] = []  # indices into ``made``: ``i`` made, ``-i - 1`` freed, in time order
         self.tensors: dict[int, list[int]] = {}  # storage key -> [index in ``made``, tensors alive on it]
         self.scratch_calls: list[tuple] = []  # (func, args, kwargs as layouts): see :meth:`_note_for_replay`
@@ -149,11 +157,14 @@ class OpKinds(TorchDispatchMode):
         self.running = False  # what is freed after the node ran is no scratch of it
         return super().__exit__(*exc)
 
-    def _follow(self, tensor: torch.Tensor, new: bool) -> None:
+    def _follow(self, tensor: torch.Tensor, new: bool, kept: bool = False) -> None:
         """Count ``tensor`` among those keeping its storage alive (one ``new`` to it makes
-        the storage an allocation of the node); the storage is freed with the last of them."""
+        the storage an allocation of the node, ``kept`` by selective checkpointing's cache
+        when a matmul's); the storage is freed with the last of them."""
         key = storage_key(tensor)
         if new:
+            if kept:
+                self.cached_made.add(len(self.made))
             self.tensors[key] = [len(self.made), 0]
             self.events.append(len(self.made))
             self.made.append(allocated_bytes(tensor))
@@ -183,29 +194,43 @@ class OpKinds(TorchDispatchMode):
         self.scratch_at.append(len(self.events))
         self.scratch_kernel.append(kernel)
 
-    def scratch_heights(self) -> list[int]:
+    def _running(self, served_from_cache: bool) -> list[int]:
+        """Bytes of the storages the node's calls made and had not freed, before its first
+        event and after each one. ``served_from_cache``: as a selective segment's recompute
+        reruns the node, its matmul outputs handed back by the cache: alive from the start
+        (made in forward, held by the cache) rather than made where the kernel ran. Swin's
+        attention under bf16 holds its second matmul's float32 product, cached, while the
+        rerun adds the mask: 16 KiB its plans measured over their simulated peaks."""
+        cached = self.cached_made if served_from_cache else set()
+        running = [sum(self.made[index] for index in cached)]
+        for event in self.events:
+            if event >= 0:
+                running.append(running[-1] + (0 if event in cached else self.made[event]))
+            else:
+                running.append(running[-1] - self.made[-event - 1])
+        return running
+
+    def scratch_heights(self, served_from_cache: bool = False) -> list[int]:
         """For each call of :attr:`scratch_calls`, the bytes of the storages the node's calls
         had made and not freed while it ran (its own results among them), above those alive
         when the node ended: what its kernel scratch sits on, on top of what the node makes
-        and saves (:func:`graphckpt.node_cost.with_forward_scratch`). Negative
+        and saves (:func:`graphckpt.node_cost.with_forward_scratch`); ``served_from_cache``:
+        in a rerun served from selective checkpointing's cache (:meth:`_running`). Negative
         for a call before the node's results were made."""
-        running = [0]
-        for event in self.events:
-            running.append(running[-1] + (self.made[event] if event >= 0 else -self.made[-event - 1]))
+        running = self._running(served_from_cache)
         return [running[position] - running[-1] for position in self.scratch_at]
 
-    def forward_extra_bytes(self) -> int:
+    def forward_extra_bytes(self, served_from_cache: bool = False) -> int:
         """Peak bytes of the storages the node's calls made, above those still alive when it
         ended (what it returns and saves): the temporaries of an op run as a chain of ATen
         calls (attention by the math kernel scales the query, builds a mask). 0 for a node of
-        only views and pointwise ops, whose steps eager runs one by one as well."""
+        only views and pointwise ops, whose steps eager runs one by one as well.
+        ``served_from_cache``: in a rerun served from selective checkpointing's cache
+        (:meth:`_running`), the node's ``cached_rerun_extra_bytes`` before kernel scratch."""
         if not self.opaque:
             return 0
-        current = peak = 0
-        for event in self.events:
-            current += self.made[event] if event >= 0 else -self.made[-event - 1]
-            peak = max(peak, current)
-        return peak - current
+        running = self._running(served_from_cache)
+        return max(running) - running[-1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
@@ -221,7 +246,7 @@ class OpKinds(TorchDispatchMode):
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
-                self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs)
+                self._follow(tensor, new=not func.is_view and storage_key(tensor) not in inputs, kept=is_expensive)
         if replayed:
             self._note_for_replay(func, layouts, kernel=is_expensive)
         if is_cast(func) and narrows_a_trained_leaf(args[0], result):

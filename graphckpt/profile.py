@@ -69,6 +69,7 @@ class _CostInterpreter(fx.Interpreter):
         self.costs: dict[str, NodeCost] = {}
         self.scratch_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls replayed for kernel scratch
         self.scratch_heights: dict[str, list[int]] = {}  # node -> what each of them ran on (OpKinds.scratch_heights)
+        self.rerun_scratch_heights: dict[str, list[int]] = {}  # the same in a rerun the selective cache serves
         self.scratch_kernel: dict[str, list[bool]] = {}  # node -> of each, whether it is a matmul's, which a rerun
         # served from selective checkpointing's cache does not call (OpKinds.scratch_kernel)
         for tensor in (*module.parameters(), *module.buffers()):
@@ -101,13 +102,14 @@ class _CostInterpreter(fx.Interpreter):
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)
         identity = node.op.startswith("call_") and cost.alias_of is not None and returns_an_input(
             result, *self.fetch_args_kwargs_from_env(node))
-        temporaries = kinds.forward_extra_bytes()  # a cached rerun's too, until 16-bit scratch tells them apart
         self.costs[node.name] = replace(cost, saves_from=saves_from(made_here), eval_alias_of=self._eval_alias(node),
-                                        forward_extra_bytes=temporaries, cached_rerun_extra_bytes=temporaries,
+                                        forward_extra_bytes=kinds.forward_extra_bytes(),
+                                        cached_rerun_extra_bytes=kinds.forward_extra_bytes(served_from_cache=True),
                                         grad_views=cost.grad_views or identity)
         if kinds.scratch_calls:
             self.scratch_calls[node.name] = kinds.scratch_calls
             self.scratch_heights[node.name] = kinds.scratch_heights()
+            self.rerun_scratch_heights[node.name] = kinds.scratch_heights(served_from_cache=True)
             self.scratch_kernel[node.name] = kinds.scratch_kernel
         if self.backward and node.op.startswith("call_"):
             self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if kinds.opaque else None))
@@ -168,7 +170,7 @@ class _CostInterpreter(fx.Interpreter):
             rerun_scratches = [0 if kernel else scratch
                                for scratch, kernel in zip(scratches, self.scratch_kernel[name], strict=True)]
             rerun_before = cost.cached_rerun_extra_bytes or 0
-            rerun = with_forward_scratch(rerun_before, self.scratch_heights[name], rerun_scratches)
+            rerun = with_forward_scratch(rerun_before, self.rerun_scratch_heights[name], rerun_scratches)
             added[name] = AddedScratch(most - cost.forward_extra_bytes, rerun - rerun_before)
             self.costs[name] = replace(cost, forward_extra_bytes=most, cached_rerun_extra_bytes=rerun)
         return added

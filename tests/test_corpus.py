@@ -52,11 +52,9 @@ ENTRY_SETTINGS = [_param(name, setting) for name, setting in itertools.product(E
 ENTRY_PEAKS = [_param(name, setting, known=ABOVE_EAGER) for name, setting in itertools.product(ENTRIES, h.SETTINGS)]
 ENTRY_BUDGETS = [_param(name, setting, known=BUDGET_MISSED) for name, setting in itertools.product(ENTRIES, h.SETTINGS)
                  if setting != "auto"]
-_SWIN_MATH_RERUN = ("Swin's learned bias needs a gradient, so CPU attention takes its math path (bf16 upcast to fp32, "
-                    "fp32 mask add, softmax); at 0.5 and the floor the measured peak is inside a nested selective "
-                    "segment's recompute of it, 6-8% over the simulation (0.4% with the table frozen: fused kernel)")
-BUDGET_MISSED_AUTOCAST: dict[tuple[str, h.Setting], str] = {("swin", 0.5): _SWIN_MATH_RERUN,
-                                                            ("swin", "floor"): _SWIN_MATH_RERUN}
+BUDGET_MISSED_AUTOCAST: dict[tuple[str, h.Setting], str] = {}
+# Swin's plans at 0.5 and the floor kept their budgets once a rerun served from selective checkpointing's cache held
+# the cached matmul products from its start (cached_rerun_extra_bytes; 6.5-7.9% over before)
 # ViT, DeiT, Wav2Vec2 and HuBERT's tightest plans kept their budgets once attention's temporaries and autocast's cached
 # casts were simulated, ALBERT's once remakes ran with autocast's cache off (test_autocast_memory)
 ENTRY_BUDGETS_AUTOCAST = [_param(name, setting, known=BUDGET_MISSED_AUTOCAST, slow=True)
