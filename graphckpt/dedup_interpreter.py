@@ -19,6 +19,7 @@ from graphckpt.ghosts import Ghost, GhostCall, Template, ViewTemplate, first_slo
 from graphckpt.gradient_watch import GradientWatch
 from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, strided_bytes
+from graphckpt.node_cost import with_plain_forward
 from graphckpt.node_gradients import gradients_made, param_grad_bytes, param_grads
 from graphckpt.op_keys import module_signature, node_key, same_parameters, tensor_layout, users_key
 from graphckpt.op_kinds import caching_devices
@@ -245,8 +246,9 @@ class DedupInterpreter(_CostInterpreter):
         for ghost, representative in self.ghosts.items():
             if representative in added:
                 cost, scratch = self.costs[ghost], added[representative]
-                self.costs[ghost] = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + scratch.forward,
-                                            cached_rerun_extra_bytes=(cost.cached_rerun_extra_bytes or 0) + scratch.rerun)
+                cost = replace(cost, forward_extra_bytes=cost.forward_extra_bytes + scratch.forward,
+                               cached_rerun_extra_bytes=(cost.cached_rerun_extra_bytes or 0) + scratch.rerun)
+                self.costs[ghost] = cost if scratch.plain is None else with_plain_forward(cost, scratch.plain)
                 added[ghost] = added[representative]
         return added
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ class NodeCost:
     backward_extra_bytes: int = 0
     forward_extra_bytes: int = 0
     cached_rerun_extra_bytes: int | None = None  # the cost graph's attribute: forward_extra_bytes of a cached rerun
+    selective_forward_extra_bytes: int | None = None  # the cost graph's attribute: under selective's dispatch mode
     autocast_cache_bytes: int = 0
     grad_views: bool = False
     grad_bytes: int | None = None  # the cost graph's attribute: a view's gradient buffer, when not its storage's size
@@ -80,3 +81,11 @@ def with_forward_scratch(temporaries: int, heights: list[int], scratches: list[i
     (100, 280)
     """
     return max([temporaries, *(height + scratch for height, scratch in zip(heights, scratches, strict=True) if scratch)])
+
+
+def with_plain_forward(cost: NodeCost, plain: int) -> NodeCost:
+    """``cost`` with the temporaries its op makes outside a dispatch mode, measured (``plain``:
+    :func:`graphckpt.scratch.plain_forward_temporaries`), as its ``forward_extra_bytes``; those
+    the profile saw under its own mode become its ``selective_forward_extra_bytes``, as under
+    selective checkpointing's mode the op takes the same branch."""
+    return replace(cost, forward_extra_bytes=plain, selective_forward_extra_bytes=cost.forward_extra_bytes)

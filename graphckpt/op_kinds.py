@@ -54,6 +54,12 @@ CONVOLUTION_OPS = frozenset({"convolution", "_convolution", "mkldnn_convolution"
                              "cudnn_convolution"})
 EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", *CONVOLUTION_OPS, "_scaled_dot_product_flash_attention",
                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
+ATTENTION_CALLS = frozenset({torch.nn.functional.scaled_dot_product_attention,
+                             torch.ops.aten.scaled_dot_product_attention.default})
+"""A graph node's targets that run attention: by a fused kernel (an op named
+``_scaled_dot_product_*``) or else by the math kernel's chain of ATen calls, which branches on
+a dispatch mode being active (:func:`graphckpt.scratch.plain_forward_temporaries`)."""
+
 SCRATCH_AT_ANY_WIDTH = frozenset({*CONVOLUTION_OPS, "_safe_softmax"})
 """Ops whose kernels allocate inside themselves at every float width, so their forward calls
 are replayed for scratch in float32 too (:func:`replayed_for_scratch`): oneDNN's convolution,
@@ -134,6 +140,7 @@ class OpKinds(TorchDispatchMode):
         self.random = False
         self.expensive = False
         self.opaque = False
+        self.fused_attention = False  # a ``_scaled_dot_product_*`` kernel ran (:data:`ATTENTION_CALLS`)
         self.last = ""  # the last op: ``cat`` or ``stack`` hands its inputs views of its gradient
         self.expensive_outputs: list[tuple[int, Any, int]] = []  # what a selective checkpoint policy keeps:
         # (storage key, weak reference, bytes), never the tensor, which would outlive its use here and hide a
@@ -235,6 +242,7 @@ class OpKinds(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
             self.last = func.overloadpacket.__name__
+            self.fused_attention = self.fused_attention or self.last.startswith("_scaled_dot_product_")
         self.random = self.random or draws_random_numbers(func, args, kwargs)
         is_expensive = kept_by_selective(func, args, kwargs or {})
         self.expensive = self.expensive or is_expensive

@@ -23,12 +23,12 @@ from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 
 from graphckpt.backward_record import Recorder
-from graphckpt.node_cost import NodeCost, describe_tensors, selective_extra, with_forward_scratch
+from graphckpt.node_cost import NodeCost, describe_tensors, selective_extra, with_forward_scratch, with_plain_forward
 from graphckpt.node_gradients import gradients_made, param_grad_bytes, param_grads
 from graphckpt.op_keys import eval_output_storage
-from graphckpt.op_kinds import GRADIENT_VIEW_OPS, OpKinds
+from graphckpt.op_kinds import ATTENTION_CALLS, GRADIENT_VIEW_OPS, OpKinds
 from graphckpt.pass_through import PassThroughWatch, returns_an_input
-from graphckpt.scratch import scratch_by_call
+from graphckpt.scratch import layouts_of, plain_forward_temporaries, scratch_by_call
 from graphckpt.torch_compat import (
     FakeTensorMode,
     allocated_bytes,
@@ -48,10 +48,13 @@ PARAM = "<param>"
 
 class AddedScratch(NamedTuple):
     """What :meth:`_CostInterpreter.add_forward_scratch` added to one node: bytes on its
-    ``forward_extra_bytes`` and on its ``cached_rerun_extra_bytes``."""
+    ``forward_extra_bytes`` and on its ``cached_rerun_extra_bytes``; and, for a node whose
+    op runs otherwise outside a dispatch mode, its temporaries measured there (``plain``:
+    :func:`graphckpt.node_cost.with_plain_forward`)."""
 
     forward: int
     rerun: int
+    plain: int | None = None
 
 
 class _CostInterpreter(fx.Interpreter):
@@ -69,6 +72,7 @@ class _CostInterpreter(fx.Interpreter):
         self.costs: dict[str, NodeCost] = {}
         self.scratch_calls: dict[str, list[tuple]] = {}  # node -> its forward's calls replayed for kernel scratch
         self.scratch_heights: dict[str, list[int]] = {}  # node -> what each of them ran on (OpKinds.scratch_heights)
+        self.plain_runs: dict[str, tuple] = {}  # node -> (target, args, kwargs as layouts): run for real, no mode
         self.rerun_scratch_heights: dict[str, list[int]] = {}  # the same in a rerun the selective cache serves
         self.scratch_kernel: dict[str, list[bool]] = {}  # node -> of each, whether it is a matmul's, which a rerun
         # served from selective checkpointing's cache does not call (OpKinds.scratch_kernel)
@@ -111,6 +115,8 @@ class _CostInterpreter(fx.Interpreter):
             self.scratch_heights[node.name] = kinds.scratch_heights()
             self.rerun_scratch_heights[node.name] = kinds.scratch_heights(served_from_cache=True)
             self.scratch_kernel[node.name] = kinds.scratch_kernel
+        if node.target in ATTENTION_CALLS and not kinds.fused_attention:
+            self.plain_runs[node.name] = (node.target, *layouts_of(*self.fetch_args_kwargs_from_env(node), grad=True))
         if self.backward and node.op.startswith("call_"):
             self.pass_through.watch(node.name, self._claim_grad_fns(result, node.name if kinds.opaque else None))
         return result
@@ -162,7 +168,10 @@ class _CostInterpreter(fx.Interpreter):
         and had not freed, its results among them (:func:`graphckpt.node_cost.with_forward_scratch`);
         and its ``cached_rerun_extra_bytes`` by the scratch of the calls a rerun served from
         selective checkpointing's cache still makes: not a matmul's, whose output the cache
-        hands back without calling it. Returns the bytes added to each, by node."""
+        hands back without calling it. A node whose op branches on a dispatch mode
+        (:data:`graphckpt.op_kinds.ATTENTION_CALLS` by the math kernel) then takes its
+        temporaries outside one, measured (:func:`graphckpt.node_cost.with_plain_forward`).
+        Returns what was added to each, by node."""
         added = {}
         for name, scratches in scratch_by_call(self.scratch_calls).items():
             cost = self.costs[name]
@@ -173,6 +182,12 @@ class _CostInterpreter(fx.Interpreter):
             rerun = with_forward_scratch(rerun_before, self.rerun_scratch_heights[name], rerun_scratches)
             added[name] = AddedScratch(most - cost.forward_extra_bytes, rerun - rerun_before)
             self.costs[name] = replace(cost, forward_extra_bytes=most, cached_rerun_extra_bytes=rerun)
+        for name, (target, args, kwargs) in self.plain_runs.items():
+            plain = plain_forward_temporaries(target, args, kwargs)
+            if plain is not None:
+                scratch = added.get(name, AddedScratch(0, 0))
+                added[name] = AddedScratch(scratch.forward, scratch.rerun, plain)
+                self.costs[name] = with_plain_forward(self.costs[name], plain)
         return added
 
     def backward_extra_bytes(self, outputs: Any, inputs: list[torch.Tensor]) -> None:

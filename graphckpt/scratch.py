@@ -47,24 +47,31 @@ class Layout:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    requires_grad: bool = False
 
     def real(self) -> torch.Tensor:
         """A real tensor of this layout, for measuring or costing (never for results): ones
-        for floating and complex dtypes, zeros otherwise (valid indices, masks)."""
+        for floating and complex dtypes, zeros otherwise (valid indices, masks). One that
+        requires a gradient is a view of a leaf, as a model's activations are no leaves:
+        autocast caches its casts of leaves (a float32 attention mask's bf16 copy, 135 KB on
+        BEiT, made once and never counted again)."""
         tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        return tensor.fill_(1 if tensor.is_floating_point() or tensor.is_complex() else 0)
+        tensor.fill_(1 if tensor.is_floating_point() or tensor.is_complex() else 0)
+        return tensor.requires_grad_().view_as(tensor) if self.requires_grad else tensor
 
 
-def layouts_of(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+def layouts_of(args: tuple, kwargs: Mapping[str, Any], grad: bool = False) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each tensor replaced by its :class:`Layout` (a tensor
-    passed twice becomes one layout, so a replay passes one real tensor twice)."""
+    passed twice becomes one layout, so a replay passes one real tensor twice); with
+    ``grad``, whether each tensor requires a gradient."""
     made: dict[int, Layout] = {}
 
     def layout(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         if id(value) not in made:
-            made[id(value)] = Layout(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+            made[id(value)] = Layout(tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
+                                     grad and value.requires_grad)
         return made[id(value)]
 
     return tree_map(layout, (tuple(args), dict(kwargs)))
@@ -77,7 +84,7 @@ KERNEL_EXTRA: dict[tuple, int] = {}  # call signature -> measured scratch bytes,
 def _signature(value: Any) -> Any:
     """A hashable description of call arguments: tensors by layout, not by value."""
     if isinstance(value, Layout):
-        return ("tensor", value.shape, value.stride, value.dtype, str(value.device))
+        return ("tensor", value.shape, value.stride, value.dtype, str(value.device), value.requires_grad)
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
     if isinstance(value, dict):
@@ -190,15 +197,21 @@ def peak_memory(fn: Callable[[], object], *, device: str | torch.device = "cpu")
     allocator rounding, typically to 512 bytes); on CPU it is computed from the
     profiler's memory timeline, which slows ``fn`` down, so do not time it here.
     """
+    return peak_and_net(fn, device=device)[0]
+
+
+def peak_and_net(fn: Callable[[], object], *, device: str | torch.device = "cpu") -> tuple[int, int]:
+    """``(peak, net)`` bytes of ``fn()``, run once: :func:`peak_memory`'s peak, and the bytes
+    of the storages it made and left alive."""
     dev = resolve_device(device)
     if dev.type == "cpu":
-        return cpu_peak_and_net(fn)[0]
+        return cpu_peak_and_net(fn)
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     fn()
     torch.cuda.synchronize(dev)
-    return max(0, torch.cuda.max_memory_allocated(dev) - before)
+    return max(0, torch.cuda.max_memory_allocated(dev) - before), torch.cuda.memory_allocated(dev) - before
 
 
 # ---------------------------------------------------------------- replaying kernels
@@ -318,3 +331,32 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     for event in profiled_event_tree(prof):
         if event.name in marks:
             KERNEL_EXTRA[marks[event.name]] = _scratch_in(event)
+
+
+PLAIN_TEMPORARIES: dict[tuple, int] = {}  # call signature and autocast state -> measured bytes, per process
+
+
+def plain_forward_temporaries(target: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    """The temporaries of one call of ``target`` (a node's whole op) run for real, outside any
+    dispatch mode, on tensors laid out like ``args`` and ``kwargs`` (layouts, with their
+    ``requires_grad``), under the autocast state in force: its peak above what it leaves alive
+    (its result, and what autograd saved for its backward). A composite op may branch on a
+    dispatch mode being active, and the profile runs every node under one: CPU's math
+    attention adds its mask out of place there and in place in plain code, a score matrix
+    apart (BEiT under bf16: eager simulated 20% over its measured peak). ``None`` where the
+    call cannot be replayed. Cached per process."""
+    key = (target, _signature(tuple(args)), _signature(dict(kwargs)), torch.get_num_threads(),
+           *((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")))
+    if key not in PLAIN_TEMPORARIES:
+        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Layout)}
+        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        outputs: list[Any] = []
+        try:
+            real_args, real_kwargs = _realize(args, kwargs)
+            with torch.enable_grad():
+                target(*real_args, **real_kwargs)  # once untimed, as measure_kernel_scratch does
+                peak, net = peak_and_net(lambda: outputs.append(target(*real_args, **real_kwargs)), device=device)
+        except _REPLAY_ERRORS:
+            return None
+        PLAIN_TEMPORARIES[key] = max(peak - net, 0)
+    return PLAIN_TEMPORARIES[key]

@@ -184,6 +184,12 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     ``saved_inside``): only its other calls run, so only their temporaries are held, not
     the cached kernels' own scratch (a bf16 Linear's GEMM on CPU: LLaMA's bf16 plan at 0.5
     of eager simulated 5% over its measured peak). ``None``: ``forward_extra_bytes``.
+``selective_forward_extra_bytes``: ``int | None`` (default ``None``)
+    The node's ``forward_extra_bytes`` when it runs under selective checkpointing's dispatch
+    mode: in a selective segment's forward and its recompute. Composite ops may branch on a
+    mode being active; CPU's math attention adds a float mask to its scores in place in
+    plain code and out of place under a mode, which costs a second score matrix (and, for a
+    16-bit mask, a float32 copy of it). ``None``: ``forward_extra_bytes``.
 ``autocast_cache_bytes``: ``int`` (default 0)
     Bytes of parameter casts the node makes under autocast that autocast's cache keeps to
     the end of forward though its backward saves none of them: a bias's 16-bit copy, or a
@@ -265,6 +271,7 @@ ATTRIBUTES: Mapping[str, tuple[type | tuple[type, ...], Any]] = {  # name -> (ty
     "backward_allocates": (bool, False),
     "forward_extra_bytes": (int, 0),
     "cached_rerun_extra_bytes": ((int, type(None)), None),
+    "selective_forward_extra_bytes": ((int, type(None)), None),
     "autocast_cache_bytes": (int, 0),
     "label": (str, REQUIRED),
 }

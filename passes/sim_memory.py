@@ -54,6 +54,7 @@ class GraphIndex:
     saved_extra: list[int]
     forward_extra: list[int]
     cached_rerun_extra: list[int]  # forward_extra of a rerun whose kernels the selective cache serves
+    selective_forward_extra: list[int]  # forward_extra under selective checkpointing's dispatch mode
     autocast_cache: list[int]
     autocast_cached: tuple[int, ...]  # the nodes with ``autocast_cache`` bytes
     selective_extra: list[int]
@@ -120,6 +121,9 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
         cached_rerun_extra=[extra if cached is None else cached
                             for extra, cached in zip(columns["forward_extra_bytes"], columns["cached_rerun_extra_bytes"],
                                                      strict=True)],
+        selective_forward_extra=[extra if moded is None else moded
+                                 for extra, moded in zip(columns["forward_extra_bytes"],
+                                                         columns["selective_forward_extra_bytes"], strict=True)],
         autocast_cache=columns["autocast_cache_bytes"],
         autocast_cached=tuple(i for i, cached in enumerate(columns["autocast_cache_bytes"]) if cached),
         selective_extra=columns["selective_extra_bytes"],
@@ -135,7 +139,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
 
 
 _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
-            "cached_rerun_extra_bytes", "autocast_cache_bytes", "selective_extra_bytes", "backward_extra_bytes",
+            "cached_rerun_extra_bytes", "selective_forward_extra_bytes", "autocast_cache_bytes", "selective_extra_bytes",
+            "backward_extra_bytes",
             "param_grad_bytes", "param_grad_cast_bytes", "param_grad_narrow_bytes", "grad_views", "grad_bytes")
 
 

@@ -23,7 +23,7 @@ from passes.sim_memory import (
 
 def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
                  within: set[int] | None = None, keep: Iterable[int] = (), selective: bool = True,
-                 consumed: Iterable[int] = ()) -> None:
+                 consumed: Iterable[int] = (), moded: bool = False) -> None:
     """Compute ``nodes`` (ids); with ``save`` each op also holds what its backward needs.
 
     ``within`` limits the readers that keep a value alive to that set (a recompute only
@@ -33,10 +33,13 @@ def run_forward(memory: LiveMemory, nodes: Sequence[int], save: bool,
     caches nothing and leaves alone what others cache). ``consumed`` values lose that hold
     when their node is reached: a recompute takes a kept value out of selective
     checkpointing's cache there, and it lives on only as long as its readers or backward need it.
+    ``moded``: the ops run under selective checkpointing's dispatch mode (a selective
+    segment's forward or recompute), with their ``selective_forward_extra_bytes``.
     """
     index = memory.index
     owns, nbytes, readers, saved = index.owns, index.nbytes, index.readers, index.saved
-    reads, forward_extra, selective_extra = index.activation_reads, index.forward_extra, index.selective_extra
+    reads, selective_extra = index.activation_reads, index.selective_extra
+    forward_extra = index.selective_forward_extra if moded else index.forward_extra
     saved_extra, cached = index.saved_extra, index.autocast_cache
     caching = save and not memory.fresh and bool(index.autocast_cached)  # forward's own code, autocast's cache on
     kept = frozenset(keep)  # a selective segment's matmul outputs: tested per node, so a set

@@ -115,22 +115,24 @@ def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, ta
     the body reaches it. Called in forward (``tag`` ``("rng",)``: the copies live until each
     call's backward) or rerun by an enclosing recompute (freed when that recompute ends).
     A call that :func:`passes.graph_facts.leaves_nothing` runs like eager code that saves nothing.
-    ``kept``: the values kept from forward that it holds (default: ``saved_inside``)."""
+    ``kept``: the values kept from forward that it holds (default: ``saved_inside``, a call
+    torch's selective checkpointing runs under its dispatch mode; given: run by hooks)."""
     index = memory.index
     nodes = index.id_list(segment.nodes)
     if leaves_nothing(graph, segment):  # keeps nothing either
         run_forward(memory, nodes, save=False, within=within)
         return
     keep = index.id_list(segment.saved_inside if kept is None else kept)
+    moded = kept is None and bool(segment.saved_inside)  # torch's selective checkpointing, not hooks
     for value in index.id_list(kept_inputs(segment)):  # a rematerialized input is not kept: its sources are
         memory.hold(value)
     done = 0
     for call in random_calls(graph, segment):  # in call order, so their first nodes in order
         at = segment.nodes.index(call.nodes[0], done)
-        run_forward(memory, nodes[done:at], save=False, within=within, keep=keep)
+        run_forward(memory, nodes[done:at], save=False, within=within, keep=keep, moded=moded)
         memory.allocate((*tag, id(call)), graph.graph.get("rng_state_bytes", 0))
         done = at
-    run_forward(memory, nodes[done:], save=False, within=within, keep=keep)
+    run_forward(memory, nodes[done:], save=False, within=within, keep=keep, moded=moded)
 
 
 def _forward_sequence(memory: LiveMemory, graph: nx.DiGraph, segments: Sequence[Segment],
@@ -203,7 +205,8 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     taken = kept & set(index.id_list(step for step in ran if not isinstance(step, Segment)))
     for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
         if not is_segment:
-            run_forward(memory, index.id_list(steps), save=True, within=within, consumed=taken)
+            run_forward(memory, index.id_list(steps), save=True, within=within, consumed=taken,
+                        moded=bool(segment.saved_inside))
             continue
         for child in steps:
             _call_recomputed(memory, graph, child, rerun, within=within)

@@ -125,6 +125,24 @@ def test_a_recompute_served_from_the_cache_holds_the_nodes_rerun_temporaries_onl
         assert (peak.peak_bytes, gradients) == (1100, set())
 
 
+def test_a_selective_segment_runs_its_ops_with_their_temporaries_under_its_dispatch_mode() -> None:
+    """Torch's selective checkpointing runs a segment's forward and its recompute under a
+    dispatch mode, where a composite op may take another branch than in plain code: CPU's
+    math attention adds its mask out of place there (``selective_forward_extra_bytes``).
+    A plain checkpoint call of the same ops holds their ``forward_extra_bytes``."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=500, requires_grad=True)
+    add_value(graph, "a", kind="op", order=1, bytes=100, reads=["x"], saved=("x",), expensive=True,
+              forward_extra_bytes=10, selective_forward_extra_bytes=1000, cached_rerun_extra_bytes=10)
+    add_value(graph, "b", kind="op", order=2, bytes=100, reads=["a"], saved=("a",))
+    add_value(graph, "output", kind="output", order=3, bytes=0, reads=["b"])
+    check_cost_graph(graph)
+    (plain,) = make_segments(graph, [(["a", "b"], True)])
+    assert peak_breakdown(graph, (plain,)).peak_bytes < 1000
+    peak = peak_breakdown(graph, (replace(plain, saved_inside=("a",)),))
+    assert (peak.reached_by, peak.peak_bytes) == ("a temporary of 1000 bytes", 1100)  # forward: a and the 1000
+
+
 def test_scratch_is_held_with_the_gradients_added_into_existing_buffers() -> None:
     # c's backward leaves c (output), grad a, grad b = 30; b's backward makes a gradient for a
     # that is added into grad a (10), and holds its scratch (100) while that gradient exists.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import types
@@ -284,6 +285,45 @@ def test_forward_extra_bytes_of_math_attention_hold_its_softmax_mask() -> None:
     peak = peak_memory(lambda: outputs.append(layer(*inputs)))
     attributes = graph.nodes[node]
     assert attributes["bytes"] + attributes["saved_extra_bytes"] + attributes["forward_extra_bytes"] == peak
+
+
+def test_math_attention_has_the_temporaries_of_plain_code_and_of_a_dispatch_mode() -> None:
+    """CPU's math attention adds a float mask to its scores in place in plain code, and out of
+    place when a dispatch mode is active (the profile's, selective checkpointing's): under
+    bf16 the mixed-width add then makes a new score matrix and a float32 copy of the mask
+    inside itself. The node's ``forward_extra_bytes`` are plain code's (BEiT's eager peak
+    simulated 20% over its measured one), its ``selective_forward_extra_bytes`` a mode's;
+    each with its value and what it saves comes to the call's measured peak there."""
+    from graphckpt.tools.measure import peak_memory
+    from graphckpt.torch_compat import TorchDispatchMode
+
+    class BiasedAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(1, 2, 64, 64))
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.expand(4, 2, 64, 64))
+
+    class Plain(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def measured(moded: bool) -> int:
+        outputs: list[torch.Tensor] = []
+        with torch.autocast("cpu", dtype=torch.bfloat16), Plain() if moded else contextlib.nullcontext():
+            layer(*inputs)
+            return peak_memory(lambda: outputs.append(layer(*inputs)))
+
+    torch.manual_seed(0)
+    layer = BiasedAttention()
+    inputs = tuple(torch.randn(4, 2, 64, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, graph = cost_model(layer, inputs)
+    attention = graph.nodes[next(n for n in op_nodes(graph) if n.startswith("scaled_dot_product_attention"))]
+    held = attention["bytes"] + attention["saved_extra_bytes"]
+    assert held + attention["forward_extra_bytes"] == measured(moded=False)
+    assert held + attention["selective_forward_extra_bytes"] == measured(moded=True)
 
 
 def test_a_forward_calls_scratch_is_laid_on_what_the_node_held_while_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
