@@ -218,7 +218,8 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
     random draws than the model's own (ViT on CUDA trained differently). Folding restores
     the model's call. A mask computed from the inputs (padding) or from the model's
     parameters or buffers (a learned position bias) is left alone: only a mask that can
-    never change is folded (:func:`_reads_inputs_or_state`).
+    never change is folded (:func:`_reads_inputs_or_state`); but such a mask with an all-true
+    one added to it is passed without it (:func:`_allowing_addend_dropped`).
     """
     changed = False
     meanings: dict[fx.Node, str | None] = {}  # one mask serves every layer: evaluated once
@@ -235,7 +236,10 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
             fixed = not _reads_inputs_or_state(graph_module, ancestors, state)
             meanings[mask] = mask_meaning(_evaluate(graph_module, mask, ancestors), None) if fixed else None
         meaning = meanings[mask]
-        if meaning is None or (meaning == "causal" and _is_causal(node)):
+        if meaning is None:
+            changed = _allowing_addend_dropped(graph_module, node, meanings, state) or changed
+            continue
+        if meaning == "causal" and _is_causal(node):
             continue
         args = [*node.args[:MASK_ARGUMENT], None, *node.args[MASK_ARGUMENT + 1:]]
         if meaning == "causal" and len(args) > CAUSAL_ARGUMENT:
@@ -248,6 +252,36 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
     if changed:
         graph_module.recompile()
     return graph_module
+
+
+def _allowing_addend_dropped(graph_module: fx.GraphModule, attention: fx.Node, meanings: dict[fx.Node, str | None],
+                             state: set[int]) -> bool:
+    """Pass ``attention`` the float mask ``x`` where its mask is ``x + c`` and ``c`` a constant
+    that lets every query see every key (all true, or all zero): adding it changes no
+    attention (a boolean's ``+1`` is the same for every key of a row, which softmax ignores),
+    but materialises a mask of the batch's size. Hugging Face's BEiT, traced, adds its padding
+    mask, all true, to its learned position bias: a [batch, heads, q, k] float mask per layer
+    where eager passes the [1, heads, q, k] bias (its bf16 floor plan was 0.72x of eager
+    against per-block checkpointing's 0.65x). Returns whether it changed the call."""
+    mask = attention.args[MASK_ARGUMENT]
+    if mask.target is not torch.ops.aten.add.Tensor or len(mask.args) != 2 or mask.kwargs:
+        return False
+    for kept, addend in (mask.args, mask.args[::-1]):
+        if not (isinstance(kept, fx.Node) and isinstance(addend, fx.Node)):
+            continue
+        value, result = kept.meta.get("val"), mask.meta.get("val")
+        if not (isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor)
+                and value.is_floating_point() and value.dtype == result.dtype):
+            continue
+        if addend not in meanings:
+            ancestors = _ancestors(addend)
+            fixed = not _reads_inputs_or_state(graph_module, ancestors, state)
+            meanings[addend] = mask_meaning(_evaluate(graph_module, addend, ancestors), None) if fixed else None
+        if meanings[addend] == "none":
+            attention.args = (*attention.args[:MASK_ARGUMENT], kept, *attention.args[MASK_ARGUMENT + 1:])
+            _erase_unused(mask)
+            return True
+    return False
 
 
 def mask_meaning(mask: torch.Tensor, attention: fx.Node) -> str | None:

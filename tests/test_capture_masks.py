@@ -30,8 +30,10 @@ class Attention(nn.Module):
             mask = (positions[None, :] >= 0).expand(length, length)
         elif self.kind == "causal":
             mask = positions[None, :] <= positions[:, None]
-        elif self.kind == "learned":
+        elif self.kind in ("learned", "learned+all"):
             mask = self.bias_table[positions[None, :] - positions[:, None] + length - 1]
+            if self.kind == "learned+all":  # Hugging Face's BEiT, traced, adds its padding mask, all true
+                mask = mask + (positions >= 0).expand(x.shape[0], 1, length, length)
         else:
             mask = padding[:, None, None, :].expand(-1, 1, length, length)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -88,3 +90,24 @@ def test_a_mask_made_from_parameters_stays() -> None:
     model(x, padding).square().sum().backward()
     assert captured.abs().sum() > 0
     torch.testing.assert_close(captured, model.bias_table.grad)
+
+
+def test_an_all_true_mask_added_to_a_learned_bias_is_dropped() -> None:
+    """A learned bias plus an all-true mask (a boolean's ``+1``, the same for every key,
+    which softmax ignores) is passed as the bias alone: no [batch, heads, q, k] float mask
+    per layer. Outputs and the bias table's gradient are the model's."""
+    torch.manual_seed(0)
+    model = Attention("learned+all")
+    x, padding = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool)
+    graph_module = trace_export(model, (x, padding), {})
+    (call,) = [n for n in graph_module.graph.nodes if n.target is SDPA]
+    assert call.args[3].meta["val"].shape == (5, 5)  # the bias, not the [2, 1, 5, 5] sum
+    captured = graph_module(x, padding)
+    captured.square().sum().backward()
+    table = model.bias_table.grad.clone()
+    model.zero_grad()
+    eager = model(x, padding)
+    eager.square().sum().backward()
+    torch.testing.assert_close(captured, eager)
+    assert table.abs().sum() > 0
+    torch.testing.assert_close(table, model.bias_table.grad)
