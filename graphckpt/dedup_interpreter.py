@@ -279,7 +279,8 @@ class DedupInterpreter(_CostInterpreter):
             self.costs[ghost] = replace(self.costs[ghost],
                                         backward_extra_bytes=max(0, most - gradients_made(self.costs, self.nodes[ghost])),
                                         released_early=self._ghost_released(ghost, representative),
-                                        backward_allocates=allocates)
+                                        backward_allocates=allocates,
+                                        unpack_held_bytes=self.costs[representative].unpack_held_bytes)
 
     def assign_pass_through(self) -> None:
         """As the full profile's, and each ghost passes its gradient through where its

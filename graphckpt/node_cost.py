@@ -39,6 +39,7 @@ class NodeCost:
     param_grad_narrow_bytes: int = 0  # the cost graph's attribute: the 16-bit gradients cast up
     param_grads: tuple[tuple[str, int], ...] = ()  # the cost graph's attribute: (name, bytes) per parameter inside
     released_early: tuple[str, ...] = ()  # the cost graph's attribute: saved values let go before backward's peak
+    unpack_held_bytes: int = 0  # the cost graph's attribute: what its backward holds at its first unpack
     backward_allocates: bool = False  # the cost graph's attribute: its backward makes a new storage
     eval_alias_of: str | None = None  # owner of the input memory the node returns in eval mode (a Dropout's input)
 

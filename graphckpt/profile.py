@@ -141,7 +141,7 @@ class _CostInterpreter(fx.Interpreter):
         recorder = self.recorder
 
         def enter(grad_outputs: Any) -> None:
-            recorder.enter(name)
+            recorder.enter(name, grad_outputs)
 
         def leave(grad_inputs: Any, grad_outputs: Any) -> None:
             recorder.leave(name)
@@ -226,7 +226,8 @@ class _CostInterpreter(fx.Interpreter):
             self.costs[name] = replace(self.costs[name],
                                        backward_extra_bytes=max(0, most - gradients_made(self.costs, nodes[name])),
                                        released_early=peak.released_before,
-                                       backward_allocates=self.recorder.allocates(name))
+                                       backward_allocates=self.recorder.allocates(name),
+                                       unpack_held_bytes=self.recorder.held_at_first_unpack(name))
 
     def assign_pass_through(self) -> None:
         """Mark ``grad_views`` the nodes whose backward, just run, passed their gradient

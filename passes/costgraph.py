@@ -173,6 +173,13 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     segment that saves nothing runs its backward before the recompute (torch recomputes at
     the first unpack), and what it makes lives through it: the simulator runs such trailing
     ops' backward first when one of them allocates (:func:`passes.simulate.trailing_backward`).
+``unpack_held_bytes``: ``int`` (default 0)
+    What the node's backward holds beyond its gradient when it first unpacks a saved value:
+    the results of its first autograd functions, those that save nothing (math attention
+    under bf16 casts its gradient up to float32 and reshapes it before the matmul it unpacks
+    for), less its gradient when they let it go. torch's checkpoint recomputes at that
+    unpack, so a recompute the node's backward starts runs while they live
+    (:func:`passes.simulate.recompute_trigger`).
 ``forward_extra_bytes``: ``int`` (default 0)
     Bytes the node's forward allocates beyond its value and what it saves, alive at its
     peak and freed before it returns: the temporaries of an op that runs as a chain of
@@ -269,6 +276,7 @@ ATTRIBUTES: Mapping[str, tuple[type | tuple[type, ...], Any]] = {  # name -> (ty
     "backward_extra_bytes": (int, 0),
     "released_early": (tuple, ()),
     "backward_allocates": (bool, False),
+    "unpack_held_bytes": (int, 0),
     "forward_extra_bytes": (int, 0),
     "cached_rerun_extra_bytes": ((int, type(None)), None),
     "selective_forward_extra_bytes": ((int, type(None)), None),

@@ -176,9 +176,10 @@ def _stage_storage(training: TrainingGraph, R: Matrix, stage: int, node: int) ->
 def _described(memory: LiveMemory, key: int | tuple, nbytes: int) -> LiveStorage:
     """The :class:`LiveStorage` a live-set key names (:func:`passes.sim_memory.slot`, a
     recompute's copy one level up per nesting, shared parameters past the nodes' ids)."""
-    if isinstance(key, tuple):
+    if isinstance(key, tuple):  # a generator state, what a backward made before its recompute, or the loss's
         tag = str(key[0])
-        return LiveStorage(tag, "generator state" if tag.startswith("rng") else "loss", 0, nbytes)
+        kind = "generator state" if tag.startswith("rng") else KIND_NAMES[GRAD] if tag == "unpack" else "loss"
+        return LiveStorage(tag, kind, 0, nbytes)
     node, kind = divmod(key, SLOT_KINDS)
     names, size = memory.index.names, memory.size
     if kind == VALUE and node >= size:

@@ -191,6 +191,9 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     ran, stop = recompute_steps(graph, segment)
     first = trailing_backward(graph, segment)
     run_backward(memory, index.id_list(first), grads)
+    trigger = recompute_trigger(graph, segment, first)
+    if trigger is not None:  # what its backward made before it unpacked, alive through the recompute
+        memory.allocate(("unpack", id(segment)), graph.nodes[trigger]["unpack_held_bytes"])
     kept = set(index.id_list(segment.saved_inside)) if cached else set()
     computed = set(index.id_list(step_nodes(ran)))
     within = set(index.id_list(segment.nodes))  # readers that hold a value: the body's, run or not
@@ -221,6 +224,7 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     for call in (call for step in ran if isinstance(step, Segment) for call in random_calls(graph, step)):
         memory.free((*rerun, id(call)))
     children = segment.children or (Segment(segment.nodes, False, segment.inputs, segment.outputs),)
+    memory.free(("unpack", id(segment)))
     if first:  # their backward has run
         last = children[-1]
         children = (*children[:-1], replace(last, nodes=last.nodes[: len(last.nodes) - len(first)]))
@@ -253,6 +257,21 @@ def trailing_backward(graph: nx.DiGraph, segment: Segment) -> tuple[str, ...]:
         count += 1
     trailing = nodes[len(nodes) - count:]
     return trailing if any(attributes[name]["backward_allocates"] for name in trailing) else ()
+
+
+def recompute_trigger(graph: nx.DiGraph, segment: Segment, trailing: Sequence[str]) -> str | None:
+    """The op of a recomputed ``segment`` whose backward's first unpack of a saved value runs
+    the recompute: the last that saves anything (of its last child, when that child is kept),
+    before the ``trailing`` ops (:func:`trailing_backward`), whose backward runs first; its
+    ``unpack_held_bytes`` live through the recompute. ``None`` when the last child is
+    recomputed (its own recompute runs within), or nothing saves."""
+    if segment.children and segment.children[-1].recompute:
+        return None
+    nodes = segment.children[-1].nodes if segment.children else segment.nodes
+    for name in reversed(nodes[: len(nodes) - len(trailing)]):
+        if graph.nodes[name]["saves_from"] != "nothing":
+            return name
+    return None
 
 
 def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int], body: set[int]) -> dict[int, int]:

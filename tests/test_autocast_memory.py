@@ -366,8 +366,9 @@ def test_a_kept_attention_rerun_from_the_cache_holds_its_cached_products_from_th
     products already there: the second one, which forward made last, is alive while the
     rerun adds the mask (``cached_rerun_extra_bytes``). Simulated as made where its kernel ran,
     this plan measured 4% over its simulated peak; Swin's nested plans under bf16 6.5-7.9%.
-    The part of the attention's backward that runs before the rerun (the upcast of its
-    gradient) is not simulated: 1.3% here."""
+    And the rerun runs at the first unpack of the attention's backward, after its upcast of
+    its gradient to float32, which lives through it (``unpack_held_bytes``: 1.3% over
+    without)."""
     from dataclasses import replace
 
     from passes.plan import plan_of_segments
@@ -386,4 +387,4 @@ def test_a_kept_attention_rerun_from_the_cache_holds_its_cached_products_from_th
     plan = plan_of_segments(graph, "test", (replace(segment, saved_inside=(attention,)), *rest))
     rewritten = generate_rewrite(model, Analysis(analysis.captured, graph, plan))
     measured = measure_step(under_autocast(rewritten), (x,), zoo.scalar_loss, repeats=1).peak_bytes
-    assert abs(measured / plan.peak_bytes - 1) <= MEASURE_TOLERANCE, (measured, plan.peak_bytes)
+    assert abs(measured / plan.peak_bytes - 1) <= 0.01, (measured, plan.peak_bytes)

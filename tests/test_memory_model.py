@@ -143,6 +143,24 @@ def test_a_selective_segment_runs_its_ops_with_their_temporaries_under_its_dispa
     assert (peak.reached_by, peak.peak_bytes) == ("a temporary of 1000 bytes", 1100)  # forward: a and the 1000
 
 
+def test_a_recompute_runs_while_what_its_trigger_made_before_unpacking_lives() -> None:
+    """torch's checkpoint recomputes at the first unpack of a saved value: the op whose
+    backward starts it (``b``, the last that saves) may have made gradients before
+    (``unpack_held_bytes``: math attention's float32 copy of its bf16 gradient), and they
+    live through the recompute."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=500, requires_grad=True)
+    add_value(graph, "a", kind="op", order=1, bytes=100, reads=["x"], saved=("x",), forward_extra_bytes=1000)
+    add_value(graph, "b", kind="op", order=2, bytes=100, reads=["a"], saved=("a",))
+    add_value(graph, "output", kind="output", order=3, bytes=0, reads=["b"])
+    check_cost_graph(graph)
+    segments = make_segments(graph, [(["a", "b"], True)])
+    before = peak_breakdown(graph, segments)
+    graph.nodes["b"]["unpack_held_bytes"] = 50
+    after = peak_breakdown(graph, segments)
+    assert after.peak_bytes == before.peak_bytes + 50, (before, after)
+
+
 def test_scratch_is_held_with_the_gradients_added_into_existing_buffers() -> None:
     # c's backward leaves c (output), grad a, grad b = 30; b's backward makes a gradient for a
     # that is added into grad a (10), and holds its scratch (100) while that gradient exists.
