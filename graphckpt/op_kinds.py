@@ -54,6 +54,10 @@ CONVOLUTION_OPS = frozenset({"convolution", "_convolution", "mkldnn_convolution"
                              "cudnn_convolution"})
 EXPENSIVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", *CONVOLUTION_OPS, "_scaled_dot_product_flash_attention",
                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
+# CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu``) is left out on purpose:
+# a selective segment keeps every expensive output it holds, with no choice per segment, and
+# keeping attention's made HF GPT-2's plans at torch.compile 0.5's peak slower, predicted and
+# measured (commit 703200b).
 ATTENTION_CALLS = frozenset({torch.nn.functional.scaled_dot_product_attention,
                              torch.ops.aten.scaled_dot_product_attention.default})
 """A graph node's targets that run attention: by a fused kernel (an op named
@@ -65,10 +69,6 @@ SCRATCH_AT_ANY_WIDTH = frozenset({*CONVOLUTION_OPS, "_safe_softmax"})
 are replayed for scratch in float32 too (:func:`replayed_for_scratch`): oneDNN's convolution,
 and the math attention's ``_safe_softmax``, which builds a boolean mask of its input's
 ``-inf`` entries and each row's ``all`` of it beside its output."""
-# CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu``) is left out on purpose:
-# a selective segment keeps every expensive output it holds, with no choice per segment, and
-# keeping attention's made HF GPT-2's plans at torch.compile 0.5's peak slower, predicted and
-# measured (commit 703200b).
 
 
 def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:

@@ -7,9 +7,12 @@ temporaries its forward makes and frees inside itself (``forward_extra_bytes``: 
 its ATen calls create, followed until the last tensor on each is dropped).
 
 Memory a kernel allocates *inside* itself, which fake tensors cannot show, comes from
-:mod:`graphckpt.scratch`: every backward call's (``backward_extra_bytes``), and forward calls'
-on 16-bit floats (in ``forward_extra_bytes``, on what the node held while the call ran:
-:meth:`_CostInterpreter.add_forward_scratch`).
+:mod:`graphckpt.scratch`: every backward call's (``backward_extra_bytes``), and the forward
+calls' :func:`graphckpt.op_kinds.replayed_for_scratch` names (in ``forward_extra_bytes``, on
+what the node held while the call ran: :meth:`_CostInterpreter.add_forward_scratch`). An
+attention the math kernel runs, which takes another branch under a dispatch mode such as the
+profile's, has its temporaries measured in a real run outside one
+(``selective_forward_extra_bytes`` keeps the mode's).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ the simulator is checked against (:func:`peak_memory`, defined here so the pipel
 :mod:`graphckpt.tools.measure` count allocations one way): its peak above the bytes of the
 outputs it returns. Replays are cached per process; they hold real memory for one call's
 arguments and results at a time (at most a few of the model's activations) and cost about
-two runs of each distinct backward kernel.
+two runs of each distinct backward kernel. Forward calls are replayed the same way where
+they allocate inside themselves (:func:`graphckpt.op_kinds.replayed_for_scratch`), and a
+whole attention where a dispatch mode would change what it runs
+(:func:`plain_forward_temporaries`).
 """
 
 from __future__ import annotations
