@@ -33,7 +33,7 @@ import numpy as np
 
 from passes.cuts import INF, op_positions, op_weights, prefix_costs
 from passes.kept_bytes import gradient_bytes
-from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
+from passes.sim_loss import loss_scalar_bytes, loss_working_bytes, trained_outputs
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ Graph attributes, all optional:
 ``scalar_bytes`` (default 0)
     Bytes one float32 scalar takes in the model's memory (4 on CPU, a 512-byte block on a
     GPU): a step holds two from the loss until backward returns when the loss is computed
-    outside the model (:func:`passes.simulate.loss_scalar_bytes`).
+    outside the model (:func:`passes.sim_loss.loss_scalar_bytes`).
 ``autocast`` (default ``""``)
     The autocast state the graph was costed under, as ``"device:dtype"`` (``"cpu:bfloat16"``),
     ``""`` for none: what ops save and make was measured so, and a plan's peak holds for
@@ -54,7 +54,7 @@ Graph attributes, all optional:
     where they are 16-bit floats (under autocast, or a model cast to bf16/fp16), since such
     a loss is taken to run in float32 on a widened copy of them (``logits.float()``, as
     Hugging Face's losses and ``graphckpt.tools.zoo.scalar_loss`` do); 1 otherwise
-    (:func:`passes.simulate.loss_working_bytes`).
+    (:func:`passes.sim_loss.loss_working_bytes`).
 ``loss`` (default ``None``)
     The output value that is the model's own loss (a scalar the model computes, as Hugging
     Face models do when given labels), which training backpropagates alone. Without one,
@@ -172,14 +172,14 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     of a float32 and a bf16 value casts the bf16 one's gradient. An op ending a recomputed
     segment that saves nothing runs its backward before the recompute (torch recomputes at
     the first unpack), and what it makes lives through it: the simulator runs such trailing
-    ops' backward first when one of them allocates (:func:`passes.simulate.trailing_backward`).
+    ops' backward first when one of them allocates (:func:`passes.recompute.trailing_backward`).
 ``unpack_held_bytes``: ``int`` (default 0)
     What the node's backward holds beyond its gradient when it first unpacks a saved value:
     the results of its first autograd functions, those that save nothing (math attention
     under bf16 casts its gradient up to float32 and reshapes it before the matmul it unpacks
     for), less its gradient when they let it go. torch's checkpoint recomputes at that
     unpack, so a recompute the node's backward starts runs while they live
-    (:func:`passes.simulate.recompute_trigger`).
+    (:func:`passes.recompute.recompute_trigger`).
 ``forward_extra_bytes``: ``int`` (default 0)
     Bytes the node's forward allocates beyond its value and what it saves, alive at its
     peak and freed before it returns: the temporaries of an op that runs as a chain of

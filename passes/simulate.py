@@ -21,13 +21,7 @@ The model of memory (activations only: parameters and their ``.grad`` already ex
   saved.
   Gradients are as large as their values.
 
-* the loss: a model that computes its own loss is trained on it alone; otherwise, between
-  forward and backward, an elementwise loss and its reduction hold ``LOSS_WORKING_SET``
-  times the outputs' bytes for a moment (``x.pow(2).mean()``'s
-  backward makes four output-sized temporaries: three here plus the output's gradient), at
-  float32's width for 16-bit outputs, with their float32 copy (``loss_widening``).
-  From the loss until backward returns, the scalars it leaves are held too
-  (:func:`loss_scalar_bytes`): the caller's loss and the gradient backward starts from.
+* the loss: what it holds between forward and backward, :mod:`passes.sim_loss`.
 
 This is an estimate; ``graphckpt.tools.measure`` is the truth it is checked against.
 """
@@ -45,21 +39,26 @@ from passes.graph_facts import (
     draws_random,
     graph_outputs,
     leaves_nothing,
-    needs_grad,
     op_nodes,
 )
 from passes.hooked import keeps_by_hooks, redrawn
 from passes.hooked_lifetimes import held_in_forward, last_needed
 from passes.kept_bytes import gradient_bytes
-from passes.recompute import random_calls, recompute_steps, recompute_totals, step_nodes
+from passes.recompute import (
+    random_calls,
+    recompute_steps,
+    recompute_totals,
+    recompute_trigger,
+    step_nodes,
+    trailing_backward,
+)
 from passes.remat import kept_inputs, remat_nodes, run_remat
 from passes.schedule import plan_schedule
 from passes.segments import Segment, Step, make_segments
 from passes.sim_hooked import backward_hooked
+from passes.sim_loss import loss_scalar_bytes, loss_working_bytes, trained_outputs
 from passes.sim_memory import AUTOCAST_CACHE, EXTRA, GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
 from passes.sim_ops import run_backward, run_forward
-
-LOSS_WORKING_SET = 3
 
 
 @dataclass(frozen=True)
@@ -71,40 +70,6 @@ class Simulation:
     recompute_flops: int
     forward_flops: int
     recompute_bytes: int = 0  # bytes written by recomputation: the cost of pointwise work FLOPs miss
-
-
-def trained_outputs(graph: nx.DiGraph) -> list[str]:
-    """The outputs backward starts from: the model's own loss when it returns one
-    (``graph.graph["loss"]``), else every output that takes part in backward."""
-    loss = graph.graph.get("loss")
-    return [loss] if loss is not None else [v for v in graph_outputs(graph) if needs_grad(graph, v)]
-
-
-def loss_working_bytes(graph: nx.DiGraph) -> int:
-    """What computing the loss holds for a moment between forward and backward: nothing
-    when the model computed its own loss, else ``LOSS_WORKING_SET`` times the outputs, and
-    where the loss runs on a wider copy of them (``graph.graph["loss_widening"]``, 16-bit
-    outputs under autocast) that copy too, everything at its width, and the copy's gradient
-    cast back to the outputs' width (measured with ``x.float().pow(2).mean()`` on bf16
-    outputs: the zoo MLP and GPT under CPU autocast, within 0.5% of their measured peaks)."""
-    if graph.graph.get("loss") is not None:
-        return 0
-    outputs = sum(gradient_bytes(graph, v) for v in trained_outputs(graph))
-    widening = graph.graph.get("loss_widening", 1)
-    if widening == 1:
-        return LOSS_WORKING_SET * outputs
-    return (LOSS_WORKING_SET + 1) * widening * outputs + outputs  # the copy, and its gradient cast back
-
-
-def loss_scalar_bytes(graph: nx.DiGraph) -> int:
-    """Bytes of the scalars a step holds from the loss until backward returns, when the loss
-    is computed outside the model: the caller's loss and the gradient backward starts from
-    (``torch.autograd.backward`` keeps its seed until it returns), ``graph.graph["scalar_bytes"]``
-    each (a 512-byte block on a GPU). A model's own loss is an output already, and its
-    gradient is the seed, held likewise (:func:`step_peak`)."""
-    if graph.graph.get("loss") is not None or not trained_outputs(graph):
-        return 0
-    return 2 * graph.graph.get("scalar_bytes", 0)
 
 
 def _call_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment, tag: tuple,
@@ -230,48 +195,6 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         children = (*children[:-1], replace(last, nodes=last.nodes[: len(last.nodes) - len(first)]))
     _backward_sequence(memory, graph, children, grads, ran)
     memory.fresh.pop()
-
-
-def trailing_backward(graph: nx.DiGraph, segment: Segment) -> tuple[str, ...]:
-    """The ops ending a recomputed ``segment`` whose backward runs before its recompute, in
-    forward order: those after the last op that saves anything (of its last child, when it
-    has children and that child is kept; none when that child is recomputed), when one of
-    them makes a new storage in backward (``backward_allocates``). torch's
-    checkpoint recomputes at the first saved tensor backward unpacks, so what they make
-    lives through the recompute: under bf16 autocast a residual ``add`` ending the segment
-    casts its bf16 input's gradient there (ViT's plan at the floor measured 1.7% over its
-    simulated peak, stop 67). When none allocates (float32's ``add`` passes its gradient
-    through), the simulator's order, recompute first, is kept: its ``add`` backward makes a
-    buffer per input, which float32's does not, and held through the recompute it cost
-    BERT's floor 3%. ViT's plan at the floor, a nested segment whose kept last child ends
-    in such an ``add``, measured 1.6% over its simulated peak before children were looked
-    into (stop 68)."""
-    if segment.children and segment.children[-1].recompute:
-        return ()
-    nodes = segment.children[-1].nodes if segment.children else segment.nodes
-    attributes = graph.nodes
-    count = 0
-    for name in reversed(nodes):
-        if attributes[name]["saves_from"] != "nothing":
-            break
-        count += 1
-    trailing = nodes[len(nodes) - count:]
-    return trailing if any(attributes[name]["backward_allocates"] for name in trailing) else ()
-
-
-def recompute_trigger(graph: nx.DiGraph, segment: Segment, trailing: Sequence[str]) -> str | None:
-    """The op of a recomputed ``segment`` whose backward's first unpack of a saved value runs
-    the recompute: the last that saves anything (of its last child, when that child is kept),
-    before the ``trailing`` ops (:func:`trailing_backward`), whose backward runs first; its
-    ``unpack_held_bytes`` live through the recompute. ``None`` when the last child is
-    recomputed (its own recompute runs within), or nothing saves."""
-    if segment.children and segment.children[-1].recompute:
-        return None
-    nodes = segment.children[-1].nodes if segment.children else segment.nodes
-    for name in reversed(nodes[: len(nodes) - len(trailing)]):
-        if graph.nodes[name]["saves_from"] != "nothing":
-            return name
-    return None
 
 
 def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int], body: set[int]) -> dict[int, int]:

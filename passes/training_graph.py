@@ -8,7 +8,7 @@ node of that size, made only together with its op and only if wanted (a recomput
 does not save in forward); an op run without it holds it for a moment all the same
 (:meth:`TrainingGraph.extra_node`). An op reading a view also reads the view's storage root. Then one
 gradient seed per graph output that needs a gradient (size: its gradient's bytes,
-:func:`passes.kept_bytes.gradient_bytes`; the loss working set ``LOSS_WORKING_SET`` x those
+:func:`passes.kept_bytes.gradient_bytes`; the loss working set ``passes.sim_loss.LOSS_WORKING_SET`` x those
 bytes is held for a moment; the model's own loss's seed and, for a loss computed outside, the
 loss's scalars are kept to the end). Then, ops in reverse, the backward of op ``k`` (:mod:`passes.training_backward`) as
 autograd's engine runs it. Its function: one node per gradient buffer it creates, new or the
@@ -41,7 +41,7 @@ import networkx as nx
 from passes.graph_facts import graph_outputs, op_nodes, per_graph_value, storage_root
 from passes.kept_bytes import gradient_bytes
 from passes.schedule import Matrix
-from passes.simulate import loss_scalar_bytes, loss_working_bytes, trained_outputs
+from passes.sim_loss import loss_scalar_bytes, loss_working_bytes, trained_outputs
 from passes.training_backward import add_backward
 
 LOSS_SCALARS = "loss-scalars"  # the node of a loss computed outside the graph: its scalars, kept to the end
