@@ -230,12 +230,8 @@ def fold_constant_masks(graph_module: fx.GraphModule) -> fx.GraphModule:
         mask = node.args[MASK_ARGUMENT]
         if not isinstance(mask, fx.Node):
             continue
-        if mask not in meanings:
-            ancestors = _ancestors(mask)
-            state = _state_ids(graph_module) if state is None else state
-            fixed = not _reads_inputs_or_state(graph_module, ancestors, state)
-            meanings[mask] = mask_meaning(_evaluate(graph_module, mask, ancestors), None) if fixed else None
-        meaning = meanings[mask]
+        state = _state_ids(graph_module) if state is None else state
+        meaning = _constant_meaning(graph_module, mask, meanings, state)
         if meaning is None:
             changed = _allowing_addend_dropped(graph_module, node, meanings, state) or changed
             continue
@@ -273,15 +269,23 @@ def _allowing_addend_dropped(graph_module: fx.GraphModule, attention: fx.Node, m
         if not (isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor)
                 and value.is_floating_point() and value.dtype == result.dtype):
             continue
-        if addend not in meanings:
-            ancestors = _ancestors(addend)
-            fixed = not _reads_inputs_or_state(graph_module, ancestors, state)
-            meanings[addend] = mask_meaning(_evaluate(graph_module, addend, ancestors), None) if fixed else None
-        if meanings[addend] == "none":
+        if _constant_meaning(graph_module, addend, meanings, state) == "none":
             attention.args = (*attention.args[:MASK_ARGUMENT], kept, *attention.args[MASK_ARGUMENT + 1:])
             _erase_unused(mask)
             return True
     return False
+
+
+def _constant_meaning(graph_module: fx.GraphModule, mask: fx.Node, meanings: dict[fx.Node, str | None],
+                      state: set[int]) -> str | None:
+    """:func:`mask_meaning` of ``mask``'s value where it can never change (it reads no input,
+    parameter or buffer: :func:`_reads_inputs_or_state`), else ``None``; evaluated once per
+    node, in ``meanings`` (one mask serves every layer)."""
+    if mask not in meanings:
+        ancestors = _ancestors(mask)
+        fixed = not _reads_inputs_or_state(graph_module, ancestors, state)
+        meanings[mask] = mask_meaning(_evaluate(graph_module, mask, ancestors), None) if fixed else None
+    return meanings[mask]
 
 
 def mask_meaning(mask: torch.Tensor, attention: fx.Node) -> str | None:

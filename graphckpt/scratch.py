@@ -223,6 +223,13 @@ def peak_and_net(fn: Callable[[], object], *, device: str | torch.device = "cpu"
 _REPLAY_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
 
 
+def _replay_device(args: tuple, kwargs: Mapping[str, Any]) -> torch.device:
+    """Where a replay of a call on these layouts runs and is measured: a CUDA device among
+    them, else the CPU."""
+    devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Layout)}
+    return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+
+
 def _scratch_in(event: Any) -> int:
     """Peak bytes of the storages allocated under a profiler event, less those still alive
     at its end (the outputs): the scratch of the kernel it wraps."""
@@ -306,8 +313,7 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     cpu: dict[tuple, Call] = {}
     for key, (func, args, kwargs) in calls.items():
         args = _as_the_kernel_gets_them(func, args)
-        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Layout)}
-        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        device = _replay_device(args, kwargs)
         if device.type == "cpu":
             cpu[key] = (func, args, kwargs)
         elif device.type == "cuda":
@@ -351,8 +357,7 @@ def plain_forward_temporaries(target: Callable[..., Any], args: tuple, kwargs: M
     key = (target, _signature(tuple(args)), _signature(dict(kwargs)), torch.get_num_threads(),
            *((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")))
     if key not in PLAIN_TEMPORARIES:
-        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Layout)}
-        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        device = _replay_device(args, kwargs)
         outputs: list[Any] = []
         try:
             real_args, real_kwargs = _realize(args, kwargs)
