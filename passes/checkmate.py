@@ -269,15 +269,18 @@ def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float =
 
 def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0,
                        executable: bool = False, beat: float | None = None,
-                       extras: bool = True) -> CheckmateResult | None:
+                       extras: bool = True, polish_start: bool = True) -> CheckmateResult | None:
     """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits;
     ``executable``: among the schedules :mod:`passes.exact` runs only (with ``extras``
     false, those holding every extra from forward); ``beat``: only schedules recomputing
     fewer FLOPs than that (a plan in hand's), ``None`` when none does.
 
     Raises :class:`ValueError` above :data:`MAX_OPS` op nodes and :class:`SolveTimeout` (a
-    :class:`TimeoutError`) when the time limit passes before any schedule that fits is found.
-    On one CPU the solve may take up to 28% more than ``time_limit`` (:data:`passes.guided_solve.FREED_AT`).
+    :class:`TimeoutError`) when the time limit passes before any schedule that fits (and
+    recomputes less than ``beat``) is found.
+    On one CPU the solve may take up to 28% more than ``time_limit`` (:data:`passes.guided_solve.FREED_AT`),
+    and 15% more where no schedule beat ``beat`` before the polish and ``polish_start``
+    (:data:`passes.guided_solve.START_SHARE`: a start for the polish).
     """
     n_ops = len(op_nodes(graph))
     if n_ops > MAX_OPS:
@@ -294,19 +297,20 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     forward = sum(training.flops[: training.n_forward])
     cutoff = None if beat is None else (beat + forward) / divisor - 0.5  # FLOPs are whole multiples of the
     started = time.perf_counter()  # divisor, and the tie-break weighs less than half of one
-    solution = guided_solve(model, cost, time_limit, cutoff)
+    solution = guided_solve(model, cost, time_limit, cutoff, polish_start)
     seconds = time.perf_counter() - started
     if solution.status == "infeasible":
         return None
-    if solution.x is None:
+    if solution.x is not None:
+        T = training.size
+        R, S = matrix_of(model, solution.x, "R", T), matrix_of(model, solution.x, "S", T)
+        total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
+    if solution.x is None or (beat is not None and total - forward >= beat and solution.status != "optimal"):
         proven = max(solution.bound * divisor - forward, 0.0) if math.isfinite(solution.bound) else 0.0
-        raise SolveTimeout(f"checkmate_schedule: no schedule found within {time_limit}s ({solution.status})",
-                           proven if beat is None else min(proven, beat))
-    T = training.size
-    R, S = matrix_of(model, solution.x, "R", T), matrix_of(model, solution.x, "S", T)
-    total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
-    if beat is not None and total - forward >= beat:  # HiGHS prunes by the cutoff, but may still answer
-        return None  # with a schedule above it found before (and call it optimal)
+        raise SolveTimeout(f"checkmate_schedule: no schedule{'' if beat is None else ' beating the cutoff'} "
+                           f"found within {time_limit}s ({solution.status})", proven if beat is None else min(proven, beat))
+    if beat is not None and total - forward >= beat:  # proven: no schedule beats it, though the solve
+        return None  # answers with one above it that it found (the polish's start, or HiGHS's before pruning)
     proven = total if solution.status == "optimal" else solution.bound * divisor  # HiGHS's bound, in cost units
     return CheckmateResult(
         recompute_flops=total - forward, recompute_lower_bound=min(max(proven - forward, 0.0), total - forward),

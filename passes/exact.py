@@ -113,13 +113,14 @@ def _cheapest_schedule(graph: nx.DiGraph, budget_bytes: float, time_limit: float
     the harder one: asked first, it left DenseNet at its tightest budget (0.54 of eager)
     with a plan recomputing 1.65x the optimum, which the narrower one finds in the 5 s."""
     started = time.perf_counter()
-    try:
+    wider = bool(remakeable_extras(graph))
+    try:  # where a wider search follows, a first that beats nothing leaves it the time rather than polish
         held = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat,
-                                  extras=False)
+                                  extras=False, polish_start=not wider)
     except TimeoutError:
         held = None
     left = time_limit - (time.perf_counter() - started)
-    if left < MIN_EXTRAS_SECONDS or not remakeable_extras(graph):
+    if left < MIN_EXTRAS_SECONDS or not wider:
         return held, held is not None and held.status == "optimal"
     cheaper = min((c for c in (beat, held and held.recompute_flops) if c is not None), default=None)
     try:

@@ -256,3 +256,32 @@ def test_time_limit_without_a_schedule_raises() -> None:
     with pytest.raises(TimeoutError, match="no schedule found"):
         checkmate_schedule(chain(30), 6 * UNIT, time_limit=0.0)
 
+
+
+@pytest.mark.parametrize("status", ["optimal", "time_limit"])
+def test_a_schedule_above_beat_is_none_when_proven_and_a_timeout_when_not(
+        status: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The solve may answer with a schedule recomputing no less than ``beat`` (the start the
+    polish was given, or one HiGHS found before pruning). Proven least, no schedule beats
+    ``beat``: ``None``. Not proven, the time ran out before one beating it was found:
+    :class:`passes.checkmate.SolveTimeout`, never ``None``, which callers read as a proof
+    (``scripts/planner_gap.py`` would print 1.00x)."""
+    import passes.checkmate
+    from passes.checkmate import SolveTimeout
+
+    graph, budget = chain(8), 3 * UNIT
+    best = checkmate_schedule(graph, budget, time_limit=30)
+    assert best is not None and best.status == "optimal" and best.recompute_flops > 0
+    real = passes.checkmate.guided_solve
+
+    def answered_as(model, cost, time_limit, cutoff, polish_start=True):
+        found = real(model, cost, time_limit, None, polish_start)  # the least schedule, above the cutoff asked
+        return type(found)(status, found.x, found.objective, found.bound)
+
+    monkeypatch.setattr(passes.checkmate, "guided_solve", answered_as)
+    beat = best.recompute_flops  # nothing recomputes less
+    if status == "optimal":
+        assert checkmate_schedule(graph, budget, time_limit=30, beat=beat) is None
+    else:
+        with pytest.raises(SolveTimeout):
+            checkmate_schedule(graph, budget, time_limit=30, beat=beat)

@@ -66,9 +66,9 @@ def test_a_guided_solve_stopped_unproven_polishes_in_each_lane(lanes: int, monke
     polished: list[bool] = []
     real = passes.guided_solve.polish
 
-    def watched(model, cost, found, deadline, shifted=False):
+    def watched(model, cost, found, deadline, shifted=False, own=False):
         polished.append(shifted)
-        return real(model, cost, found, deadline, shifted)
+        return real(model, cost, found, deadline, shifted, own)
 
     monkeypatch.setattr(passes.guided_solve, "lanes", lambda: lanes)
     monkeypatch.setattr(passes.guided_solve, "polish", watched)
@@ -81,3 +81,59 @@ def test_a_guided_solve_stopped_unproven_polishes_in_each_lane(lanes: int, monke
     assert found.status == "time_limit" and found.x is not None
     assert float(cost @ found.x) == pytest.approx(found.objective)
     assert sorted(polished) == ([False, True] if lanes == 2 else [False])
+
+
+def test_the_incumbent_bars_below_the_callers_cutoff_or_below_its_own_best() -> None:
+    """``bar()`` asks a solve to beat both the best found and the caller's cutoff (the plan in
+    hand); ``bar(own=True)`` only the best found, so that a schedule recomputing more than
+    the plan in hand can be found and then polished down below it."""
+    from passes.highs import Solved
+
+    found = Incumbent(10.0)
+    assert found.bar() == 10.0 and found.bar(own=True) is None
+    found.offer(Solved("time_limit", object(), 20.0, 3.0))  # above the cutoff: a start for the polish
+    assert found.bar() == 10.0 and found.bar(own=True) == 19.5
+    found.offer(Solved("time_limit", object(), 6.0, 3.0))
+    assert found.bar() == found.bar(own=True) == 5.5
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_where_no_solve_beats_the_cutoff_the_polish_starts_from_a_schedule_found_without_it(
+        lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given a cutoff (a plan in hand's cost) that no solve beats in the time before the
+    polish, one freed sub-MIP is asked for any schedule, and the polish betters it asking
+    each window to beat the best found, not the cutoff (which no window reaches at once).
+    Before, nothing was polished: a 40-op DAG at 0.3 of eager kept a plan of 1489 FLOPs
+    where the solve without a cutoff found 1227. With ``polish_start=False`` (a wider search
+    follows, :func:`passes.exact.exact_plan`) the solve ends there, as before."""
+    import passes.guided_solve
+    from passes.guided_solve import guided_solve
+    from passes.highs import Milp, Solved
+
+    solve, asked = Milp.solve, []
+    training = training_graph(chain(30))
+    model = build_milp(training, 6 * UNIT)
+    cost = recompute_objective(model, training)
+    cutoff = solve(model, cost, 30, relaxed=True).objective + 0.25  # the LP's bound
+
+    def nothing_beats_the_cutoff(self: Milp, cost, time_limit: float, relaxed: bool = False, cutoff=None,
+                                 enough=0.0):
+        if relaxed:
+            return solve(self, cost, time_limit, relaxed)
+        asked.append(cutoff)
+        if cutoff == cutoff_given:  # a tight budget: nothing found, nothing proven in the time
+            return Solved("time_limit", None, float("inf"), 0.0)
+        return solve(self, cost, time_limit, relaxed, cutoff=cutoff, enough=enough)
+
+    cutoff_given = cutoff
+    monkeypatch.setattr(Milp, "solve", nothing_beats_the_cutoff)
+    monkeypatch.setattr(passes.guided_solve, "lanes", lambda: lanes)
+    assert guided_solve(model, cost, 3.0, cutoff, polish_start=False).x is None
+    asked.clear()
+    found = guided_solve(model, cost, 3.0, cutoff)
+    start = asked.index(None)  # the start, after every solve asked to beat the cutoff
+    assert start > 0 and set(asked[:start]) == {cutoff}
+    polished = asked[start + 1:]
+    assert polished and all(bar is not None and bar != cutoff for bar in polished)  # below the best found
+    assert found.x is not None and found.status == "time_limit"
+    assert float(cost @ found.x) == pytest.approx(found.objective)
