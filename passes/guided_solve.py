@@ -73,8 +73,9 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     polished there: ``fit_budget`` on a 40-op random DAG at 0.3 of eager got no schedule in
     3.6 s and kept its plan of 1489 FLOPs, where the same solve without ``cutoff`` found one
     of 1227; now 1220-1376 (4 runs), the other 7 DAGs of ``scripts/planner_gap.py``'s budget
-    table as before. Asking the first freed sub-MIP for any schedule from the start instead
-    perturbed the solves that prove (zoo ResNet and U-Net at 0.7 of eager)."""
+    table as before. ``polish_start`` false: the solve ends there, leaving the time to a
+    search that follows (:func:`passes.exact.exact_plan`'s wider one, which found the zoo
+    U-Net's schedule at 0.7 of eager: polishing instead kept a plan recomputing 10% more)."""
     started = time.perf_counter()
     deadline = started + (1 - POLISH_SHARE) * time_limit
     relaxation = model.solve(cost, time_limit, relaxed=True)
@@ -148,8 +149,7 @@ def polish(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, shi
     windows start a quarter of a window later (the second lane's). ``own``: each window is
     asked to beat the best schedule only, not the guided solve's cutoff as well: the start
     was found above the cutoff (:func:`guided_solve`), and the windows better it a little at
-    a time. (Asked so from any start, the zoo U-Net at 0.7 of eager kept a plan recomputing
-    10% more: windows asked to beat the cutoff at once found the schedule below it.)
+    a time; from any other start they are asked to beat both, as before.
 
     Branch and bound on the whole model improves a schedule found at a tight budget slowly:
     HiGHS's proven bound stays far below it (a 40-op DAG at 0.3 of eager: a schedule of 2001

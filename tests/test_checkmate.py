@@ -257,7 +257,6 @@ def test_time_limit_without_a_schedule_raises() -> None:
         checkmate_schedule(chain(30), 6 * UNIT, time_limit=0.0)
 
 
-
 @pytest.mark.parametrize("status", ["optimal", "time_limit"])
 def test_a_schedule_above_beat_is_none_when_proven_and_a_timeout_when_not(
         status: str, monkeypatch: pytest.MonkeyPatch) -> None:
