@@ -116,7 +116,7 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
         freed(FREED_AT, math.inf)
         full = whole_model(rest)
     answer = _answer(relaxation, found.best, full)
-    if answer.status == "optimal":
+    if answer.status in ("optimal", "infeasible"):  # proven: least, or none beats the cutoff
         return answer
     until = started + time_limit
     own = found.best is None  # none beat the cutoff: a start for the polish, found in time on top of the limit
