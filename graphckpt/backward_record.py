@@ -60,19 +60,24 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if self.owner is not None and not func.is_view and \
-                any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
+        if self.owner is None:
+            return result
+        follow = not func.is_view and any(isinstance(t, torch.Tensor) for t in tree_leaves(result))
+        hold = self.owner not in self.first_unpack
+        if follow or hold:
+            inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if follow:
             self.calls.setdefault(self.owner, []).append((func, *layouts_of(args, kwargs)))
             self.call_starts.setdefault(self.owner, []).append(len(self.events.get(self.owner, ())))
-            self._follow(self.owner, result, args, kwargs)
-        if self.owner is not None and self.owner not in self.first_unpack:
-            self._hold(self.owner, result, func.is_view, args, kwargs)
+            self._follow(self.owner, result, inputs)
+        if hold:
+            self._hold(self.owner, result, func.is_view, inputs)
         return result
 
-    def _hold(self, owner: str, result: Any, view: bool, args: tuple, kwargs: dict) -> None:
-        """Count each tensor ``result`` has on a storage ``owner``'s backward made, a new one
-        unless ``view``, as holding it (:meth:`held_at_first_unpack`)."""
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    def _hold(self, owner: str, result: Any, view: bool, inputs: set[int]) -> None:
+        """Count each tensor ``result`` has on a storage ``owner``'s backward made (not one of
+        the call's ``inputs``), a new one unless ``view``, as holding it
+        (:meth:`held_at_first_unpack`)."""
         holding = self.holding.setdefault(owner, {})
         for tensor in tree_leaves(result):
             if not isinstance(tensor, torch.Tensor):
@@ -85,9 +90,9 @@ class Recorder(TorchDispatchMode):
             holding[key][1] += 1
             weakref.finalize(tensor, _let_go, holding[key])
 
-    def _follow(self, owner: str, result: Any, args: tuple, kwargs: dict) -> None:
-        """Note the new storages ``result`` makes for ``owner``, and when each is freed."""
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    def _follow(self, owner: str, result: Any, inputs: set[int]) -> None:
+        """Note the new storages ``result`` makes for ``owner`` (not one of the call's
+        ``inputs``), and when each is freed."""
         events = self.events.setdefault(owner, [])
         for tensor in tree_leaves(result):
             if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in inputs:

@@ -198,9 +198,9 @@ def trailing_backward(graph: nx.DiGraph, segment: Segment) -> tuple[str, ...]:
     BERT's floor 3%. ViT's plan at the floor, a nested segment whose kept last child ends
     in such an ``add``, measured 1.6% over its simulated peak before children were looked
     into (stop 68)."""
-    if segment.children and segment.children[-1].recompute:
+    nodes = _backward_starts_in(segment)
+    if nodes is None:
         return ()
-    nodes = segment.children[-1].nodes if segment.children else segment.nodes
     attributes = graph.nodes
     count = 0
     for name in reversed(nodes):
@@ -217,10 +217,19 @@ def recompute_trigger(graph: nx.DiGraph, segment: Segment, trailing: Sequence[st
     before the ``trailing`` ops (:func:`trailing_backward`), whose backward runs first; its
     ``unpack_held_bytes`` live through the recompute. ``None`` when the last child is
     recomputed (its own recompute runs within), or nothing saves."""
-    if segment.children and segment.children[-1].recompute:
+    nodes = _backward_starts_in(segment)
+    if nodes is None:
         return None
-    nodes = segment.children[-1].nodes if segment.children else segment.nodes
     for name in reversed(nodes[: len(nodes) - len(trailing)]):
         if graph.nodes[name]["saves_from"] != "nothing":
             return name
     return None
+
+
+def _backward_starts_in(segment: Segment) -> tuple[str, ...] | None:
+    """The ops among which a recomputed ``segment``'s backward starts, before its recompute
+    runs: its own, or its last child's when that child is kept; ``None`` when the last
+    child is recomputed (its own recompute runs first)."""
+    if segment.children and segment.children[-1].recompute:
+        return None
+    return segment.children[-1].nodes if segment.children else segment.nodes
