@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 
@@ -61,3 +62,40 @@ def test_quick_run_writes_every_table(tmp_path: Path) -> None:
         assert 0 < median <= worst, row
         assert row[3] == "—" or all(float(x) >= 0 for x in row[3].split(" / ")), row
         assert int(row[4]) >= 0
+
+
+def test_an_unsettled_budget_cell_is_solved_once_more_for_the_longer_limit(monkeypatch) -> None:
+    """A reference solve that ends at its limit with a range (or no answer) is asked again for
+    ``again_limit`` seconds, once; a settled one is not."""
+    script = load_script("planner_gap")
+    graph = script.random_cost_graph(random.Random(0), 6)
+    monkeypatch.setattr(script, "planning_seconds", lambda *a, **k: (0.1, type("P", (), {"recompute_flops": 10})()))
+    asked: list[float] = []
+
+    def gap(graph, budget, ours, limit):
+        asked.append(limit)
+        return script.Gap(1.0, 1.3) if limit < 100 else script.Gap(1.12, 1.12)
+
+    monkeypatch.setattr(script, "gap_to_milp", gap)
+    row = script.BudgetRow()
+    script.measure(graph, 0.5, row, 20.0, again_limit=120.0)
+    assert asked == [20.0, 120.0] and row.ratios == [(1.12, 1.12)]
+    asked.clear()
+    script.measure(graph, 0.5, row, 20.0)  # no again_limit: the range stands
+    assert asked == [20.0] and row.ratios[-1] == (1.0, 1.3)
+
+    monkeypatch.setattr(script, "planning_seconds", lambda *a, **k: (0.1, None))  # the planner refuses
+    solves: list[float] = []
+
+    def schedule(graph, budget, time_limit):
+        solves.append(time_limit)
+        if time_limit < 100:
+            raise script.SolveTimeout("no answer yet", 0.0)
+        return None  # proven: no schedule meets the budget
+
+    monkeypatch.setattr(script, "checkmate_schedule", schedule)
+    refused = script.BudgetRow()
+    script.measure(graph, 0.5, refused, 20.0, again_limit=120.0)
+    assert solves == [20.0, 120.0] and (refused.neither, refused.unsolved) == (1, 0)
+    script.measure(graph, 0.5, refused, 20.0)
+    assert refused.unsolved == 1
