@@ -65,7 +65,7 @@ import numpy as np
 
 from passes.graph_facts import op_nodes, pure_ops
 from passes.guided_solve import guided_solve
-from passes.highs import Milp
+from passes.highs import Milp, Solved
 from passes.schedule import hooked_ops
 from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
@@ -301,16 +301,16 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     seconds = time.perf_counter() - started
     if solution.status == "infeasible":
         return None
-    if solution.x is not None:
-        T = training.size
-        R, S = matrix_of(model, solution.x, "R", T), matrix_of(model, solution.x, "S", T)
-        total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
-    if solution.x is None or (beat is not None and total - forward >= beat and solution.status != "optimal"):
-        proven = max(solution.bound * divisor - forward, 0.0) if math.isfinite(solution.bound) else 0.0
-        raise SolveTimeout(f"checkmate_schedule: no schedule{'' if beat is None else ' beating the cutoff'} "
-                           f"found within {time_limit}s ({solution.status})", proven if beat is None else min(proven, beat))
-    if beat is not None and total - forward >= beat:  # proven: no schedule beats it, though the solve
-        return None  # answers with one above it that it found (the polish's start, or HiGHS's before pruning)
+    if solution.x is None:
+        raise _timeout(solution, time_limit, divisor, forward, beat)
+    T = training.size
+    R, S = matrix_of(model, solution.x, "R", T), matrix_of(model, solution.x, "S", T)
+    total = sum(training.flops[i] * R[t][i] for t in range(T) for i in range(training.n_forward))
+    above_beat = beat is not None and total - forward >= beat  # the polish's start, or HiGHS's before pruning
+    if above_beat and solution.status != "optimal":
+        raise _timeout(solution, time_limit, divisor, forward, beat)
+    if above_beat:  # proven: no schedule beats it, though the solve answers with one above it
+        return None
     proven = total if solution.status == "optimal" else solution.bound * divisor  # HiGHS's bound, in cost units
     return CheckmateResult(
         recompute_flops=total - forward, recompute_lower_bound=min(max(proven - forward, 0.0), total - forward),
@@ -318,3 +318,11 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
         status="optimal" if solution.status == "optimal" else "time_limit",
         solve_seconds=seconds, stages=training.names, R=R, S=S,
     )
+
+
+def _timeout(solution: Solved, time_limit: float, divisor: int, forward: int, beat: float | None) -> SolveTimeout:
+    """What :func:`checkmate_schedule` raises when ``solution`` stopped at its time limit with
+    no schedule (recomputing less than ``beat``): what it proved, in FLOPs of recompute."""
+    proven = max(solution.bound * divisor - forward, 0.0) if math.isfinite(solution.bound) else 0.0
+    return SolveTimeout(f"checkmate_schedule: no schedule{'' if beat is None else ' beating the cutoff'} "
+                        f"found within {time_limit}s ({solution.status})", proven if beat is None else min(proven, beat))

@@ -255,18 +255,14 @@ def budget_rows(graphs: Iterable[nx.DiGraph], time_limit: float, fractions: Sequ
     return rows
 
 
-def _ratio(low: float, high: float) -> str:
-    return f"{low:.2f}x" if high - low < 5e-3 else f"{low:.2f}–{high:.2f}x*"
-
-
 def table_lines(family: str, rows: dict[float, BudgetRow]) -> list[str]:
     """Markdown rows of one family (header not included)."""
     lines = []
     for fraction, row in rows.items():
         if row.ratios:
             lows, highs = [r[0] for r in row.ratios], [r[1] for r in row.ratios]
-            median = _ratio(statistics.median(lows), statistics.median(highs))
-            worst = _ratio(max(lows), max(highs))
+            median = cell(Gap(statistics.median(lows), statistics.median(highs)))
+            worst = cell(Gap(max(lows), max(highs)))
         else:
             median = worst = "—"
         seconds = f"{statistics.median(row.seconds):.2f} / {max(row.seconds):.2f}" if row.seconds else "—"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.scripts import load_script
 
@@ -69,7 +70,7 @@ def test_an_unsettled_budget_cell_is_solved_once_more_for_the_longer_limit(monke
     ``again_limit`` seconds, once; a settled one is not."""
     script = load_script("planner_gap")
     graph = script.random_cost_graph(random.Random(0), 6)
-    monkeypatch.setattr(script, "planning_seconds", lambda *a, **k: (0.1, type("P", (), {"recompute_flops": 10})()))
+    monkeypatch.setattr(script, "planning_seconds", lambda *a, **k: (0.1, SimpleNamespace(recompute_flops=10)))
     asked: list[float] = []
 
     def gap(graph, budget, ours, limit):
