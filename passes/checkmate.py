@@ -280,7 +280,9 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     recomputes less than ``beat``) is found.
     On one CPU the solve may take up to 28% more than ``time_limit`` (:data:`passes.guided_solve.FREED_AT`),
     and 15% more where no schedule beat ``beat`` before the polish and ``polish_start``
-    (:data:`passes.guided_solve.START_SHARE`: a start for the polish).
+    (:data:`passes.guided_solve.START_SHARE`: a start for the polish); a polish still bettering
+    its schedule at the limit goes on, up to ``time_limit`` more
+    (:data:`passes.guided_solve.POLISH_OVERTIME`).
     """
     n_ops = len(op_nodes(graph))
     if n_ops > MAX_OPS:

@@ -38,7 +38,9 @@ EXACT_TIME_LIMIT = 5.0  # seconds a budget plan may spend in the solver
 def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT_TIME_LIMIT,
                beat: float | None = None) -> Plan | None:
     """The plan running the cheapest executable schedule under ``budget_bytes`` found in
-    ``time_limit`` seconds (on one CPU up to 28% more: :data:`passes.guided_solve.FREED_AT`); ``None``
+    ``time_limit`` seconds (on one CPU up to 28% more: :data:`passes.guided_solve.FREED_AT`; and up to
+    ``time_limit`` more while its polish still betters the schedule:
+    :data:`passes.guided_solve.POLISH_OVERTIME`); ``None``
     when ``time_limit`` is 0 (the user asked for no such schedule:
     ``graphckpt.rewrite(..., exact=False)``), above :data:`EXACT_MAX_OPS` ops, on a graph
     whose runtime has no hooks (``hooks``), when no schedule fits or none is found in time.

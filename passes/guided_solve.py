@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +35,13 @@ POLISH_SECONDS = 1.0  # the most one window's sub-MIP may take: most are solved 
 # each): 0.3 s 9216/8777/9082, 0.6 s 8607/8958/8658, 1.0 s 8544/8682/8630, 2.0 s 8561 (one run); seed 1's graphs
 # 5993/5995 at 0.3 s and 0.6 s, 6086/6096 at 1.0 s (one graph 6% more); the zoo MLP (20 ops) recomputes 15
 # matmuls at 1.0 s in 5 of 5 runs, 17 at 0.3 s in 5 of 5
+POLISH_OVERTIME = 1.0  # of a guided solve's time limit: how long the polish may go on past the limit while it
+# still betters the schedule (POLISH_STALL), so that a solve stopped in mid-descent finishes it and one that stalled
+# ends on time. fit_budget's exact solver alone, 5 s, on the 7 random DAGs of 40 ops that a plan meets at 0.3 of eager
+# (scripts/planner_gap.py's, seed 0), one run each on a 2-core AMD EPYC VM, recomputed FLOPs in all: 9788 without
+# overtime (5.3 s a graph), 8784 with it (7.7 s mean, 5.7-10.3 s), 8702 given a plain 10 s (10.3 s)
+POLISH_STALL = 1.0  # seconds without a better schedule that end the overtime: as long as one window may take
+# (POLISH_SECONDS); 2.0 found 8593 FLOPs in 10.0 s mean, as a plain 10 s limit does
 LANE_FREED_AT = ((0.5, 0.15), (0.3, 0.25), (0.1, 1.0))  # the same in a lane of their own, ending with the time
 # limit: the least fixed of them needs seconds at 0.3 of eager (a 40-op DAG: 2.4 s for a schedule recomputing 33%
 # less than the one found in 0.4 s), which one lane never gives it after the whole-set sub-MIP's 90%
@@ -65,7 +73,10 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
 
     All this takes the first ``1 -`` :data:`POLISH_SHARE` of ``time_limit``. Where it ends
     without proving the best schedule least, the rest polishes that schedule (:func:`polish`),
-    in both lanes where there are two, each from windows of its own. Where no solve beat
+    in both lanes where there are two, each from windows of its own, and goes on past
+    ``time_limit`` (up to :data:`POLISH_OVERTIME` of it more) while it still betters the
+    schedule: a polish stopped in mid-descent by the clock left recompute a few more seconds
+    take away, on a slower CPU most of all. Where no solve beat
     ``cutoff`` (the plan in hand) by then, and ``polish_start``, the least fixed freed sub-MIP
     is asked for any schedule (up to :data:`START_SHARE` of ``time_limit`` on top) and the
     polish betters it (``own``), the result coming back even if it recomputes no less than
@@ -130,18 +141,19 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
         until += time.perf_counter() - begun
         if found.best is None:
             return answer
+    clock = PolishClock(until, until + POLISH_OVERTIME * time_limit)
     if lanes() > 1:
         with quiet():
-            at_once(lambda: polish(model, cost, found, until, own=own),
-                    lambda: polish(model, cost, found, until, shifted=True, own=own))
+            at_once(lambda: polish(model, cost, found, clock, own=own),
+                    lambda: polish(model, cost, found, clock, shifted=True, own=own))
     else:
-        polish(model, cost, found, until, own=own)
+        polish(model, cost, found, clock, own=own)
     return _answer(relaxation, found.best, full)
 
 
-def polish(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, shifted: bool = False,
+def polish(model: Milp, cost: np.ndarray, found: Incumbent, clock: PolishClock, shifted: bool = False,
            own: bool = False) -> None:
-    """Better ``found``'s best schedule until ``deadline``: the MILP solved again with every
+    """Better ``found``'s best schedule while ``clock`` says so: the MILP solved again with every
     ``R`` and ``S`` column fixed at that schedule's values but those of a window of
     consecutive forward values (:func:`value_windows`), window after window, each solve
     asked only for a schedule recomputing less (a large-neighbourhood search). Once a whole
@@ -161,27 +173,27 @@ def polish(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, shi
     width = POLISH_WIDTH
     fixable = [column for key, column in model.columns.items() if key[0] in ("R", "S")]
     by_value = value_columns(model, cost)
-    while _left(deadline) > 0 and found.best is not None:
+    while clock.going(found) and found.best is not None:
         windows = value_windows(by_value, width, width // 4 if shifted else 0)
         if len(windows) < 2:  # one window frees the whole model: nothing smaller to solve
             return
-        _polish_pass(model, cost, found, deadline, windows, fixable, own)
+        _polish_pass(model, cost, found, clock, windows, fixable, own)
         width += width // 2
 
 
-def _polish_pass(model: Milp, cost: np.ndarray, found: Incumbent, deadline: float, windows: list[list[int]],
+def _polish_pass(model: Milp, cost: np.ndarray, found: Incumbent, clock: PolishClock, windows: list[list[int]],
                  fixable: list[int], own: bool = False) -> None:
     """Windows solved in turn, around and around, until every one in a row proves that
-    nothing in it beats the best schedule (or ``deadline``); ``fixable``: the ``R`` and ``S``
-    columns, those a window does not free fixed."""
+    nothing in it beats the best schedule (or ``clock`` ends the polish); ``fixable``: the
+    ``R`` and ``S`` columns, those a window does not free fixed."""
     proven_in_a_row, turn = 0, 0
-    while proven_in_a_row < len(windows) and _left(deadline) > 0:
+    while proven_in_a_row < len(windows) and clock.going(found):
         best = found.best
         if best is None or best.x is None:  # (polish starts from a schedule: never so)
             return
         free = set(windows[turn % len(windows)])
         fixed = {column: float(round(best.x[column])) for column in fixable if column not in free}
-        sub = model.fixed(fixed).solve(cost, min(POLISH_SECONDS, _left(deadline)), cutoff=found.bar(own),
+        sub = model.fixed(fixed).solve(cost, min(POLISH_SECONDS, clock.left()), cutoff=found.bar(own),
                                        enough=FLOPS_PROVEN)
         found.offer(sub)
         proven = found.best is best and sub.status in ("optimal", "infeasible")
@@ -222,12 +234,19 @@ class Incumbent:
     def __init__(self, cutoff: float | None) -> None:
         self.cutoff = cutoff
         self.best: Solved | None = None
+        self.bettered_at = time.perf_counter()  # when best last changed (or the search began)
         self._lock = threading.Lock()
 
     def offer(self, found: Solved) -> None:
         """Keep ``found`` if it recomputes less than the best so far."""
         with self._lock:
-            self.best = _better(self.best, found)
+            better = _better(self.best, found)
+            if better is not self.best:
+                self.best, self.bettered_at = better, time.perf_counter()
+
+    def stalled(self, seconds: float) -> bool:
+        """Whether the last ``seconds`` brought no better schedule."""
+        return time.perf_counter() - self.bettered_at >= seconds
 
     def bar(self, own: bool = False) -> float | None:
         """The cutoff for the next solve: below the best so far and the caller's cutoff;
@@ -235,6 +254,34 @@ class Incumbent:
         with self._lock:
             cutoff = None if own else self.cutoff
             return cutoff if self.best is None else _below(self.best, cutoff)
+
+
+@dataclass(frozen=True)
+class PolishClock:
+    """How long a polish goes on: until ``deadline``, then until ``overtime_end`` at most while
+    its search still betters the schedule (:data:`POLISH_OVERTIME`, :data:`POLISH_STALL`).
+
+    >>> found = Incumbent(None)
+    >>> PolishClock(0.0, math.inf).going(found)  # past its deadline, and the search just began
+    True
+    >>> PolishClock(0.0, 0.0).going(found)  # no overtime
+    False
+    >>> found.bettered_at -= POLISH_STALL  # nothing better for that long: the overtime ends
+    >>> PolishClock(0.0, math.inf).going(found), PolishClock(math.inf, math.inf).going(found)
+    (False, True)
+    """
+
+    deadline: float
+    overtime_end: float
+
+    def going(self, found: Incumbent) -> bool:
+        """Whether to solve another window now, ``found`` the search's best so far."""
+        now = time.perf_counter()
+        return now < self.deadline or (now < self.overtime_end and not found.stalled(POLISH_STALL))
+
+    def left(self) -> float:
+        """The most a window begun now may take."""
+        return _left(max(self.deadline, self.overtime_end))
 
 
 def _left(deadline: float) -> float:

@@ -215,6 +215,7 @@ def test_two_lanes_solve_the_freed_neighbourhoods_while_the_whole_set_sub_mip_ru
     monkeypatch.setattr(Milp, "solve", watched)
     monkeypatch.setattr(passes.guided_solve, "lanes", lambda: 2)
     monkeypatch.setattr(passes.guided_solve, "POLISH_SHARE", 0.0)  # the lanes before polishing (its solves: test_polish)
+    monkeypatch.setattr(passes.guided_solve, "POLISH_OVERTIME", 0.0)  # nor after the limit
     training = training_graph(chain(30))
     model = build_milp(training, 6 * UNIT)
     guided_solve(model, recompute_objective(model, training), 3.0, None)  # each solve capped at 1 s (conftest)

@@ -9,7 +9,16 @@ from itertools import pairwise
 import pytest
 
 from passes.checkmate import build_milp, recompute_objective
-from passes.guided_solve import Incumbent, polish, value_columns, value_windows
+from passes.guided_solve import (
+    POLISH_OVERTIME,
+    POLISH_SECONDS,
+    POLISH_STALL,
+    Incumbent,
+    PolishClock,
+    polish,
+    value_columns,
+    value_windows,
+)
 from passes.training_graph import training_graph
 from tests.milp_graphs import UNIT, chain
 
@@ -33,27 +42,53 @@ def test_value_windows_cover_every_forward_value_half_a_window_apart() -> None:
     assert value_windows(value_columns(model, cost), 4, offset=1)[0] != windows[0]  # the second lane's start elsewhere
 
 
-def test_polishing_a_poorer_schedule_finds_the_least_recompute() -> None:
-    """From a schedule recomputing more than the optimum (values the optimum holds into
-    backward forced out), the windows find the optimum's recompute, and the schedule they
-    end at is a solution of the whole model (its objective read back from its columns)."""
-    training = training_graph(chain(12))
+def _poorer_start(ops: int) -> tuple:
+    """A chain's model, its cost and a schedule recomputing more than the optimum (values the
+    optimum holds into backward forced out), with the optimum's objective."""
+    training = training_graph(chain(ops))
     model = build_milp(training, 6 * UNIT)
     cost = recompute_objective(model, training)
     best = model.solve(cost, 20)
     assert best.status == "optimal" and best.x is not None
-    first_backward = training.n_forward
     held = {column: 0.0 for key, column in model.columns.items()
-            if key[0] == "S" and key[1] == first_backward and best.x[column] > 0.5 and not training.kept[key[2]]}
+            if key[0] == "S" and key[1] == training.n_forward and best.x[column] > 0.5 and not training.kept[key[2]]}
     poorer = model.fixed(held).solve(cost, 20)
     assert poorer.x is not None and poorer.objective > best.objective + 0.5  # a start worth polishing
+    return model, cost, poorer, best.objective
+
+
+def test_polishing_a_poorer_schedule_finds_the_least_recompute() -> None:
+    """From a schedule recomputing more than the optimum (values the optimum holds into
+    backward forced out), the windows find the optimum's recompute, and the schedule they
+    end at is a solution of the whole model (its objective read back from its columns)."""
+    model, cost, poorer, least = _poorer_start(12)
     found = Incumbent(None)
     found.offer(poorer)
-    polish(model, cost, found, time.perf_counter() + 20)
+    deadline = time.perf_counter() + 20
+    polish(model, cost, found, PolishClock(deadline, deadline))
     assert found.best is not None and found.best.x is not None
-    assert found.best.objective == pytest.approx(best.objective)
+    assert found.best.objective == pytest.approx(least)
     assert float(cost @ found.best.x) == pytest.approx(found.best.objective)
     assert model.solve(cost, 20, cutoff=found.best.objective - 0.5).status == "infeasible"  # none better
+
+
+def test_past_its_deadline_a_polish_goes_on_only_while_it_betters_the_schedule() -> None:
+    """With overtime left, a polish whose deadline has passed still polishes while its windows
+    better the schedule, and stops soon after they stop bettering it (here at the optimum,
+    long before the overtime ends; :class:`PolishClock`'s doctest: once :data:`POLISH_STALL`
+    seconds bring nothing better); without overtime it solves no window."""
+    model, cost, poorer, least = _poorer_start(12)
+    found = Incumbent(None)
+    found.offer(poorer)
+    now = time.perf_counter()
+    polish(model, cost, found, PolishClock(now, now))  # no overtime: nothing more
+    assert found.best is poorer
+    polish(model, cost, found, PolishClock(now, now + 60))
+    ended = time.perf_counter()
+    assert found.best is not None and found.best.objective == pytest.approx(least)  # bettered after the deadline
+    assert found.bettered_at > now
+    assert ended - found.bettered_at < POLISH_STALL + POLISH_SECONDS + 1.0  # stopped once it bettered nothing
+    assert ended - now < 30  # long before the overtime's end
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -66,9 +101,9 @@ def test_a_guided_solve_stopped_unproven_polishes_in_each_lane(lanes: int, monke
     polished: list[bool] = []
     real = passes.guided_solve.polish
 
-    def watched(model, cost, found, deadline, shifted=False, own=False):
+    def watched(model, cost, found, clock, shifted=False, own=False):
         polished.append(shifted)
-        return real(model, cost, found, deadline, shifted, own)
+        return real(model, cost, found, clock, shifted, own)
 
     monkeypatch.setattr(passes.guided_solve, "lanes", lambda: lanes)
     monkeypatch.setattr(passes.guided_solve, "polish", watched)
@@ -77,7 +112,8 @@ def test_a_guided_solve_stopped_unproven_polishes_in_each_lane(lanes: int, monke
     cost = recompute_objective(model, training)
     started = time.perf_counter()
     found = guided_solve(model, cost, 6.0, None)  # its first schedule comes after 0.6-1 s here, the polish at 4.2
-    assert time.perf_counter() - started < 6.0 * 1.3 + 1  # one lane: the freed sub-MIPs may run over
+    assert time.perf_counter() - started < 6.0 * (1.3 + POLISH_OVERTIME) + 1  # one lane: the freed sub-MIPs may
+    # run over; either: a polish still bettering the schedule may go on past the limit
     assert found.status == "time_limit" and found.x is not None
     assert float(cost @ found.x) == pytest.approx(found.objective)
     assert sorted(polished) == ([False, True] if lanes == 2 else [False])
@@ -128,6 +164,8 @@ def test_where_no_solve_beats_the_cutoff_the_polish_starts_from_a_schedule_found
     cutoff_given = cutoff
     monkeypatch.setattr(Milp, "solve", nothing_beats_the_cutoff)
     monkeypatch.setattr(passes.guided_solve, "lanes", lambda: lanes)
+    monkeypatch.setattr(passes.guided_solve, "START_SHARE", 0.4)  # time for the start on a loaded machine (0.15:
+    # 0.45 s, which found none twice in 4 runs beside other solves)
     assert guided_solve(model, cost, 3.0, cutoff, polish_start=False).x is None
     asked.clear()
     found = guided_solve(model, cost, 3.0, cutoff)
