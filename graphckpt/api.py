@@ -64,10 +64,10 @@ def check_options(strategy: str, segments: int | None = None, budget: Budget | N
 def exact_seconds(exact: bool | float) -> float:
     """The seconds a plan may spend in the exact solver for the ``exact=`` option: ``True``
     the default (:data:`passes.exact.EXACT_TIME_LIMIT`), ``False`` none, a number that many
-    (up to that many again while its last schedule is still getting better:
-    :data:`passes.guided_solve.POLISH_OVERTIME`; on one CPU its smaller sub-MIPs may take up to 28% more:
-    :data:`passes.guided_solve.FREED_AT`; with
-    two or more it runs two solves at once, :func:`passes.highs.lanes`).
+    (and up to that many again while it still finds better schedules:
+    :data:`passes.guided_solve.POLISH_OVERTIME`; on one CPU its smaller sub-MIPs may take up to
+    28% more: :data:`passes.guided_solve.FREED_AT`; with two or more it runs two solves at
+    once, :func:`passes.highs.lanes`).
 
     >>> exact_seconds(True), exact_seconds(False), exact_seconds(60)
     (5.0, 0.0, 60.0)

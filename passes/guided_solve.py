@@ -37,9 +37,10 @@ POLISH_SECONDS = 1.0  # the most one window's sub-MIP may take: most are solved 
 # matmuls at 1.0 s in 5 of 5 runs, 17 at 0.3 s in 5 of 5
 POLISH_OVERTIME = 1.0  # of a guided solve's time limit: how long the polish may go on past the limit while it
 # still betters the schedule (POLISH_STALL), so that a solve stopped in mid-descent finishes it and one that stalled
-# ends on time. fit_budget's exact solver alone, 5 s, on the 7 random DAGs of 40 ops that a plan meets at 0.3 of eager
-# (scripts/planner_gap.py's, seed 0), one run each on a 2-core AMD EPYC VM, recomputed FLOPs in all: 9788 without
-# overtime (5.3 s a graph), 8784 with it (7.7 s mean, 5.7-10.3 s), 8702 given a plain 10 s (10.3 s)
+# ends on time. The exact solve alone (executable, 5 s) on the 7 random DAGs of 40 ops that a plan meets at 0.3 of
+# eager (scripts/planner_gap.py's, seed 0), one run each on a 2-core AMD EPYC VM, recomputed FLOPs in all: 9788
+# without overtime (5.3 s a graph), 8784 with it (7.7 s mean, 5.7-10.3 s), 8702 given a plain 10 s (10.3 s).
+# fit_budget at 0.3 over all 8: 10433 -> 8916 FLOPs, planning 12.4 -> 14.0 s mean; at 0.5 and 0.7 the same plans
 POLISH_STALL = 1.0  # seconds without a better schedule that end the overtime: as long as one window may take
 # (POLISH_SECONDS); 2.0 found 8593 FLOPs in 10.0 s mean, as a plain 10 s limit does
 LANE_FREED_AT = ((0.5, 0.15), (0.3, 0.25), (0.1, 1.0))  # the same in a lane of their own, ending with the time
@@ -75,8 +76,8 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     without proving the best schedule least, the rest polishes that schedule (:func:`polish`),
     in both lanes where there are two, each from windows of its own, and goes on past
     ``time_limit`` (up to :data:`POLISH_OVERTIME` of it more) while it still betters the
-    schedule: a polish stopped in mid-descent by the clock left recompute a few more seconds
-    take away, on a slower CPU most of all. Where no solve beat
+    schedule: where the clock stopped a polish in mid-descent, a few seconds more took away
+    recompute it had left (on a slower CPU most of all). Where no solve beat
     ``cutoff`` (the plan in hand) by then, and ``polish_start``, the least fixed freed sub-MIP
     is asked for any schedule (up to :data:`START_SHARE` of ``time_limit`` on top) and the
     polish betters it (``own``), the result coming back even if it recomputes no less than

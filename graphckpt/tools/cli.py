@@ -142,8 +142,8 @@ def inspect(
                                         help="let a budget plan run the exact solver's schedule (graphs up to "
                                              "40 ops; one backward per forward)")] = True,
     exact_seconds: Annotated[float | None, typer.Option(
-        min=0, help="seconds the exact solver may take (default 5; longer may find a plan recomputing less at "
-                    "tight budgets)")] = None,
+        min=0, help="seconds the exact solver may take (default 5; up to as long again while it still finds "
+                    "better schedules; longer may find a plan recomputing less at tight budgets)")] = None,
 ) -> None:
     """Show the plan for TARGET: segments, checkpoint values, simulated peak vs eager."""
     from graphckpt.tools.report import inspect_view, peak_dict, plan_document
