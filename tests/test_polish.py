@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from itertools import pairwise
 
+import numpy as np
 import pytest
 
 from passes.checkmate import build_milp, recompute_objective
@@ -19,6 +20,7 @@ from passes.guided_solve import (
     value_columns,
     value_windows,
 )
+from passes.highs import Milp, Solved
 from passes.training_graph import training_graph
 from tests.milp_graphs import UNIT, chain
 
@@ -42,7 +44,7 @@ def test_value_windows_cover_every_forward_value_half_a_window_apart() -> None:
     assert value_windows(value_columns(model, cost), 4, offset=1)[0] != windows[0]  # the second lane's start elsewhere
 
 
-def _poorer_start(ops: int) -> tuple:
+def _poorer_start(ops: int) -> tuple[Milp, np.ndarray, Solved, float]:
     """A chain's model, its cost and a schedule recomputing more than the optimum (values the
     optimum holds into backward forced out), with the optimum's objective."""
     training = training_graph(chain(ops))
@@ -123,8 +125,6 @@ def test_the_incumbent_bars_below_the_callers_cutoff_or_below_its_own_best() -> 
     """``bar()`` asks a solve to beat both the best found and the caller's cutoff (the plan in
     hand); ``bar(own=True)`` only the best found, so that a schedule recomputing more than
     the plan in hand can be found and then polished down below it."""
-    from passes.highs import Solved
-
     found = Incumbent(10.0)
     assert found.bar() == 10.0 and found.bar(own=True) is None
     found.offer(Solved("time_limit", object(), 20.0, 3.0))  # above the cutoff: a start for the polish
@@ -144,7 +144,6 @@ def test_where_no_solve_beats_the_cutoff_the_polish_starts_from_a_schedule_found
     follows, :func:`passes.exact.exact_plan`) the solve ends there, as before."""
     import passes.guided_solve
     from passes.guided_solve import guided_solve
-    from passes.highs import Milp, Solved
 
     solve, asked = Milp.solve, []
     training = training_graph(chain(30))
@@ -184,7 +183,6 @@ def test_where_the_whole_model_proves_nothing_beats_the_cutoff_no_start_is_sough
     three of planner_gap's 40-op DAGs at 0.5 of eager 4.5 s each for the same plans."""
     import passes.guided_solve
     from passes.guided_solve import guided_solve
-    from passes.highs import Milp, Solved
 
     solve, asked = Milp.solve, []
     training = training_graph(chain(30))
