@@ -259,8 +259,9 @@ class Incumbent:
 
 @dataclass(frozen=True)
 class PolishClock:
-    """How long a polish goes on: until ``deadline``, then until ``overtime_end`` at most while
-    its search still betters the schedule (:data:`POLISH_OVERTIME`, :data:`POLISH_STALL`).
+    """How long a polish goes on: until ``deadline``, then until ``overtime_end`` (not before
+    ``deadline``) at most while its search still betters the schedule (:data:`POLISH_OVERTIME`,
+    :data:`POLISH_STALL`).
 
     >>> found = Incumbent(None)
     >>> PolishClock(0.0, math.inf).going(found)  # past its deadline, and the search just began
@@ -282,7 +283,7 @@ class PolishClock:
 
     def left(self) -> float:
         """The most a window begun now may take."""
-        return _left(max(self.deadline, self.overtime_end))
+        return _left(self.overtime_end)
 
 
 def _left(deadline: float) -> float:
