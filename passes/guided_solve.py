@@ -193,7 +193,8 @@ def _polish_pass(model: Milp, cost: np.ndarray, found: Incumbent, clock: PolishC
         if best is None or best.x is None:  # (polish starts from a schedule: never so)
             return
         free = set(windows[turn % len(windows)])
-        fixed = {column: float(round(best.x[column])) for column in fixable if column not in free}
+        held = [column for column in fixable if column not in free]
+        fixed = dict(zip(held, np.round(best.x[held]).tolist(), strict=True))
         sub = model.fixed(fixed).solve(cost, min(POLISH_SECONDS, clock.left()), cutoff=found.bar(own),
                                        enough=FLOPS_PROVEN)
         found.offer(sub)

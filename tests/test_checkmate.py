@@ -3,16 +3,19 @@ Its properties on random graphs are tests/test_checkmate_properties.py."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from itertools import pairwise
 from pathlib import Path
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from passes.checkmate import MAX_OPS, checkmate_schedule
 from passes.costgraph import add_value, check_cost_graph
+from passes.highs import Milp
 from passes.training_graph import no_recompute_peak, no_recompute_schedule, peak_moment, training_graph
 from tests.milp_graphs import UNIT, assert_valid_schedule, chain, diamond_with_skip
 
@@ -151,6 +154,23 @@ def test_a_fixed_model_keeps_what_it_fixes() -> None:
     held = {column: best.x[column] for key, column in model.columns.items() if key[0] == "S"}
     assert model.fixed(held).solve(cost, 20).objective == best.objective
     assert model.bounds != model.fixed(held).bounds  # fixing made a new model, this one unchanged
+
+
+def test_rows_converted_once_serve_every_solve_with_its_own_columns() -> None:
+    """A model's rows are converted for HiGHS at its first solve and kept
+    (:class:`passes.highs.RowsLp`): the relaxation, a fixed copy and the integer model solved
+    in turn each get their own columns, and a row added after a solve is in the next one."""
+    model = Milp()
+    model.var(("x",), 0.0, 10.0, True)
+    model.var(("y",), 0.0, 10.0, True)
+    model.row([(("x",), 1.0), (("y",), 1.0)], 3.5, math.inf)  # x + y >= 3.5
+    cost = np.array([1.0, 2.0])
+    assert model.solve(cost, 5).objective == 4  # x = 4
+    assert model.solve(cost, 5, relaxed=True).objective == pytest.approx(3.5)  # x = 3.5: no integrality left over
+    assert model.fixed({0: 1.0}).solve(cost, 5).objective == 7  # x = 1, y = 3
+    assert model.solve(cost, 5).objective == 4  # the copy's bounds stayed with the copy
+    model.row([(("x",), 1.0)], -math.inf, 2.0)  # x <= 2
+    assert model.solve(cost, 5).objective == 6  # x = 2, y = 2
 
 
 def test_the_freed_neighbourhoods_fix_at_zero_only_what_the_relaxation_barely_holds() -> None:
