@@ -111,11 +111,10 @@ class Milp:
     def fixed(self, values: dict[int, float]) -> Milp:
         """This model with each column of ``values`` fixed at its value (rows shared)."""
         copy = Milp()
-        copy.columns, copy.rows, copy._rows_lp = self.columns, self.rows, self._rows_lp
-        copy.bounds = list(self.bounds)
-        bounds = copy.bounds
+        bounds = list(self.bounds)
         for column, value in values.items():
             bounds[column] = (value, value, bounds[column][2])
+        copy.columns, copy.rows, copy.bounds, copy._rows_lp = self.columns, self.rows, bounds, self._rows_lp
         return copy
 
     def solve(self, cost: np.ndarray, time_limit: float, relaxed: bool = False,
@@ -160,7 +159,8 @@ class RowsLp:
         self._rows = -1
 
     def pass_model(self, solver: highspy.Highs, rows: list[tuple[dict[int, float], float, float]],
-                   cost: np.ndarray, lower: np.ndarray, upper: np.ndarray, integrality: list) -> None:
+                   cost: np.ndarray, lower: np.ndarray, upper: np.ndarray,
+                   integrality: list[highspy.HighsVarType]) -> None:
         """Give ``solver`` the model of ``rows`` with these columns (``integrality`` empty: an LP)."""
         with self._lock:
             if self._lp is None or self._rows != len(rows):
