@@ -283,7 +283,6 @@ ATTRIBUTES: Mapping[str, tuple[type | tuple[type, ...], Any]] = {  # name -> (ty
     "autocast_cache_bytes": (int, 0),
     "label": (str, REQUIRED),
 }
-REQUIRED_ATTRIBUTES: Mapping[str, type | tuple[type, ...]] = {name: kind for name, (kind, _) in ATTRIBUTES.items()}
 DEFAULTS: Mapping[str, Any] = {name: default for name, (_, default) in ATTRIBUTES.items() if default is not REQUIRED}
 
 
@@ -317,7 +316,7 @@ def check_cost_graph(graph: nx.DiGraph) -> None:
     """Raise :class:`CostGraphError` naming the first node that breaks the contract."""
     orders = set()
     for name, attributes in graph.nodes(data=True):
-        for key, expected in REQUIRED_ATTRIBUTES.items():
+        for key, (expected, _) in ATTRIBUTES.items():
             if not isinstance(attributes.get(key), expected):
                 raise CostGraphError(f"node {name!r}: attribute {key!r} missing or not {expected}")
         if not set(attributes["released_early"]) <= set(attributes["saved"]):
