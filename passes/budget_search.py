@@ -27,14 +27,14 @@ from passes.keeps import (
     least_with_keeps,
     selective_start,
 )
-from passes.optimal import DynamicProgram, plan_for_budget
+from passes.optimal import DynamicPrograms
 from passes.peak_queries import forward_floor
 from passes.plan import Candidate, Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
 from passes.relaxed import Rounded, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, SEEDS_BELOW_FLOOR, search, search_seeds
 from passes.segments import PlanError, Segment
-from passes.simulate import eager_peak
+from passes.simulate import eager_peak, forward_flops
 from passes.units import format_bytes
 
 
@@ -61,14 +61,15 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     """
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
         return _eager_fits(graph, "optimal", budget_bytes)
-    program = DynamicProgram(graph, progress=progress, within_bytes=budget_bytes)
-    found = plan_for_budget(program, budget_bytes)
+    program = DynamicPrograms(graph, progress=progress, within_bytes=budget_bytes)
+    found = program.plan_for_budget(budget_bytes)
     flat = candidates(graph)
     chosen, tried = cheapest_fitting(graph, flat, budget_bytes, found)
-    if chosen is None and len(op_nodes(graph)) > THOROUGH_UP_TO:  # few flat plans were tried: try more
+    if len(op_nodes(graph)) > THOROUGH_UP_TO and (chosen is None or chosen.recompute_flops > forward_flops(graph)):
+        # few flat plans were tried, and none fits or what fits reruns more than a flat plan could: try more
         simulated_already = {plan.segments for plan in tried}  # articulation may have fallen back to min-cut
         more = [c for c in more_segments(graph) if c.segments not in simulated_already]
-        chosen, more_tried = cheapest_fitting(graph, more, budget_bytes, None)
+        chosen, more_tried = cheapest_fitting(graph, more, budget_bytes, chosen)
         flat, tried = [*flat, *more], [*tried, *more_tried]
     origin = ("the dynamic program's plan" if chosen is found else
               f"a flat {chosen.strategy} plan with {len(chosen.segments)} segments" if chosen else "")
@@ -87,13 +88,16 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     if dropping is not None and (chosen is None or dropping.cost_key < chosen.cost_key):
         chosen, origin = dropping, "a plan dropping values cheap to make again (passes.drops)"
     rounded: Rounded | None = None  # the relaxation is solved at most once
-    if chosen is None:  # below the floor of the program and the flat plans: search toward it
+    below_floor = chosen is None or (chosen is found and not any(p.peak_bytes <= budget_bytes for p in tried)
+                                     and program.only_tight_fits(budget_bytes))
+    if below_floor:  # below the floor of the program (but for its deep nests) and the flat plans: search toward it
         smallest = sorted([*tried, program.smallest()], key=lambda p: p.peak_bytes)[:2]
         floor_solved = exact_solvable(graph, exact_seconds)  # else only searches go lower
         searched = search_seeds(graph, smallest, budget_bytes, 1 if floor_solved else SEEDS_BELOW_FLOOR)
-        if searched is not None and searched.peak_bytes <= budget_bytes:
+        if (searched is not None and searched.peak_bytes <= budget_bytes
+                and (chosen is None or searched.cost_key < chosen.cost_key)):
             chosen, origin = searched, "a searched plan below the dynamic program's floor"
-        else:  # values made more than once reach lower (passes.relaxed)
+        elif chosen is None:  # values made more than once reach lower (passes.relaxed)
             rounded = relaxed_plans(graph, budget_bytes)
             if rounded.searchable is None:
                 exact = exact_plan(graph, budget_bytes, exact_seconds)  # the solver's schedule may reach lower still
@@ -159,7 +163,7 @@ def _chosen(chosen: Plan, budget_bytes: int, flat: Sequence, tried: Sequence[Pla
     return replace(chosen, strategy="optimal", notes=(note, *chosen.notes))
 
 
-def _to_fill(graph: nx.DiGraph, program: DynamicProgram, tried: Sequence[Plan], budget_bytes: int) -> list[Plan]:
+def _to_fill(graph: nx.DiGraph, program: DynamicPrograms, tried: Sequence[Plan], budget_bytes: int) -> list[Plan]:
     """The plans to fill with kept values or trim of them: the program's plans built so far,
     the flat plans simulated, and the selective starts for this budget."""
     return [*program.plans(), *tried, *selective_start(graph, budget_bytes)]

@@ -22,6 +22,19 @@ or the range is one kept child (everything stored). The whole forward is the ran
 between forward and backward. How much free memory to give it comes from simulating the
 resulting plans (:func:`passes.optimal.plan_for_budget`):
 the budget is judged by the simulator, not by the program's own estimate.
+
+A *tight* table (``Table(..., tight=True)``) counts two things as the simulator does where
+the other does not:
+
+* a recomputed child's backward comes after the rest's, which consumed the gradient of the
+  range's output: that memory is free again for the child, up to its own output's gradient.
+  Counted held (the other table), every level of nesting costs one more boundary, and long
+  chains could not nest below a few boundaries' worth of memory;
+* the end of the forward may be one recomputed or selective child
+  (:meth:`Table.last_child_options`), keeping only the forward's output through the loss.
+
+Neither table's plans are always the better start for the searches after it, so the budget
+search asks both (:class:`passes.optimal.DynamicPrograms`).
 """
 
 from __future__ import annotations
@@ -77,6 +90,7 @@ class _FirstChild:
     own_backward: np.ndarray
     expensive: np.ndarray
     boundary: np.ndarray
+    output_gradient: np.ndarray
     recompute: np.ndarray
     selective: np.ndarray
 
@@ -88,6 +102,8 @@ def _first_children(chain: Chain, ranges: ChainRanges, unit: float, selective: b
     i, k = np.triu_indices(n + 1, 1)  # every first child [i, k)
     never = 2**40  # the forward's last "boundary" is not one (it may be uncuttable): no first child ends there
     boundary = np.array([0, *(slots(b, unit) for b in chain.boundaries[:-1]), never], dtype=np.int64)
+    last = chain.boundaries[-1]
+    output_gradient = np.array([*boundary[:-1], slots(last, unit) if math.isfinite(last) else 0], dtype=np.int64)
     stored, own, expensive = (np.zeros((n + 1, n + 1), dtype=np.int64) for _ in range(3))
     recompute, cheap = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
     stored_bytes, expensive_bytes = ranges.stored(i, k), ranges.expensive_bytes(i, k)
@@ -99,7 +115,7 @@ def _first_children(chain: Chain, ranges: ChainRanges, unit: float, selective: b
     if selective:
         allowed &= expensive_bytes != 0
         cheap[i[allowed], k[allowed]] = selective_cost(ranges, i[allowed], k[allowed])
-    return _FirstChild(stored, own, expensive, boundary, recompute, cheap)
+    return _FirstChild(stored, own, expensive, boundary, output_gradient, recompute, cheap)
 
 
 def _padded(shape: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,9 +160,10 @@ class Table:
     at ``m`` reads only answers at ``m`` or less, so a budget's plans need the table only
     up to about the budget (62-78 of 161 slots at 0.3 of eager on 500-op random DAGs)."""
 
-    def __init__(self, chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True) -> None:
+    def __init__(self, chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
+                 tight: bool = True) -> None:
         n, width = chain.stages, slot_count + 1
-        self.chain, self.unit, self.slot_count = chain, unit, slot_count
+        self.chain, self.unit, self.slot_count, self.tight = chain, unit, slot_count, tight
         self.ranges = ChainRanges(chain)
         self.first = _first_children(chain, self.ranges, unit, selective)
         self.least, self._least_storage = _padded((n + 1, n + 1), width)
@@ -168,19 +185,50 @@ class Table:
             ends, k = starts + length, starts[:, None] + np.arange(1, length)[None, :]
             rest = (least_windows, (k, ends[:, None]))
             self.least[starts, ends, columns.start:columns.stop], self.choice[starts, ends, columns.start:columns.stop] = (
-                self._fill(starts, length, rest, 0.0, least_windows, columns))
+                self._fill(starts, length, rest, 0.0, least_windows, columns, self.freed(ends)))
             if progress:
                 progress(length, n + 1)
         for i in range(n - 1, -1, -1):
             rest = (top_windows, (np.arange(i + 1, n)[None, :],))
-            cost, how = self._fill(np.array([i]), n - i, rest, chain.finish, least_windows, columns)
-            self.top[i, columns.start:columns.stop], self.top_choice[i, columns.start:columns.stop] = cost[0], how[0]
+            cost, how = self._fill(np.array([i]), n - i, rest, chain.finish, least_windows, columns, np.zeros(1, int))
+            cost, how = cost[0], how[0]
+            for kind, last in (self.last_child_options(i, least_windows, columns) if self.tight else {}).items():
+                better = last < cost
+                cost, how = np.where(better, last, cost), np.where(better, 3 * n + kind, how)
+            self.top[i, columns.start:columns.stop], self.top_choice[i, columns.start:columns.stop] = cost, how
         self.solved = columns.stop
         if progress:
             progress(n + 1, n + 1)
 
+    def freed(self, ends: np.ndarray) -> np.ndarray:
+        """Slots of each range's output gradient that its first recomputed child's backward
+        finds free again (ranges ending at ``ends``; none in a table that is not tight)."""
+        return self.first.output_gradient[ends] if self.tight else np.zeros(len(ends), dtype=np.int64)
+
+    def last_child_options(self, i: int, least_windows: np.ndarray, columns: range) -> dict[int, np.ndarray]:
+        """Cost over ``columns`` of running ``[i, stages)``, the end of the forward, as one
+        recomputed or selective child: forward keeps only its output (and, selective, its
+        matmul outputs) while the loss runs, where a kept last child holds everything it
+        saves. The exact solver's schedule for the zoo MLP at 0.3 of eager drops the last
+        layer's activations too. Empty where
+        the forward's output is no cut (a value not kept by bytes) or ``[i, stages)`` cannot
+        be recomputed."""
+        chain, unit, n = self.chain, self.unit, self.chain.stages
+        if not math.isfinite(chain.boundaries[-1]) or not chain.recomputable(i, n):
+            return {}
+        memory = np.arange(columns.start, columns.stop)
+        output, finish = slots(chain.boundaries[-1], unit), slots(chain.finish, unit)
+        inner = _shifted(least_windows, (np.array([i]), np.array([n])), np.array([output]), columns.start)[0]
+        options = {RECOMPUTED: np.where(memory >= output + finish, self.first.recompute[i, n] + inner, np.inf)}
+        if np.isfinite(self.first.selective[i, n]):
+            expensive = int(self.first.expensive[i, n])
+            own = slots(chain.stored(i, n) + chain.working(i, n), unit) + output
+            fits = memory >= max(own, output + expensive + finish)
+            options[SELECTIVE] = np.where(fits, self.first.selective[i, n], np.inf)
+        return options
+
     def _fill(self, starts: np.ndarray, length: int, rest: tuple[np.ndarray, tuple], extra: float,
-              least_windows: np.ndarray, columns: range) -> tuple[np.ndarray, np.ndarray]:
+              least_windows: np.ndarray, columns: range, freed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Least recompute of each range ``[i, i + length)`` (``i`` in ``starts``) over
         ``columns`` and how; ``rest`` gives the cost of running ``[k, i + length)`` after a
         first child ``[i, k)`` (the windows and the rows to read, ``(range, k - i - 1)``)."""
@@ -190,7 +238,7 @@ class Table:
         one_kept = np.where(memory[None, :] >= need[:, None], 0.0, np.inf)
         if length == 1:
             return one_kept, np.full(one_kept.shape, -1)
-        options = _first_child_options(self.first, columns, least_windows, rest, starts, length)
+        options = _first_child_options(self.first, columns, least_windows, rest, starts, length, freed)
         options = options.reshape(len(starts), -1, len(memory))
         best = options.argmin(axis=1)
         cost = np.take_along_axis(options, best[:, None, :], axis=1)[:, 0]
@@ -199,15 +247,16 @@ class Table:
 
 
 def solve(chain: Chain, unit: float, slot_count: int = SLOTS, selective: bool = True,
-          progress: Progress | None = None) -> Table:
+          progress: Progress | None = None, tight: bool = True) -> Table:
     """The whole :class:`Table`, every ``m`` up to ``slot_count``."""
-    table = Table(chain, unit, slot_count, selective)
+    table = Table(chain, unit, slot_count, selective, tight)
     table.extend(slot_count, progress)
     return table
 
 
 def _first_child_options(first: _FirstChild, columns: range, least_windows: np.ndarray,
-                         rest: tuple[np.ndarray, tuple], starts: np.ndarray, length: int) -> np.ndarray:
+                         rest: tuple[np.ndarray, tuple], starts: np.ndarray, length: int,
+                         freed: np.ndarray) -> np.ndarray:
     """Cost over the free memory ``m`` in ``columns`` of each way to run a first child ``[i, k)`` of
     each range ``[i, i + length)`` (``i`` in ``starts``; ``k`` in ``i+1 .. i + length - 1``)
     then the rest, shaped ``(range, k - i - 1, kind, m)``: kept, recomputed with its own
@@ -220,7 +269,8 @@ def _first_child_options(first: _FirstChild, columns: range, least_windows: np.n
     options = np.empty((*k.shape, 3, len(memory)))
     kept, recomputed, cheap = options[:, :, KEPT], options[:, :, RECOMPUTED], options[:, :, SELECTIVE]
     kept[...] = _shifted(rest_windows, rest_rows, first.stored[i, k], columns.start)
-    np.add(first.recompute[i, k][..., None], _shifted(least_windows, (i, k), boundary, columns.start), out=recomputed)
+    taken = boundary - np.minimum(boundary, freed[:, None])  # its gradient in, the range's out gone
+    np.add(first.recompute[i, k][..., None], _shifted(least_windows, (i, k), taken, columns.start), out=recomputed)
     recomputed += _shifted(rest_windows, rest_rows, boundary, columns.start)
     np.add(first.selective[i, k][..., None],
            _shifted(rest_windows, rest_rows, boundary + first.expensive[i, k], columns.start), out=cheap)

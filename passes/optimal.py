@@ -54,10 +54,13 @@ def children(table: Table, i: int, j: int, m: int, top: bool = False) -> list[tu
         return [(KEPT, i, j, [])]
     k, kind = divmod(how, 3)
     boundary = slots(chain.boundaries[k - 1], unit)
+    if k == j:  # the end of the forward as one recomputed or selective child (only at the top)
+        return [(kind, i, j, children(table, i, j, m - boundary) if kind == RECOMPUTED else [])]
     if kind == KEPT:
         return [(KEPT, i, k, []), *children(table, k, j, m - slots(chain.stored(i, k), unit), top)]
     if kind == RECOMPUTED:
-        return [(RECOMPUTED, i, k, children(table, i, k, m - boundary)), *children(table, k, j, m - boundary, top)]
+        inner = m - boundary + min(boundary, 0 if top else int(table.freed(np.array([j]))[0]))
+        return [(RECOMPUTED, i, k, children(table, i, k, inner)), *children(table, k, j, m - boundary, top)]
     rest = m - boundary - slots(chain.expensive_bytes(i, k), unit)
     return [(SELECTIVE, i, k, []), *children(table, k, j, rest, top)]
 
@@ -100,15 +103,17 @@ class DynamicProgram:
     slots (:func:`memory_unit`), ``self.slot_count`` of them. ``within_bytes``: the memory
     the caller will ask plans for (a budget); the table is solved up to it first and grown
     only as far as plans are asked beyond it (:meth:`Table.extend`), instead of up to all
-    of eager's memory."""
+    of eager's memory. ``tight``: the table's accounting (:class:`passes.dp_table.Table`);
+    ``chain``: the graph's chain when built already."""
 
     def __init__(self, graph: nx.DiGraph, max_stages: int = 64, slot_count: int = SLOTS,
-                 progress: Progress | None = None, within_bytes: float | None = None) -> None:
+                 progress: Progress | None = None, within_bytes: float | None = None, tight: bool = True,
+                 chain: Chain | None = None) -> None:
         self.graph = graph
-        self.chain = build_chain(graph, max_stages)
+        self.chain = build_chain(graph, max_stages) if chain is None else chain
         unit = memory_unit(self.chain, eager_peak(graph), slot_count, common_value_bytes(graph))
         self.slot_count = slots(memory_span(self.chain, eager_peak(graph)), unit)
-        self.table = Table(self.chain, unit, self.slot_count, selective=True)
+        self.table = Table(self.chain, unit, self.slot_count, selective=True, tight=tight)
         self._progress = progress
         self.table.extend(self.slot_count if within_bytes is None else slots(within_bytes, unit), progress)
         self._plans: dict[int, Plan] = {}
@@ -147,6 +152,47 @@ class DynamicProgram:
         if lowest is None:  # memory_span makes storing everything an answer: this is a bug, not a budget
             raise RuntimeError("the dynamic program has no plan even with all of eager's memory")
         return self.plan(lowest)
+
+
+HELD_TOO_UP_TO = 400  # ops; larger graphs ask the tight program alone
+
+
+class DynamicPrograms:
+    """The graph's program under both accountings of a table (:class:`passes.dp_table.Table`'s
+    ``tight`` or not), as one: the budget search's plans come from both. The tight one
+    reaches lower memory and recomputes less on chains (the zoo MLP at 0.3 of eager: the
+    exact solver's 12 matmuls where the other planned 17); the other's plans, estimated more
+    conservatively, are at times the better start for the keeps and searches after it (the
+    zoo U-Net at 0.7 of eager, GPT at 0.3). On graphs over :data:`HELD_TOO_UP_TO` ops only
+    the tight one runs: its walk to a budget costs 0.3 s of simulations on 500-op DAGs, and
+    there, as on Hugging Face GPT-2 and LLaMA (about 700 ops), the two gave the same plans."""
+
+    def __init__(self, graph: nx.DiGraph, progress: Progress | None = None, within_bytes: float | None = None) -> None:
+        self.tight = DynamicProgram(graph, progress=progress, within_bytes=within_bytes)
+        self.held = (DynamicProgram(graph, progress=progress, within_bytes=within_bytes, tight=False,
+                                    chain=self.tight.chain)
+                     if len(self.tight.chain.ops) <= HELD_TOO_UP_TO else None)
+        self.programs = (self.tight,) if self.held is None else (self.held, self.tight)
+
+    def plans(self) -> list[Plan]:
+        """Every plan either program built, distinct."""
+        return list({plan.segments: plan for program in self.programs for plan in program.plans()}.values())
+
+    def smallest(self) -> Plan:
+        """The plan of least memory either program builds."""
+        return min((program.smallest() for program in self.programs), key=lambda p: (p.peak_bytes, p.cost_key))
+
+    def plan_for_budget(self, budget_bytes: float) -> Plan | None:
+        """The least recompute of :func:`plan_for_budget` over both programs."""
+        found = [plan for program in self.programs if (plan := plan_for_budget(program, budget_bytes)) is not None]
+        return min(found, key=lambda plan: (plan.cost_key, plan.peak_bytes), default=None)
+
+    def only_tight_fits(self, budget_bytes: float) -> bool:
+        """Whether ``budget_bytes`` is below the floor of the program that is not tight
+        and above the tight one's: there the tight program's plans nest deep and rerun
+        much, and a search toward the floor from other plans may do better."""
+        return (self.held is not None and plan_for_budget(self.held, budget_bytes) is None
+                and plan_for_budget(self.tight, budget_bytes) is not None)
 
 
 def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8) -> Plan | None:
