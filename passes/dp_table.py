@@ -210,9 +210,8 @@ class Table:
         recomputed or selective child: forward keeps only its output (and, selective, its
         matmul outputs) while the loss runs, where a kept last child holds everything it
         saves. The exact solver's schedule for the zoo MLP at 0.3 of eager drops the last
-        layer's activations too. Empty where
-        the forward's output is no cut (a value not kept by bytes) or ``[i, stages)`` cannot
-        be recomputed."""
+        layer's activations too. Empty where the forward's output is no cut (a value not
+        kept by bytes) or ``[i, stages)`` cannot be recomputed."""
         chain, unit, n = self.chain, self.unit, self.chain.stages
         if not math.isfinite(chain.boundaries[-1]) or not chain.recomputable(i, n):
             return {}

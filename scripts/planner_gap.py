@@ -35,7 +35,7 @@ from passes.costgraph import add_value
 from passes.exact import EXACT_TIME_LIMIT
 from passes.flat_plans import candidate_plans
 from passes.graph_facts import op_nodes
-from passes.optimal import DynamicProgram
+from passes.optimal import DynamicPrograms
 from passes.plan import Plan
 from passes.simulate import eager_peak
 from passes.strategies import STRATEGIES
@@ -110,7 +110,7 @@ def tight_plan(graph: nx.DiGraph, eager_peak_bytes: int, exact_seconds: float = 
     try:
         return fit_budget(graph, eager_peak_bytes // 2, exact_seconds=exact_seconds)
     except BudgetError:
-        smallest = min(p.peak_bytes for p in (DynamicProgram(graph).smallest(), *candidate_plans(graph)))
+        smallest = min(p.peak_bytes for p in (DynamicPrograms(graph).smallest(), *candidate_plans(graph)))
         return fit_budget(graph, smallest, exact_seconds=exact_seconds)
 
 
