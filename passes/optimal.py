@@ -161,7 +161,8 @@ class DynamicPrograms:
     """The graph's program under both accountings of a table (:class:`passes.dp_table.Table`'s
     ``tight`` or not), as one: the budget search's plans come from both. The tight one
     reaches lower memory and recomputes less on chains (the zoo MLP at 0.3 of eager: the
-    exact solver's 12 matmuls where the other planned 17); the other's plans, estimated more
+    12 matmuls of the exact solver's best known schedule, where the other has no plan, its
+    floor a third of eager); the other's plans, estimated more
     conservatively, are at times the better start for the keeps and searches after it (the
     zoo U-Net at 0.7 of eager, GPT at 0.3). On graphs over :data:`HELD_TOO_UP_TO` ops only
     the tight one runs: its walk to a budget costs 0.3 s of simulations on 500-op DAGs, and
