@@ -173,12 +173,14 @@ def test_budget_plans_each_graph() -> None:
 
 
 def test_rematerialized_inputs_read_parameters_passed_as_graph_inputs() -> None:
-    """A GPT with dropout at 0.7 of eager under torch.compile: a value dropped after forward is
+    """A GPT with dropout at 0.75 of eager under torch.compile: a value dropped after forward is
     made again from a layer norm whose weight and bias dynamo passes as graph inputs; the
-    segment's call passes them on (its chain crashed for want of them)."""
+    segment's call passes them on (its chain crashed for want of them). (At 0.7 the plan
+    since stop 80's tight dynamic-program table drops nothing: the last assertion says when
+    a budget's plan no longer makes such a value again.)"""
     model, (idx,) = zoo.make("gpt", layers=2, d=64, heads=4, seq=32, batch=4, dropout=0.1)
     reference = copy.deepcopy(model)
-    backend = graphckpt.backend(budget=0.7)
+    backend = graphckpt.backend(budget=0.75)
     compiled = torch.compile(model, backend=backend)
     outputs = []
     for run in (reference, compiled):  # token ids: no input gradient
