@@ -59,7 +59,7 @@ def children(table: Table, i: int, j: int, m: int, top: bool = False) -> list[tu
     if kind == KEPT:
         return [(KEPT, i, k, []), *children(table, k, j, m - slots(chain.stored(i, k), unit), top)]
     if kind == RECOMPUTED:
-        inner = m - boundary + min(boundary, 0 if top else int(table.freed(np.array([j]))[0]))
+        inner = m - boundary + min(boundary, 0 if top else int(table.freed(np.array([j]))[0]))  # as the table read it
         return [(RECOMPUTED, i, k, children(table, i, k, inner)), *children(table, k, j, m - boundary, top)]
     rest = m - boundary - slots(chain.expensive_bytes(i, k), unit)
     return [(SELECTIVE, i, k, []), *children(table, k, j, rest, top)]
@@ -174,6 +174,7 @@ class DynamicPrograms:
                                     chain=self.tight.chain)
                      if len(self.tight.chain.ops) <= HELD_TOO_UP_TO else None)
         self.programs = (self.tight,) if self.held is None else (self.held, self.tight)
+        self._walks: dict[float, dict[DynamicProgram, Plan | None]] = {}
 
     def plans(self) -> list[Plan]:
         """Every plan either program built, distinct."""
@@ -183,17 +184,23 @@ class DynamicPrograms:
         """The plan of least memory either program builds."""
         return min((program.smallest() for program in self.programs), key=lambda p: (p.peak_bytes, p.cost_key))
 
+    def _walked(self, budget_bytes: float) -> dict[DynamicProgram, Plan | None]:
+        """:func:`plan_for_budget` of each program, walked once per budget (its walk simulates)."""
+        if budget_bytes not in self._walks:
+            self._walks[budget_bytes] = {program: plan_for_budget(program, budget_bytes) for program in self.programs}
+        return self._walks[budget_bytes]
+
     def plan_for_budget(self, budget_bytes: float) -> Plan | None:
         """The least recompute of :func:`plan_for_budget` over both programs."""
-        found = [plan for program in self.programs if (plan := plan_for_budget(program, budget_bytes)) is not None]
+        found = [plan for plan in self._walked(budget_bytes).values() if plan is not None]
         return min(found, key=lambda plan: (plan.cost_key, plan.peak_bytes), default=None)
 
     def only_tight_fits(self, budget_bytes: float) -> bool:
         """Whether ``budget_bytes`` is below the floor of the program that is not tight
         and above the tight one's: there the tight program's plans nest deep and rerun
         much, and a search toward the floor from other plans may do better."""
-        return (self.held is not None and plan_for_budget(self.held, budget_bytes) is None
-                and plan_for_budget(self.tight, budget_bytes) is not None)
+        walked = self._walked(budget_bytes)
+        return self.held is not None and walked[self.held] is None and walked[self.tight] is not None
 
 
 def plan_for_budget(program: DynamicProgram, budget_bytes: float, tries: int = 8) -> Plan | None:
