@@ -216,3 +216,25 @@ def test_a_plan_whose_fill_ran_out_of_simulations_is_filled_again_in_the_memory_
     assert again.cost_key < stopped.cost_key and again.peak_bytes <= budget
     assert again.peak_bytes == simulate(graph, again.segments).peak_bytes
     assert filled_again(graph, stopped, stopped.peak_bytes / (1 - REFILL_SLACK / 2)) is stopped
+
+
+def test_flat_plans_not_simulated_are_filled_once_per_cut() -> None:
+    """A flat plan and its selective variant (the same segments recomputed, keeping matmul
+    outputs), or two strategies' equal cuts, end as one plan once filled with keeps: the
+    fill of flat plans the search never simulated starts from the cheapest of each cut only."""
+    from passes.budget_search import _cheapest_per_cut
+    from passes.flat_plans import candidates
+    from passes.recompute import cost_key
+
+    graph = random_cost_graph(random.Random(0), 60)
+    flat = candidates(graph)
+
+    def cut(index: int) -> tuple:
+        return tuple((segment.nodes, segment.recompute) for segment in flat[index].segments)
+
+    picked = _cheapest_per_cut(graph, flat, range(len(flat)))
+    assert len({cut(index) for index in picked}) == len(picked) < len(flat)
+    assert {cut(index) for index in picked} == {cut(index) for index in range(len(flat))}
+    for index in picked:
+        twins = [other for other in range(len(flat)) if cut(other) == cut(index)]
+        assert cost_key(graph, flat[index].segments) == min(cost_key(graph, flat[t].segments) for t in twins)
