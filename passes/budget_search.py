@@ -200,8 +200,9 @@ def _cheapest_per_cut(graph: nx.DiGraph, flat: Sequence[Candidate], indices: Seq
     """Of the flat plans ``indices`` names (into ``flat``), the one recomputing least of each
     cut (the same segments recomputed, whatever they keep), in the order of each cut's first:
     a plan and its selective variant, filled with keeps, mostly end as one plan, since the
-    fill keeps matmul outputs first. On 500-op random DAGs at 0.5 and 0.7 of eager half the
-    starts were such twins, and filling them was a fifth of the planning time."""
+    fill keeps matmul outputs first. On ``scripts/planner_gap.py``'s 8 random DAGs of 500 ops
+    the fills went from 13 to 7 at 0.5 of eager and from 23 to 12 at 0.7, for the same plans
+    (0.17-0.21 s less a graph, of 1.3-1.6 s)."""
     picked: dict[tuple, int] = {}
     for index in indices:
         cut = tuple((segment.nodes, segment.recompute) for segment in flat[index].segments)
