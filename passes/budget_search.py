@@ -18,15 +18,8 @@ from passes.exact import EXACT_TIME_LIMIT, exact_plan, exact_solvable, floors_be
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
-from passes.keeps import (
-    MANY_STARTS_UP_TO,
-    best_with_keeps,
-    best_without_keeps,
-    filled_again,
-    leaf_segments,
-    least_with_keeps,
-    selective_start,
-)
+from passes.keeps import MANY_STARTS_UP_TO, best_with_keeps, best_without_keeps, filled_again, selective_start
+from passes.kept_values import leaf_segments, least_with_keeps
 from passes.optimal import DynamicPrograms
 from passes.peak_queries import forward_floor
 from passes.plan import Candidate, Plan, Progress, build_plan, simulated
@@ -177,7 +170,7 @@ def _unsimulated_filled(graph: nx.DiGraph, flat: Sequence[Candidate], tried: Seq
     """:func:`passes.keeps.best_with_keeps` over the flat plans :func:`cheapest_fitting` did
     not simulate (it stops at the cheapest plan as it stands) whose forward floor fits: the
     :data:`UNSIMULATED_STARTS` that, keeping every value they could, would recompute least,
-    if less than ``beat`` (:func:`passes.keeps.least_with_keeps`); ``None`` on
+    if less than ``beat`` (:func:`passes.kept_values.least_with_keeps`); ``None`` on
     graphs over :data:`passes.keeps.MANY_STARTS_UP_TO` ops. A dearer plan can end cheaper
     once its spare memory keeps values: on Hugging Face LLaMA at 0.51 of eager a min-cut plan
     of 26 segments, rated dearer than the dynamic program's, ends a quarter cheaper keeping
@@ -203,13 +196,13 @@ def _cheapest_per_cut(graph: nx.DiGraph, flat: Sequence[Candidate], indices: Seq
     fill keeps matmul outputs first. On ``scripts/planner_gap.py``'s 8 random DAGs of 500 ops
     the fills went from 13 to 7 at 0.5 of eager and from 23 to 12 at 0.7, for the same plans
     (0.17-0.21 s less a graph, of 1.3-1.6 s)."""
-    picked: dict[tuple, int] = {}
+    picked: dict[tuple, tuple[tuple[int, int, int], int]] = {}  # cut -> (cost key, index) of its cheapest
     for index in indices:
         cut = tuple((segment.nodes, segment.recompute) for segment in flat[index].segments)
-        held = picked.get(cut)
-        if held is None or cost_key(graph, flat[index].segments) < cost_key(graph, flat[held].segments):
-            picked[cut] = index
-    return list(picked.values())
+        key = cost_key(graph, flat[index].segments)
+        if cut not in picked or key < picked[cut][0]:
+            picked[cut] = (key, index)
+    return [index for _, index in picked.values()]
 
 
 def _relaxed_origin(plan: Plan) -> str:

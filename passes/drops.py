@@ -23,7 +23,7 @@ from dataclasses import replace
 import networkx as nx
 
 from passes.graph_facts import node_attribute, op_nodes
-from passes.keeps import keepable
+from passes.kept_values import keepable
 from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key

@@ -5,33 +5,41 @@ output (selective checkpointing) or none. The exact optimum (:mod:`passes.checkm
 what is cheap to hold and dear to recompute wherever it sits, a pointwise value as well as a
 matmul, and recomputes the rest. This pass fills a plan's spare memory that way: with the
 budget's slack after a plan fits, it keeps the values of its recomputed segments that save
-the most recompute per byte (:func:`ranked_keeps`), as many as the *simulated* peak allows
+the most recompute per byte (:func:`passes.kept_values.ranked_keeps`), as many as the *simulated* peak allows
 (:func:`with_keeps`). A plan a little over the budget is trimmed the other way, giving up
 the kept values that save least until it fits (:func:`without_keeps`), from the planner's
-plans and from one selective segment over the whole graph (:func:`selective_whole`), which is
+plans and from one selective segment over the whole graph (:func:`passes.kept_values.selective_whole`), which is
 where torch.compile's min cut starts. The runtime keeps exactly the values named
 (:func:`graphckpt.runtime.keep_begin`), so the plan runs as simulated.
 
 The search simulates a bounded number of plans (``max_simulations``): a run of keeps is
 tried at once and the run doubles while it fits and halves when it does not, so a plan of
-hundreds of ops costs a few dozen simulations, not one per value.
+hundreds of ops costs a few dozen simulations, not one per value. What a segment may keep,
+the rankings and the plan edits these searches try are :mod:`passes.kept_values`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 
 import networkx as nx
 
-from passes.dp_table import BYTE_WEIGHT  # what a byte written by a recompute costs
 from passes.graph_facts import op_nodes
+from passes.kept_values import (
+    Path,
+    add_keeps,
+    held_bytes,
+    leaf_segments,
+    least_with_keeps,
+    ranked_keeps,
+    ranked_removals,
+    remat_still_valid,
+    remove_keeps,
+    selective_whole,
+)
 from passes.peak_queries import forward_floor, peak_within
-from passes.plan import Candidate, Plan, plan_of_segments, selective
-from passes.recompute import cost_key, rerun_nodes
-from passes.remat import validate_remat
-from passes.segments import PlanError, Segment, make_segments
+from passes.plan import Plan, plan_of_segments
+from passes.recompute import cost_key
 
 MAX_SIMULATIONS = 40
 SIMULATED_OPS = 8000  # ops x simulations one plan's search may replay: a 500-op plan gets 16
@@ -47,54 +55,6 @@ def simulation_limit(graph: nx.DiGraph) -> int:
 
 NEARLY_FITS = 1.1  # how far over the budget a plan may be for :func:`best_without_keeps` to trim it
 MIN_TRIM_SIMULATIONS = 4  # fewer allowed per plan (graphs over 2000 ops): no trimming
-
-Path = tuple[int, ...]  # a segment's place in a plan: index at the top, then index among children
-
-
-def keepable(graph: nx.DiGraph, name: str) -> bool:
-    """Whether a recomputed segment may keep ``name`` from forward: a computed value that owns
-    its storage, that no later write changes, and whose op draws no random numbers (a
-    recompute that skipped a draw would shift every later draw of the stream) and updates no
-    state (the runtime keeps the op's outputs, not its side effects). A node kept whole keeps
-    every output of its ops, so one that makes more than its value (a max-pool's indices, a
-    norm's statistics: ``saved_extra_bytes``) is kept only as a matmul node, by its kernels:
-    what the simulator holds for it is its value alone (a unet kept its pools' indices, 5%
-    above the simulated peak)."""
-    attributes = graph.nodes[name]
-    whole_fits = attributes["expensive"] or not attributes["saved_extra_bytes"]
-    return (attributes["kind"] == "op" and attributes["alias_of"] is None and attributes["bytes"] > 0
-            and attributes["cuttable"] and attributes["recomputable"] and whole_fits
-            and not (attributes["random"] or attributes["ordered"] or attributes["state"]))
-
-
-def leaf_segments(segments: Sequence[Segment], at: Path = ()) -> list[tuple[Path, Segment]]:
-    """Recomputed segments without children, at any depth, with their paths: the ones whose
-    recompute runs their own nodes, so that keeping one of them saves its rerun. Not a
-    segment run by an exact schedule: what it keeps is its schedule's."""
-    found = []
-    for index, segment in enumerate(segments):
-        if not segment.recompute or segment.schedule is not None:
-            continue
-        if segment.children:
-            found += leaf_segments(segment.children, (*at, index))
-        else:
-            found.append(((*at, index), segment))
-    return found
-
-
-def keep_value(graph: nx.DiGraph, name: str) -> float:
-    """What keeping ``name`` saves per byte it holds: its recompute FLOPs and (a little) the
-    bytes its rerun writes, over its own bytes and the kernel outputs a kept matmul node
-    holds beside them."""
-    attributes = graph.nodes[name]
-    return (attributes["flops"] + BYTE_WEIGHT * attributes["bytes"]) / max(held_bytes(graph, name), 1)
-
-
-def held_bytes(graph: nx.DiGraph, name: str) -> int:
-    """What keeping ``name`` holds: its bytes and, for a matmul node, the kernel outputs
-    selective checkpointing keeps beside them."""
-    attributes = graph.nodes[name]
-    return attributes["bytes"] + (attributes["selective_extra_bytes"] if attributes["expensive"] else 0)
 
 
 def keeps_within(graph: nx.DiGraph, keeps: Sequence[tuple[Path, str]], room: float) -> int:
@@ -117,100 +77,8 @@ def keeps_within(graph: nx.DiGraph, keeps: Sequence[tuple[Path, str]], room: flo
     return max(len(keeps), 1)
 
 
-def ranked_keeps(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[Path, str]]:
-    """Every value a leaf recomputed segment could keep and would otherwise rerun, best
-    saving per byte first (ties: earlier values first, so the order is deterministic)."""
-    order = {name: graph.nodes[name]["order"] for name in graph}
-    options = [(path, name) for path, segment in leaf_segments(segments)
-               for kept in (set(segment.saved_inside),)  # a set: a tuple scanned per node made this n^2
-               for name in rerun_nodes(graph, segment, cached=False)
-               if name not in kept and keepable(graph, name)]
-    return sorted(options, key=lambda option: (-keep_value(graph, option[1]), order[option[1]]))
-
-
-def _edit_leaves(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]],
-                 edit: Callable[[Segment, set[str]], Segment]) -> tuple[Segment, ...]:
-    """``segments`` with ``edit(segment, names)`` applied to each leaf segment that ``keeps``
-    names values of, by path."""
-    by_path: dict[Path, set[str]] = {}
-    for path, name in keeps:
-        by_path.setdefault(path, set()).add(name)
-
-    def rebuild(items: Sequence[Segment], at: Path) -> tuple[Segment, ...]:
-        out = []
-        for index, segment in enumerate(items):
-            path = (*at, index)
-            if segment.children:
-                segment = replace(segment, children=rebuild(segment.children, path))
-            elif path in by_path:
-                segment = edit(segment, by_path[path])
-            out.append(segment)
-        return tuple(out)
-
-    return rebuild(segments, ())
-
-
-def add_keeps(graph: nx.DiGraph, segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
-    """``segments`` with each ``(path, value)`` of ``keeps`` added to that segment's
-    ``saved_inside`` (in the segment's own order, :func:`saving_inside`)."""
-    def add(segment: Segment, names: set[str]) -> Segment:
-        return saving_inside(segment, set(segment.saved_inside) | names)
-
-    return _edit_leaves(segments, keeps, add)
-
-
-def saving_inside(segment: Segment, kept: set[str]) -> Segment:
-    """``segment`` keeping from forward exactly its values in ``kept``; one it held once
-    made again (``remake_held``) and now keeps is not made again, so no longer held."""
-    return replace(segment, saved_inside=tuple(n for n in segment.nodes if n in kept),
-                   remake_held=tuple(n for n in segment.remake_held if n not in kept))
-
-
-def remove_keeps(segments: Sequence[Segment], keeps: Sequence[tuple[Path, str]]) -> tuple[Segment, ...]:
-    """``segments`` with each ``(path, value)`` of ``keeps`` taken out of that segment's
-    ``saved_inside``: the inverse of :func:`add_keeps` for values the segment did not hold
-    once made again (one it held and was made to keep is no longer held, :func:`saving_inside`)."""
-    def remove(segment: Segment, names: set[str]) -> Segment:
-        return replace(segment, saved_inside=tuple(n for n in segment.saved_inside if n not in names))
-
-    return _edit_leaves(segments, keeps, remove)
-
-
-def whole_graph(graph: nx.DiGraph) -> tuple[Segment, ...]:
-    """One recomputed segment over the whole graph, split where ops cannot be recomputed."""
-    return make_segments(graph, [(op_nodes(graph), True)])
-
-
-def keeping(segments: Sequence[Segment], kept: set[str]) -> tuple[Segment, ...]:
-    """``segments`` with each recomputed one keeping exactly the values of ``kept`` it runs."""
-    return tuple(saving_inside(s, kept) if s.recompute else s for s in segments)
-
-
-def remat_still_valid(graph: nx.DiGraph, segments: Sequence[Segment]) -> bool:
-    """Whether ``segments``' rematerialized inputs still have their sources alive after a
-    change of kept values: a segment that comes to run by saved-tensor hooks, or keeps
-    other values, holds only what its own backward needs (:func:`passes.remat.held_at_each`)."""
-    if not any(segment.remat for segment in segments):
-        return True
-    try:
-        validate_remat(graph, segments, PlanError)
-    except PlanError:
-        return False
-    return True
-
-
-def selective_whole(graph: nx.DiGraph) -> tuple[Segment, ...]:
-    """One recomputed segment over the whole graph (split where ops cannot be recomputed),
-    selective (:func:`passes.plan.selective`): where torch.compile's min cut starts, and a
-    start for :func:`with_keeps` and :func:`without_keeps` that no plan of the dynamic
-    program is near. Empty when the graph has no matmul/convolution output to keep."""
-    if not any(graph.nodes[name]["expensive"] for name in op_nodes(graph)):
-        return ()
-    return selective(graph, Candidate("whole", whole_graph(graph))).segments
-
-
 def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:
-    """:func:`selective_whole` as a plan, when it could fit ``budget_bytes`` or be trimmed
+    """:func:`passes.kept_values.selective_whole` as a plan, when it could fit ``budget_bytes`` or be trimmed
     under it (:data:`NEARLY_FITS`): its lower bound on the peak
     (:func:`passes.peak_queries.forward_floor`) is checked before it is simulated, which on a
     50k-op graph takes a second."""
@@ -220,26 +88,10 @@ def selective_start(graph: nx.DiGraph, budget_bytes: float) -> list[Plan]:
     return [plan_of_segments(graph, "whole+selective", segments)]
 
 
-def _keep_value_band(graph: nx.DiGraph, name: str) -> int:
-    """:func:`keep_value` on a logarithmic scale of 25% steps: measured op times vary that
-    much between nodes of one kind, so values in one band count as equal."""
-    return math.floor(math.log(max(keep_value(graph, name), 1e-12)) / math.log(1.25))
-
-
-def ranked_removals(graph: nx.DiGraph, segments: Sequence[Segment]) -> list[tuple[Path, str]]:
-    """Every value a leaf recomputed segment keeps, the one whose keeping saves least per
-    byte first (:func:`_keep_value_band`); among equals the later value first (made again
-    late in backward, when less is alive: the last matmul of a chain is the one
-    torch.compile's min cut gives up)."""
-    order = {name: graph.nodes[name]["order"] for name in graph}
-    options = [(path, name) for path, segment in leaf_segments(segments) for name in segment.saved_inside]
-    return sorted(options, key=lambda option: (_keep_value_band(graph, option[1]), -order[option[1]]))
-
-
 def without_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulations: int | None = None,
                   beat: tuple | None = None) -> Plan | None:
     """``plan``, whose simulated peak is over ``budget_bytes``, brought under it by giving up
-    kept values one at a time (:func:`ranked_removals`), each only if it lowers the simulated
+    kept values one at a time (:func:`passes.kept_values.ranked_removals`), each only if it lowers the simulated
     peak; ``None`` when the peak is still over after ``max_simulations`` (default
     :func:`simulation_limit`) simulations or when nothing is left to give up. With ``beat``
     (the :attr:`passes.plan.Plan.cost_key` of a plan in hand), a trial that recomputes no
@@ -290,7 +142,7 @@ def best_without_keeps(graph: nx.DiGraph, plans: Sequence[Plan], budget_bytes: f
 
 
 def with_keeps(graph: nx.DiGraph, plan: Plan, budget_bytes: float, max_simulations: int | None = None) -> Plan:
-    """``plan`` with as many of :func:`ranked_keeps` kept from forward as its simulated peak
+    """``plan`` with as many of :func:`passes.kept_values.ranked_keeps` kept from forward as its simulated peak
     allows under ``budget_bytes``, or ``plan`` itself when that recomputes no less
     (:attr:`passes.plan.Plan.cost_key`). Runs of keeps are tried whole, doubling while they
     fit and halving when they do not, and never holding more bytes than the last plan that
@@ -354,9 +206,3 @@ def filled_again(graph: nx.DiGraph, plan: Plan, budget_bytes: float) -> Plan:
         return plan
     return with_keeps(graph, plan, budget_bytes)
 
-
-def least_with_keeps(graph: nx.DiGraph, plan: Plan | Candidate) -> int:
-    """The recompute FLOPs of ``plan`` keeping every value :func:`ranked_keeps` offers, memory
-    aside: no plan :func:`with_keeps` makes of it recomputes less (each value kept takes its
-    rerun away), so a start that cannot beat a plan already found is not simulated."""
-    return cost_key(graph, add_keeps(graph, plan.segments, ranked_keeps(graph, plan.segments)))[0]

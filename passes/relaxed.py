@@ -30,7 +30,8 @@ import networkx as nx
 from passes.checkmate import MAX_OPS, relaxed_holds
 from passes.graph_facts import op_nodes
 from passes.hooked import holdable, keeps_by_hooks, remake_phrase
-from passes.keeps import keepable, keeping, whole_graph, with_keeps, without_keeps
+from passes.keeps import with_keeps, without_keeps
+from passes.kept_values import keepable, keeping, whole_graph
 from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key

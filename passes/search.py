@@ -27,8 +27,8 @@ import networkx as nx
 
 from passes.cuts import op_layout
 from passes.graph_facts import op_nodes
-from passes.keeps import keepable, keeping
 from passes.kept_bytes import boundary_bytes
+from passes.kept_values import keepable, keeping
 from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key

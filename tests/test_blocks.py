@@ -14,7 +14,7 @@ from graphckpt.capture import CaptureError, block_paths
 from graphckpt.tools import zoo
 from passes.blocks import block_names, block_runs
 from passes.budget_search import BLOCKS_MARGIN, blocks_within_margin
-from passes.keeps import add_keeps, ranked_keeps
+from passes.kept_values import add_keeps, ranked_keeps
 from passes.plan import plan_of_segments
 from passes.recompute import cost_key
 from tests.corpus import ENTRIES

@@ -20,7 +20,7 @@ from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.checkmate import build_milp, checkmate_schedule, pin_executable, recompute_objective
 from passes.exact import exact_plan, schedule_of, scheduled_segment
-from passes.keeps import ranked_keeps
+from passes.kept_values import ranked_keeps
 from passes.plan import plan_of_segments
 from passes.schedule import Schedule, ScheduleError, ScheduleStep, check_schedule
 from passes.segments import validate_plan

@@ -1,4 +1,4 @@
-"""Per-value keeps (:mod:`passes.keeps`): a recomputed segment keeps exactly the values its plan
+"""Per-value keeps (:mod:`passes.keeps`, :mod:`passes.kept_values`): a recomputed segment keeps exactly the values its plan
 names, pointwise ones as well as matmuls, trains like eager and peaks where the simulator says.
 
 Before, a selective segment kept every matmul/convolution output it ran (a policy by op kind)
@@ -23,18 +23,15 @@ from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.budget_search import fit_budget
 from passes.graph_facts import op_nodes
-from passes.keeps import (
-    REFILL_SLACK,
+from passes.keeps import REFILL_SLACK, filled_again, with_keeps, without_keeps
+from passes.kept_values import (
     add_keeps,
-    filled_again,
     keepable,
     leaf_segments,
     ranked_keeps,
     ranked_removals,
     remove_keeps,
     selective_whole,
-    with_keeps,
-    without_keeps,
 )
 from passes.plan import Plan, plan_of_segments
 from passes.relaxed import relaxed_plans

@@ -15,8 +15,9 @@ from passes.costgraph import add_value, check_cost_graph
 from passes.cuts import INF
 from passes.graph_facts import op_nodes
 from passes.heuristics import sqrt_candidate
-from passes.keeps import least_with_keeps, with_keeps
+from passes.keeps import with_keeps
 from passes.kept_bytes import boundary_bytes
+from passes.kept_values import least_with_keeps
 from passes.peak_queries import peak_exceeds, peak_within
 from passes.plan import simulated
 from passes.remat import remat_chain

@@ -53,7 +53,7 @@ def _rewrite_keeping_values(model: nn.Module, x: torch.Tensor, strategy: str, se
     """The ``strategy`` plan with every other value its recomputed segments could keep kept
     from forward (:mod:`passes.keeps`; pointwise values too): per-value keeps on any DAG."""
     from graphckpt.api import Analysis, analyze, generate_rewrite
-    from passes.keeps import add_keeps, ranked_keeps
+    from passes.kept_values import add_keeps, ranked_keeps
     from passes.plan import plan_of_segments
 
     analysis = analyze(model, (x.clone(),), strategy=strategy, segments=segments)
@@ -97,7 +97,7 @@ def _rewrite_one_hooked_segment(model: nn.Module, x: torch.Tensor, hooked: str) 
 
     from graphckpt.api import Analysis, analyze, generate_rewrite
     from passes.hooked import holdable
-    from passes.keeps import keepable, keeping, whole_graph
+    from passes.kept_values import keepable, keeping, whole_graph
     from passes.plan import plan_of_segments
     from passes.segments import PlanError
 

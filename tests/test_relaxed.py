@@ -17,7 +17,7 @@ from passes.flat_plans import candidate_plans
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
 from passes.hooked import each_use_schedule, holdable, keeps_by_hooks, remake_runs, uses, value_recipe
-from passes.keeps import keepable, keeping, whole_graph
+from passes.kept_values import keepable, keeping, whole_graph
 from passes.plan import plan_of_segments
 from passes.recompute import recomputed_nodes
 from passes.relaxed import relaxed_plan

@@ -321,7 +321,7 @@ def test_selective_mode_lets_a_kept_value_go_once_its_recompute_takes_it(dropout
     backward need it (a kept ``q @ k.T`` goes once the scaling op has read it). The
     simulator held every kept value to the end of the recompute, and a GPT layer kept whole
     under torch's selective mode simulated 13% over its measured peak (21% with two layers)."""
-    from passes.keeps import keepable, keeping, whole_graph
+    from passes.kept_values import keepable, keeping, whole_graph
     from passes.plan import plan_of_segments
 
     torch.manual_seed(0)
