@@ -139,7 +139,7 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     again = filled_again(graph, chosen, budget_bytes)
     if again.cost_key < chosen.cost_key:
         chosen, origin = again, f"{origin}, then more of its values kept in the memory left"
-    exact = exact_plan(graph, budget_bytes, exact_seconds, beat=chosen.cost_key[0])
+    exact = exact_plan(graph, budget_bytes, exact_seconds, beat=chosen.cost_key[0], start=chosen.segments)
     if exact is not None and exact.cost_key < chosen.cost_key:
         chosen, origin = exact, f"the exact solver's schedule (passes.exact), recomputing less than {origin}"
     blocks = blocks_within_margin(graph, chosen, budget_bytes, tried)

@@ -66,6 +66,7 @@ import numpy as np
 from passes.graph_facts import op_nodes, pure_ops
 from passes.guided_solve import guided_solve
 from passes.highs import Milp, Solved
+from passes.plan_start import start_columns
 from passes.schedule import hooked_ops
 from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
 
@@ -269,7 +270,8 @@ def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float =
 
 def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0,
                        executable: bool = False, beat: float | None = None,
-                       extras: bool = True, polish_start: bool = True) -> CheckmateResult | None:
+                       extras: bool = True, polish_start: bool = True,
+                       start: tuple[Matrix, Matrix] | None = None) -> CheckmateResult | None:
     """Solve the MILP for ``graph`` under ``budget_bytes``; ``None`` when no schedule fits;
     ``executable``: among the schedules :mod:`passes.exact` runs only (with ``extras``
     false, those holding every extra from forward); ``beat``: only schedules recomputing
@@ -282,7 +284,8 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     and 15% more where no schedule beat ``beat`` before the polish and ``polish_start``
     (:data:`passes.guided_solve.START_SHARE`: a start for the polish); a polish still bettering
     its schedule at the limit goes on, up to ``time_limit`` more
-    (:data:`passes.guided_solve.POLISH_OVERTIME`).
+    (:data:`passes.guided_solve.POLISH_OVERTIME`). ``start``: a schedule in hand (``R``,
+    ``S``; :mod:`passes.plan_start`), the search's first best where it fits.
     """
     n_ops = len(op_nodes(graph))
     if n_ops > MAX_OPS:
@@ -299,7 +302,8 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     forward = sum(training.flops[: training.n_forward])
     cutoff = None if beat is None else (beat + forward) / divisor - 0.5  # FLOPs are whole multiples of the
     started = time.perf_counter()  # divisor, and the tie-break weighs less than half of one
-    solution = guided_solve(model, cost, time_limit, cutoff, polish_start)
+    fixed = None if start is None else start_columns(model, *start)
+    solution = guided_solve(model, cost, time_limit, cutoff, polish_start, fixed)
     seconds = time.perf_counter() - started
     if solution.status == "infeasible":
         return None

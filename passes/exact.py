@@ -19,6 +19,7 @@ window in the last part of that time (:func:`passes.guided_solve.polish`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import networkx as nx
 
@@ -27,7 +28,8 @@ from passes.floor import Floor, least_peak_schedule, true_floor
 from passes.graph_facts import needs_grad, op_nodes, storage_root
 from passes.highs import at_once, lanes
 from passes.plan import Plan, plan_of_segments
-from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops
+from passes.plan_start import plan_makes, start_schedule
+from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops, plan_schedule
 from passes.segments import Segment, segment_edges
 from passes.training_graph import Matrix, TrainingGraph, stage_peaks, training_graph
 
@@ -36,7 +38,7 @@ EXACT_TIME_LIMIT = 5.0  # seconds a budget plan may spend in the solver
 
 
 def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT_TIME_LIMIT,
-               beat: float | None = None) -> Plan | None:
+               beat: float | None = None, start: Sequence[Segment] = ()) -> Plan | None:
     """The plan running the cheapest executable schedule under ``budget_bytes`` found in
     ``time_limit`` seconds (on one CPU up to 28% more: :data:`passes.guided_solve.FREED_AT`; and up to
     ``time_limit`` more while its polish still betters the schedule:
@@ -46,10 +48,11 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     whose runtime has no hooks (``hooks``), when no schedule fits or none is found in time.
     With ``beat`` (a plan in hand's recompute), also ``None`` when no schedule recomputes
     less: the solver, told so, prunes what cannot beat it and proves that in a fraction of
-    the full solve's time."""
+    the full solve's time. ``start``: that plan's segments, read as a schedule the search
+    starts from (:mod:`passes.plan_start`)."""
     if not exact_solvable(graph, time_limit):
         return None
-    result, optimal = _cheapest_schedule(graph, budget_bytes, time_limit, beat)
+    result, optimal = _cheapest_schedule(graph, budget_bytes, time_limit, beat, start)
     if result is None:
         return None
     training = training_graph(graph)
@@ -107,18 +110,27 @@ def _schedule_plan(graph: nx.DiGraph, schedule: Schedule, aim: str) -> Plan:
 MIN_EXTRAS_SECONDS = 0.5  # the least time left worth a second solve that may make extras again
 
 
-def _cheapest_schedule(graph: nx.DiGraph, budget_bytes: float, time_limit: float,
-                       beat: float | None) -> tuple[CheckmateResult | None, bool]:
+def _cheapest_schedule(graph: nx.DiGraph, budget_bytes: float, time_limit: float, beat: float | None,
+                       plan: Sequence[Segment] = ()) -> tuple[CheckmateResult | None, bool]:
     """The cheapest executable schedule found in ``time_limit`` seconds, and whether it is
     proven cheapest: first among those holding every extra from forward, then, in the time
     left, among those that may make one again (told to beat the first). The wider search is
     the harder one: asked first, it left DenseNet at its tightest budget (0.54 of eager)
-    with a plan recomputing 1.65x the optimum, which the narrower one finds in the 5 s."""
+    with a plan recomputing 1.65x the optimum, which the narrower one finds in the 5 s.
+    Each search starts from ``plan`` (the plan in hand's segments) where it reads as a
+    schedule of its kind (:func:`passes.plan_start.start_schedule`)."""
     started = time.perf_counter()
-    wider = bool(remakeable_extras(graph))
+    remakeable = remakeable_extras(graph)
+    wider = bool(remakeable)
+    training = training_graph(graph)
+    makes = plan_makes(graph, plan) if plan and plan_schedule(plan) is None else None
+
+    def start(with_extra: frozenset[str]) -> tuple[Matrix, Matrix] | None:
+        return None if makes is None else start_schedule(graph, training, makes, with_extra)
+
     try:  # where a wider search follows, a first that beats nothing leaves it the time rather than polish
         held = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, executable=True, beat=beat,
-                                  extras=False, polish_start=not wider)
+                                  extras=False, polish_start=not wider, start=start(frozenset()))
     except TimeoutError:
         held = None
     left = time_limit - (time.perf_counter() - started)
@@ -126,7 +138,8 @@ def _cheapest_schedule(graph: nx.DiGraph, budget_bytes: float, time_limit: float
         return held, held is not None and held.status == "optimal"
     cheaper = min((c for c in (beat, held and held.recompute_flops) if c is not None), default=None)
     try:
-        made = checkmate_schedule(graph, budget_bytes, time_limit=left, executable=True, beat=cheaper)
+        made = checkmate_schedule(graph, budget_bytes, time_limit=left, executable=True, beat=cheaper,
+                                  start=start(remakeable))
     except TimeoutError:  # none better found in time: the first stands, not proven among the wider kind
         return held, False
     if made is None:  # none better, proven

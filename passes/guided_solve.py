@@ -54,7 +54,7 @@ GUIDED_SHARE = 0.9  # of the time left after the LP relaxation, what the sub-MIP
 
 
 def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float | None,
-                 polish_start: bool = True) -> Solved:
+                 polish_start: bool = True, start: dict[int, float] | None = None) -> Solved:
     """The MILP solved from starts the LP relaxation points to: the sub-MIP with every ``S``
     the relaxation sets whole (0 or 1) fixed there, for :data:`GUIDED_SHARE` of the time,
     then the whole MILP for the rest; and smaller sub-MIPs (:func:`freed_neighbourhoods`),
@@ -78,7 +78,9 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     ``time_limit`` (up to :data:`POLISH_OVERTIME` of it more) while it still betters the
     schedule: where the clock stopped a polish in mid-descent, a few seconds more took away
     recompute it had left (on a slower CPU most of all). Where no solve beat
-    ``cutoff`` (the plan in hand) by then, and ``polish_start``, the least fixed freed sub-MIP
+    ``cutoff`` by then, the polish starts from ``start`` (the plan in hand read as a schedule,
+    its ``R`` and ``S`` columns: :mod:`passes.plan_start`; its ``F`` and ``U`` solved at the
+    outset), where its rows hold. Without one, and with ``polish_start``, the least fixed freed sub-MIP
     is asked for any schedule (up to :data:`START_SHARE` of ``time_limit`` on top) and the
     polish betters it (``own``), the result coming back even if it recomputes no less than
     ``cutoff`` (:func:`passes.checkmate.checkmate_schedule` drops it). Before, nothing was
@@ -87,7 +89,15 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     of 1227; now 1220-1376 (4 runs), the other 7 DAGs of ``scripts/planner_gap.py``'s budget
     table as before. ``polish_start`` false: the solve ends there, leaving the time to a
     search that follows (:func:`passes.exact.exact_plan`'s wider one, which found the zoo
-    U-Net's schedule at 0.7 of eager: polishing instead kept a plan recomputing 10% more)."""
+    U-Net's schedule at 0.7 of eager: polishing instead kept a plan recomputing 10% more).
+
+    The plan in hand as the start: on ``scripts/planner_gap.py``'s 8 random DAGs of 40 ops at
+    0.3 of eager (seed 0; 5 s for the solver, ``fit_budget``, a 2-core AMD EPYC VM), 8766 /
+    8739 / 9038 FLOPs in all in three runs against 9317 / 8897 without it (one graph 978 ->
+    837-918; one 1033-1066 -> 1176, where the solver's own start had found another basin);
+    the zoo DenseNet at 0.5 of eager 71.4M -> 47.8-51.3M, where no solve had beaten the plan.
+    Polishing both, the plan in one lane and the solver's own start in the other, found less
+    than the plan alone (9010 / 9004): each got half the windows."""
     started = time.perf_counter()
     deadline = started + (1 - POLISH_SHARE) * time_limit
     relaxation = model.solve(cost, time_limit, relaxed=True)
@@ -97,6 +107,8 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
         return Solved("infeasible", None, math.inf, relaxation.objective)
     S = [column for key, column in model.columns.items() if key[0] == "S"]
     found = Incumbent(cutoff)
+    if start is not None:  # a schedule in hand (its R and S): the first best, where its rows hold
+        found.offer(model.fixed(start).solve(cost, time_limit))
 
     def whole_set() -> None:
         whole = {c: float(round(value)) for c in S if abs((value := relaxation.x[c]) - round(value)) < 1e-6}
@@ -131,10 +143,10 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     if answer.status in ("optimal", "infeasible"):  # proven: least, or none beats the cutoff
         return answer
     until = started + time_limit
-    own = found.best is None  # none beat the cutoff: a start for the polish, found in time on top of the limit
+    own = found.best is None or (cutoff is not None and found.best.objective > cutoff)  # none beat the cutoff
     if own and not polish_start:
         return answer
-    if own:
+    if found.best is None:  # a start for the polish, found in time on top of the limit
         begun = time.perf_counter()
         fixed, _ = next(freed_neighbourhoods(S, relaxation.x, FREED_AT))
         found.offer(model.fixed(fixed).solve(cost, START_SHARE * time_limit, cutoff=found.bar(own=True),

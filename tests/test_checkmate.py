@@ -294,8 +294,8 @@ def test_a_schedule_above_beat_is_none_when_proven_and_a_timeout_when_not(
     assert best is not None and best.status == "optimal" and best.recompute_flops > 0
     real = passes.checkmate.guided_solve
 
-    def answered_as(model, cost, time_limit, cutoff, polish_start=True):
-        found = real(model, cost, time_limit, None, polish_start)  # the least schedule, above the cutoff asked
+    def answered_as(model, cost, time_limit, cutoff, polish_start=True, start=None):
+        found = real(model, cost, time_limit, None, polish_start, start)  # the least schedule, above the cutoff asked
         return type(found)(status, found.x, found.objective, found.bound)
 
     monkeypatch.setattr(passes.checkmate, "guided_solve", answered_as)

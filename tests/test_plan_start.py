@@ -1,0 +1,111 @@
+"""Tests of reading a plan as the exact solver's start (:mod:`passes.plan_start`): pure
+networkx and HiGHS, no torch."""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from passes.budget import BudgetError
+from passes.budget_search import fit_budget
+from passes.checkmate import build_milp, pin_executable, recompute_objective, remakeable_extras
+from passes.costgraph import add_value, check_cost_graph
+from passes.exact import schedule_of
+from passes.plan_start import plan_makes, start_columns, start_schedule
+from passes.simulate import eager_peak, simulate
+from passes.strategies import choose_plan
+from passes.training_graph import stage_peaks, training_graph
+from tests.cost_graph_draws import SETTINGS, cost_graphs
+from tests.milp_graphs import UNIT, chain
+
+
+def _recompute(training, R) -> int:
+    """Forward FLOPs a schedule runs beyond one forward."""
+    first = training.n_forward
+    return sum(training.flops[i] * R[t][i] for t in range(training.size) for i in range(first)) - sum(
+        training.flops[:first])
+
+
+def _read_plan(graph, plan, extras: bool = True):
+    """The plan read as a schedule: (training graph, R, S), or ``None``."""
+    training = training_graph(graph)
+    with_extra = remakeable_extras(graph) if extras else frozenset()
+    read = start_schedule(graph, training, plan_makes(graph, plan.segments), with_extra)
+    return None if read is None else (training, *read)
+
+
+@pytest.mark.parametrize("strategy", ["sqrt", "articulation", "mincut", "blocks", "auto"])
+def test_a_chain_plan_reads_as_the_schedule_it_runs(strategy: str) -> None:
+    """On a chain each strategy's plan reads as a schedule recomputing what the plan does,
+    peaking where the simulator says the plan peaks, and the runtime can run it."""
+    graph = chain(12)
+    plan = choose_plan(graph, strategy)
+    training, R, S = _read_plan(graph, plan)
+    simulated = simulate(graph, plan.segments)
+    assert _recompute(training, R) == simulated.recompute_flops
+    assert max(stage_peaks(training, R, S)) == simulated.peak_bytes
+    schedule_of(graph, training, R, S)  # raises ScheduleError where it could not run
+
+
+@given(graph=cost_graphs(max_ops=14), fraction=st.sampled_from([0.4, 0.6, 0.8]))
+@SETTINGS
+def test_a_budget_plan_reads_as_a_schedule_no_dearer_and_no_higher(graph, fraction: float) -> None:
+    """Any budget plan (segments, nesting, kept values, remade inputs, hooks) read as a
+    schedule recomputes at most what the plan does and peaks at most where the simulator
+    says the plan does, and the solver's rows hold it: the start is a schedule the solve
+    may answer with, at the plan's cost or less."""
+    budget = int(fraction * eager_peak(graph))
+    try:
+        plan = fit_budget(graph, budget, exact_seconds=0)
+    except BudgetError:
+        return
+    read = _read_plan(graph, plan)
+    if read is None:  # (a random op made again, or one needed before any hook)
+        return
+    training, R, S = read
+    assert _recompute(training, R) <= plan.recompute_flops
+    assert max(stage_peaks(training, R, S), default=0) <= plan.peak_bytes
+    model = build_milp(training, plan.peak_bytes)
+    pin_executable(model, training, graph)
+    fixed = start_columns(model, R, S)
+    assert fixed is not None
+    solved = model.fixed(fixed).solve(recompute_objective(model, training), 10)
+    assert solved.x is not None
+    divisor = math.gcd(*training.flops) or 1
+    assert round(solved.objective * divisor) - sum(training.flops[:training.n_forward]) == _recompute(training, R)
+
+
+def _chain_with_an_extra() -> nx.DiGraph:
+    """A chain of 8 ops whose third saves an extra (as max-pool saves its indices)."""
+    graph = nx.DiGraph()
+    add_value(graph, "x", kind="input", order=0, bytes=UNIT, requires_grad=False)
+    previous = "x"
+    for index in range(8):
+        add_value(graph, f"a{index}", kind="op", order=index + 1, bytes=UNIT, reads=[previous], flops=1,
+                  saved=(previous,), saved_extra_bytes=UNIT // 2 if index == 2 else 0)
+        previous = f"a{index}"
+    add_value(graph, "loss", kind="op", order=9, bytes=0, reads=[previous])
+    add_value(graph, "output", kind="output", order=10, bytes=0, reads=["loss"])
+    check_cost_graph(graph)
+    return graph
+
+
+def test_an_extra_made_again_only_where_the_solve_may_make_it() -> None:
+    """A plan recomputing the op with the extra reads as a schedule making the extra again
+    with its op, which the solve that may make extras takes; the one holding every extra
+    gets no start (none is read for it, and its columns refuse one read for the other)."""
+    graph = _chain_with_an_extra()
+    plan = choose_plan(graph, "sqrt")
+    assert any(s.recompute and "a2" in s.nodes for s in plan.segments)
+    assert _read_plan(graph, plan, extras=False) is None
+    training, R, S = _read_plan(graph, plan)
+    extra = training.extra_node(training.names.index("a2"))
+    assert any(R[t][extra] for t in range(training.n_forward, training.size))
+    for extras, accepted in ((True, True), (False, False)):
+        model = build_milp(training, plan.peak_bytes)
+        pin_executable(model, training, graph, extras=extras)
+        assert (start_columns(model, R, S) is not None) == accepted
