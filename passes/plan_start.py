@@ -98,7 +98,7 @@ def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
     at = {name: i for i, name in enumerate(names)}
     hooks = {at[f"backward:{k}"] for k in hooked_ops(graph) if f"backward:{k}" in at}
     pure = pure_ops(graph)
-    R = [[int(t == i and (home[i] == i or t >= first)) for i in range(T)] for t in range(T)]
+    R = [[int(t == i and home[i] == i) for i in range(T)] for t in range(T)]  # each node at home, extras aside
     available: set[int] = set()
     for i in range(first):
         if home[i] == i and (training.kept[i] or names[i] in makes.values or not training.mem[training.root[i]]):
@@ -109,8 +109,9 @@ def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
     hook_before = [max((h for h in hooks if h <= t), default=None) for t in range(T)]
     planned: dict[int, list[int]] = {}
     for node, before in makes.made:
-        stage = hook_before[at.get(f"backward:{before}", 0)]
-        if node in at and stage is not None:
+        backward = at.get(f"backward:{before}")
+        stage = None if backward is None else hook_before[backward]
+        if node in at and stage is not None:  # else made where backward first reads it, below
             planned.setdefault(stage, []).append(at[node])
 
     def make(i: int, t: int) -> bool:
