@@ -54,10 +54,10 @@ def test_a_chain_plan_reads_as_the_schedule_it_runs(strategy: str) -> None:
 @given(graph=cost_graphs(max_ops=14), fraction=st.sampled_from([0.4, 0.6, 0.8]))
 @SETTINGS
 def test_a_budget_plan_reads_as_a_schedule_no_dearer_and_no_higher(graph, fraction: float) -> None:
-    """Any budget plan (segments, nesting, kept values, remade inputs, hooks) read as a
-    schedule recomputes at most what the plan does and peaks at most where the simulator
-    says the plan does, and the solver's rows hold it: the start is a schedule the solve
-    may answer with, at the plan's cost or less."""
+    """A budget plan on a random cost graph, read as a schedule, recomputes at most what the
+    plan does and peaks at most where the simulator says the plan does, and the solver's
+    rows hold it: the start is a schedule the solve may answer with, at the plan's cost or
+    less."""
     budget = int(fraction * eager_peak(graph))
     try:
         plan = fit_budget(graph, budget, exact_seconds=0)
