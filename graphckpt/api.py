@@ -65,7 +65,7 @@ def exact_seconds(exact: bool | float) -> float:
     """The seconds a plan may spend in the exact solver for the ``exact=`` option: ``True``
     the default (:data:`passes.exact.EXACT_TIME_LIMIT`), ``False`` none, a number that many
     (and up to that many again while it still finds better schedules:
-    :data:`passes.guided_solve.POLISH_OVERTIME`; on one CPU its smaller sub-MIPs may take up to
+    :data:`passes.polish.POLISH_OVERTIME`; on one CPU its smaller sub-MIPs may take up to
     28% more: :data:`passes.guided_solve.FREED_AT`; with two or more it runs two solves at
     once, :func:`passes.highs.lanes`).
 

@@ -239,7 +239,7 @@ def recompute_objective(model: Milp, training: TrainingGraph, tie_break: bool = 
     """The objective: each forward op's FLOPs per run, over their common divisor; with
     ``tie_break``, plus its bytes scaled so that all of them weigh less than half a unit: of
     schedules recomputing the same FLOPs, one writing less (FLOPs-free ops such as ``cat``
-    take time too). The solve stops once the FLOPs are proven least (:data:`passes.guided_solve.FLOPS_PROVEN`),
+    take time too). The solve stops once the FLOPs are proven least (:data:`passes.polish.FLOPS_PROVEN`),
     not when the bytes are too."""
     cost = np.zeros(len(model.bounds))
     divisor = math.gcd(*training.flops) or 1
@@ -284,7 +284,7 @@ def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: fl
     and 15% more where no schedule beat ``beat`` before the polish and ``polish_start``
     (:data:`passes.guided_solve.START_SHARE`: a start for the polish); a polish still bettering
     its schedule at the limit goes on, up to ``time_limit`` more
-    (:data:`passes.guided_solve.POLISH_OVERTIME`). ``start``: a schedule in hand (``R``,
+    (:data:`passes.polish.POLISH_OVERTIME`). ``start``: a schedule in hand (``R``,
     ``S``; :mod:`passes.plan_start`), the search's first best where it fits.
     """
     n_ops = len(op_nodes(graph))

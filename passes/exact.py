@@ -13,7 +13,7 @@ graph (``Segment.schedule``), which codegen runs as a :class:`graphckpt.exact.Sc
 On the 16-op random DAGs of ``scripts/planner_gap.py`` at 0.5 and 0.7 of eager these
 schedules recompute exactly what the unrestricted MILP's do, in 0.1-3 s; on 40 ops HiGHS
 often stops at its time limit, and then the schedule is the best it found, polished window by
-window in the last part of that time (:func:`passes.guided_solve.polish`).
+window in the last part of that time (:func:`passes.polish.polish`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def exact_plan(graph: nx.DiGraph, budget_bytes: float, time_limit: float = EXACT
     """The plan running the cheapest executable schedule under ``budget_bytes`` found in
     ``time_limit`` seconds (on one CPU up to 28% more: :data:`passes.guided_solve.FREED_AT`; and up to
     ``time_limit`` more while its polish still betters the schedule:
-    :data:`passes.guided_solve.POLISH_OVERTIME`); ``None``
+    :data:`passes.polish.POLISH_OVERTIME`); ``None``
     when ``time_limit`` is 0 (the user asked for no such schedule:
     ``graphckpt.rewrite(..., exact=False)``), above :data:`EXACT_MAX_OPS` ops, on a graph
     whose runtime has no hooks (``hooks``), when no schedule fits or none is found in time.

@@ -1,4 +1,4 @@
-"""Tests of polishing a schedule window by window (:func:`passes.guided_solve.polish`): pure
+"""Tests of polishing a schedule window by window (:func:`passes.polish.polish`): pure
 networkx and HiGHS, no torch."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from passes.checkmate import build_milp, recompute_objective
-from passes.guided_solve import (
+from passes.highs import Milp, Solved
+from passes.polish import (
     POLISH_OVERTIME,
     POLISH_SECONDS,
     POLISH_STALL,
@@ -20,7 +21,6 @@ from passes.guided_solve import (
     value_columns,
     value_windows,
 )
-from passes.highs import Milp, Solved
 from passes.training_graph import training_graph
 from tests.milp_graphs import UNIT, chain
 
