@@ -30,7 +30,7 @@ import networkx as nx
 
 from passes.graph_facts import pure_ops
 from passes.highs import Milp
-from passes.schedule import hooked_ops
+from passes.schedule import extra_key, hooked_ops
 from passes.segments import Segment
 from passes.sim_memory import EXTRA, SLOT_KINDS, VALUE, LiveMemory
 from passes.simulate import step_peak
@@ -83,7 +83,7 @@ def plan_makes(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanMakes:
     for position, (kind, node) in enumerate(memory.events):
         after = bisect_right(order, (position, len(names)))
         if kind >= 0 and after < len(order):
-            made.append((f"extra:{names[node]}" if kind == EXTRA else names[node], names[order[after][1]]))
+            made.append((extra_key(names[node]) if kind == EXTRA else names[node], names[order[after][1]]))
     return PlanMakes(frozenset(n for i, n in enumerate(names) if index.value_keys[i] in entering),
                      frozenset(n for i, n in enumerate(names) if i * SLOT_KINDS + EXTRA in entering), tuple(made))
 

@@ -59,8 +59,12 @@ def segment_summary(segment: Any) -> dict[str, Any]:
 
 def plan_summary(plan: Any) -> dict[str, Any]:
     """What a plan decides and what the simulator says of it."""
-    return {"segments": [segment_summary(s) for s in plan.segments],
-            "peak_bytes": plan.peak_bytes, "recompute_flops": plan.recompute_flops}
+    return _summary(plan.segments, plan.peak_bytes, plan.recompute_flops)
+
+
+def _summary(segments: tuple, peak_bytes: int, recompute_flops: int) -> dict[str, Any]:
+    return {"segments": [segment_summary(s) for s in segments], "peak_bytes": peak_bytes,
+            "recompute_flops": recompute_flops}
 
 
 def plans_of(graph: nx.DiGraph) -> dict[str, Any]:
@@ -117,8 +121,7 @@ def segments_summary(graph: nx.DiGraph, segments: tuple) -> dict[str, Any]:
     from passes.simulate import simulate
 
     simulation = simulate(graph, segments)
-    return {"segments": [segment_summary(s) for s in segments], "peak_bytes": simulation.peak_bytes,
-            "recompute_flops": simulation.recompute_flops}
+    return _summary(segments, simulation.peak_bytes, simulation.recompute_flops)
 
 
 def zoo_cost_graphs() -> dict[str, nx.DiGraph]:
