@@ -67,8 +67,7 @@ from passes.graph_facts import op_nodes, pure_ops
 from passes.guided_solve import guided_solve
 from passes.highs import Milp, Solved
 from passes.plan_start import start_columns
-from passes.schedule import hooked_ops
-from passes.training_graph import Matrix, TrainingGraph, last_use, stage_peaks, training_graph
+from passes.training_graph import Matrix, TrainingGraph, hooked_stages, last_use, stage_peaks, training_graph
 
 MAX_OPS = 60
 
@@ -197,13 +196,13 @@ def pin_executable(model: Milp, training: TrainingGraph, graph: nx.DiGraph, extr
     that op with autograd on and keeps what it saves beyond values; not with ``extras``
     false: :func:`remakeable_extras`)."""
     names, home = training.names, training.home
-    hooks = {f"backward:{k}" for k in hooked_ops(graph)}
+    hooks = hooked_stages(graph, training)
     pure = pure_ops(graph)  # no random op among them: a draw made again would differ
     with_extra = remakeable_extras(graph) if extras else frozenset()
     remakeable = {i for i in range(training.n_forward)
                   if (names[i] in pure if home[i] == i else names[home[i]] in with_extra)}
     for (kind, t, i, *_), column in model.columns.items():
-        if kind == "R" and t != home[i] and not (names[t] in hooks and i in remakeable):
+        if kind == "R" and t != home[i] and not (t in hooks and i in remakeable):
             model.bounds[column] = (0.0, 0.0, model.bounds[column][2])
 
 

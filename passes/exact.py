@@ -29,9 +29,10 @@ from passes.graph_facts import needs_grad, op_nodes, storage_root
 from passes.highs import at_once, lanes
 from passes.plan import Plan, plan_of_segments
 from passes.plan_start import plan_makes, start_schedule
-from passes.schedule import Schedule, ScheduleStep, check_schedule, hooked_ops, plan_schedule
+from passes.schedule import Schedule, ScheduleStep, check_schedule, plan_schedule
 from passes.segments import Segment, segment_edges
-from passes.training_graph import Matrix, TrainingGraph, stage_peaks, training_graph
+from passes.training_backward import BACKWARD_PREFIX
+from passes.training_graph import Matrix, TrainingGraph, hooked_stages, stage_peaks, training_graph
 
 EXACT_MAX_OPS = 40  # larger graphs: HiGHS rarely finds a schedule in seconds
 EXACT_TIME_LIMIT = 5.0  # seconds a budget plan may spend in the solver
@@ -166,12 +167,12 @@ def schedule_of(graph: nx.DiGraph, training: TrainingGraph, R: Matrix, S: Matrix
     names, first = training.names, training.n_forward
     value_ids = [i for i in range(first) if names[i] in values]
     extra_ids = _dropped_extras(training, R, S)
-    hooks, readers = {f"backward:{k}" for k in hooked_ops(graph)}, training.readers()
+    hooks, readers = hooked_stages(graph, training), training.readers()
     steps, held = [], {i for i in (*value_ids, *extra_ids) if S[first][i]}
     kept = tuple(names[i] for i in sorted(held) if i in value_ids)
     entering: dict[int, set[int]] = {}  # values the runtime holds entering each stage past forward
     for t in range(first, training.size):
-        if names[t] not in hooks:  # nothing runs here (pinned): what it lets go, the next step lets go
+        if t not in hooks:  # nothing runs here (pinned): what it lets go, the next step lets go
             entering[t] = set(held)
             continue
         step, entering[t] = _step(training, R, S, t, value_ids, held, readers)
@@ -224,7 +225,7 @@ def _step(training: TrainingGraph, R: Matrix, S: Matrix, t: int, value_ids: list
                 and not any(j in later for j in readers[i])]
         held -= set(gone)
         free.append(tuple(names[i] for i in gone))
-    return ScheduleStep(names[t].removeprefix("backward:"), tuple(names[i] for i in release),
+    return ScheduleStep(names[t].removeprefix(BACKWARD_PREFIX), tuple(names[i] for i in release),
                         tuple(names[i] for i in made), tuple(free),
                         extras=tuple(names[k] for k in made if k in extras)), entering
 

@@ -30,11 +30,12 @@ import networkx as nx
 
 from passes.graph_facts import pure_ops
 from passes.highs import Milp
-from passes.schedule import extra_key, hooked_ops
+from passes.schedule import extra_key
 from passes.segments import Segment
 from passes.sim_memory import EXTRA, SLOT_KINDS, VALUE, LiveMemory
 from passes.simulate import step_peak
-from passes.training_graph import Matrix, TrainingGraph
+from passes.training_backward import backward_stage
+from passes.training_graph import Matrix, TrainingGraph, hooked_stages
 
 FORWARD_ENDS = ("loss",)  # the key the replay allocates once forward has run (passes.simulate.step_peak)
 
@@ -96,7 +97,7 @@ def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
     again (:func:`passes.checkmate.remakeable_extras`, or none where the solve holds every extra)."""
     T, first, names, home = training.size, training.n_forward, training.names, training.home
     at = {name: i for i, name in enumerate(names)}
-    hooks = {at[f"backward:{k}"] for k in hooked_ops(graph) if f"backward:{k}" in at}
+    hooks = hooked_stages(graph, training)
     pure = pure_ops(graph)
     R = [[int(t == i and home[i] == i) for i in range(T)] for t in range(T)]  # each node at home, extras aside
     available: set[int] = set()
@@ -109,7 +110,7 @@ def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
     hook_before = [max((h for h in hooks if h <= t), default=None) for t in range(T)]
     planned: dict[int, list[int]] = {}
     for node, before in makes.made:
-        backward = at.get(f"backward:{before}")
+        backward = at.get(backward_stage(before))
         stage = None if backward is None else hook_before[backward]
         if node in at and stage is not None:  # else made where backward first reads it, below
             planned.setdefault(stage, []).append(at[node])

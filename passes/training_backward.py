@@ -14,6 +14,14 @@ import networkx as nx
 from passes.graph_facts import needs_grad, storage_root
 from passes.kept_bytes import cast_up, gradient_bytes, shared_by_reader, shared_parameters
 
+BACKWARD_PREFIX = "backward:"  # a backward node's name: this, then the op it is the backward of
+
+
+def backward_stage(op: str) -> str:
+    """The name of ``op``'s first backward node: the stage where a step hooked on its
+    ``grad_fn`` runs (its other nodes, one per further gradient buffer, add ``:<value>``)."""
+    return BACKWARD_PREFIX + op
+
 
 def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, list], index: dict[str, int],
                   extra: dict[str, int], owner: dict[str, int]) -> None:
@@ -51,7 +59,7 @@ def add_backward(graph: nx.DiGraph, add: Callable[..., int], nodes: dict[str, li
         transient = own_made + max(0, graph.nodes[k]["backward_extra_bytes"] + made_to_add - cast.scratch_less) \
             if gets_grad else 0
         for position, (u, param, nbytes) in enumerate(buffers or [(None, None, 0)]):
-            node = add(f"backward:{k}" + (f":{u or param}" if position else ""), nbytes, reads,
+            node = add(backward_stage(k) + (f":{u or param}" if position else ""), nbytes, reads,
                        about=u or k, transient=transient if position == max(len(buffers) - 1, 0) else 0)
             if param is not None:
                 accumulators[param] = node

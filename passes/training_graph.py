@@ -40,9 +40,9 @@ import networkx as nx
 
 from passes.graph_facts import graph_outputs, op_nodes, per_graph_value, storage_root
 from passes.kept_bytes import gradient_bytes
-from passes.schedule import Matrix
+from passes.schedule import Matrix, hooked_ops
 from passes.sim_loss import loss_scalar_bytes, loss_working_bytes, trained_outputs
-from passes.training_backward import add_backward
+from passes.training_backward import add_backward, backward_stage
 
 LOSS_SCALARS = "loss-scalars"  # the node of a loss computed outside the graph: its scalars, kept to the end
 FIELDS = ("names", "mem", "flops", "preds", "once", "kept", "fresh", "transient", "home", "about", "root", "run_extra",
@@ -167,6 +167,15 @@ def training_graph(graph: nx.DiGraph) -> TrainingGraph:
                     transient=loss if v == trained[-1] else 0, about=v) for v in trained}  # v's gradient buffer
     add_backward(graph, add, nodes, index, extra, owner)
     return TrainingGraph(**{key: tuple(values) for key, values in nodes.items()}, n_forward=n_forward)
+
+
+def hooked_stages(graph: nx.DiGraph, training: TrainingGraph) -> frozenset[int]:
+    """The stages where the runtime can run a step: the first backward node of each op it
+    hooks (:func:`passes.schedule.hooked_ops`). What the executable MILP may recompute at,
+    what the schedule of its solution runs at, and where the plan read as a schedule makes
+    its values (:mod:`passes.checkmate`, :mod:`passes.exact`, :mod:`passes.plan_start`)."""
+    at = {name: t for t, name in enumerate(training.names)}
+    return frozenset(at[stage] for op in hooked_ops(graph) if (stage := backward_stage(op)) in at)
 
 
 def _forward_reads(graph: nx.DiGraph, name: str, index: dict[str, int]) -> set[int]:
