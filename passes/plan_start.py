@@ -16,7 +16,7 @@ of those values at the last stage before that op's backward where the runtime ca
 hooked op's backward, :func:`passes.checkmate.pin_executable`), with anything it reads that
 is not held (views, and the uncuttable values a recompute makes afresh; values of no bytes
 are held from forward); and holds every value from where it is made to the last stage reading that copy
-(:func:`held_between_reads`). Whether it fits the budget in the solver's memory model is the
+(:func:`passes.training_graph.held_between_reads`). Whether it fits the budget in the solver's memory model is the
 solver's rows' to say (:func:`start_columns`, solved with these columns fixed).
 """
 
@@ -35,7 +35,7 @@ from passes.segments import Segment
 from passes.sim_memory import EXTRA, SLOT_KINDS, VALUE, LiveMemory
 from passes.simulate import step_peak
 from passes.training_backward import backward_stage
-from passes.training_graph import Matrix, TrainingGraph, hooked_stages
+from passes.training_graph import Matrix, TrainingGraph, held_between_reads, hooked_stages
 
 FORWARD_ENDS = ("loss",)  # the key the replay allocates once forward has run (passes.simulate.step_peak)
 
@@ -155,34 +155,6 @@ def _drop_unread(training: TrainingGraph, R: list[list[int]]) -> None:
                 if not read and not (extra is not None and R[t][extra]):
                     R[t][i] = 0
                     dropped = True
-
-
-def held_between_reads(training: TrainingGraph, R: list[list[int]]) -> Matrix:
-    """``S`` holding each node from a stage that makes it to the last stage reading that
-    copy (a stage making it again reads its own), kept nodes to the end, and a view's storage
-    while the view is held: the least memory ``R`` runs in."""
-    T, home = training.size, training.home
-    reads: list[list[int]] = [[] for _ in range(T)]
-    for t in range(T):
-        for k in range(t + 1):
-            if R[t][k]:
-                for i in training.preds[k]:
-                    reads[i].append(t)
-    S = [[0] * T for _ in range(T)]
-    for i in range(T):
-        if training.kept[i]:
-            for t in range(home[i] + 1, T):
-                S[t][i] = 1
-            continue
-        made = [t for t in range(T) if R[t][i]]  # none: an extra forward lets go, never needed
-        for m, following in zip(made, [*made[1:], T][:len(made)], strict=True):
-            for t in range(m + 1, max((r for r in reads[i] if m < r < following), default=m) + 1):
-                S[t][i] = 1
-    for t in range(T):
-        for i in range(t):
-            if S[t][i] and training.root[i] != i:
-                S[t][training.root[i]] = 1
-    return tuple(tuple(row) for row in S)
 
 
 def start_columns(model: Milp, R: Matrix, S: Matrix) -> dict[int, float] | None:

@@ -247,12 +247,38 @@ def _stage(training: TrainingGraph, R: Matrix, S: Matrix, t: int, watch: float |
 
 
 def no_recompute_schedule(training: TrainingGraph) -> tuple[Matrix, Matrix]:
-    """Each node once, at home, kept while a later stage reads it."""
-    T, readers, home = training.size, training.readers(), training.home
+    """Each node once, at home, held while a later stage reads it (:func:`held_between_reads`)."""
+    T, home = training.size, training.home
     R = tuple(tuple(int(home[i] == t) for i in range(T)) for t in range(T))
-    S = tuple(tuple(int(home[i] < t and (training.kept[i] or any(home[j] >= t for j in readers[i])))
-                    for i in range(T)) for t in range(T))
-    return R, S
+    return R, held_between_reads(training, R)
+
+
+def held_between_reads(training: TrainingGraph, R: Matrix | list[list[int]]) -> Matrix:
+    """``S`` holding each node from a stage that makes it to the last stage reading that
+    copy (a stage making it again reads its own), kept nodes to the end, and a view's storage
+    while the view is held: the least memory ``R`` runs in."""
+    T, home = training.size, training.home
+    reads: list[list[int]] = [[] for _ in range(T)]
+    for t in range(T):
+        for k in range(t + 1):
+            if R[t][k]:
+                for i in training.preds[k]:
+                    reads[i].append(t)
+    S = [[0] * T for _ in range(T)]
+    for i in range(T):
+        if training.kept[i]:
+            for t in range(home[i] + 1, T):
+                S[t][i] = 1
+            continue
+        made = [t for t in range(T) if R[t][i]]  # none: an extra forward lets go, never needed
+        for m, following in zip(made, [*made[1:], T][:len(made)], strict=True):
+            for t in range(m + 1, max((r for r in reads[i] if m < r < following), default=m) + 1):
+                S[t][i] = 1
+    for t in range(T):
+        for i in range(t):
+            if S[t][i] and training.root[i] != i:
+                S[t][training.root[i]] = 1
+    return tuple(tuple(row) for row in S)
 
 
 def no_recompute_peak(graph: nx.DiGraph) -> float:
