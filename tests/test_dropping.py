@@ -266,3 +266,49 @@ def test_a_block_bisected_or_galloped_takes_the_values_before_the_refused_one(re
         assert taken == refused_at
         if not gallop:
             assert len(built) <= 1 + 6
+
+
+def test_the_drop_scan_narrows_to_the_shortest_fitting_prefix_in_fewer_fit_tests_than_bisection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the longest prefix known not to fit and the shortest known to, the scan tries
+    where the peaks it has seen say the plan meets the budget (:func:`passes.drop_scan._next_probe`),
+    not the middle: the same answer (the previous test's), in fewer fit tests on this DAG."""
+    import passes.drop_scan as drops
+    from passes.peak_queries import peak_within
+
+    def fit_tests(probe: Callable) -> tuple[int, int]:
+        monkeypatch.setattr(drops, "_next_probe", probe)
+        scan = _scan_of_a_dag()
+        counted: list[int] = []
+
+        def counting(graph: nx.DiGraph, segments: object, limit: float) -> int | None:
+            counted.append(1)
+            return peak_within(graph, segments, limit)
+
+        monkeypatch.setattr(drops, "peak_within", counting)
+        found = drops._shortest_fitting_prefix(scan.graph, scan.trial, iter(scan.runs), scan.budget)
+        assert found is not None
+        return len(found[0]), len(counted)
+
+    estimated = fit_tests(drops._next_probe)
+    bisected = fit_tests(lambda graph, chosen, low, high, peaks, budget: (low + high) // 2)
+    assert estimated[0] == bisected[0]
+    assert estimated[1] < bisected[1]
+
+
+def test_the_next_prefix_tried_is_where_the_peaks_seen_meet_the_budget() -> None:
+    """With one fitting prefix known, values are given back from its end while their bytes
+    fit in what the budget leaves; with two, at the rate the peak rose between them; a
+    guess at or below a prefix known not to fit is replaced by the middle."""
+    from passes.costgraph import add_value
+    from passes.drop_scan import _next_probe
+
+    graph = nx.DiGraph()
+    chosen = [f"v{i}" for i in range(20)]
+    for order, name in enumerate(chosen):
+        add_value(graph, name, kind="input", order=order, bytes=10, requires_grad=False)
+    assert _next_probe(graph, chosen, 0, 20, {20: 70}, 100) == 17  # 30 bytes spare: three values back
+    assert _next_probe(graph, chosen, 0, 20, {20: 95}, 100) == 19  # none fits back: the one just below
+    assert _next_probe(graph, chosen, 0, 16, {20: 60, 16: 80}, 100) == 12  # 5 bytes a value: 20 spare, 4 values
+    assert _next_probe(graph, chosen, 14, 16, {20: 60, 16: 80}, 100) == 15  # the guess is known not to fit
+    assert _next_probe(graph, chosen, 4, 16, {20: 80, 16: 80}, 100) == 10  # peaks equal: no rate, the middle
