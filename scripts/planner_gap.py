@@ -349,6 +349,9 @@ def report(options: argparse.Namespace, command: str) -> str:
     if options.budget_only:
         budget_part = budget_table(options, sizes)
         return f"Made in {time.perf_counter() - started:.0f} s by:\n\n    {command}\n\n{budget_part}\n"
+    if options.timing_only:
+        timing_part = timing_table(options.timing_ops, options.budget_graphs, options.seed, options.timing_rounds)
+        return f"Made in {time.perf_counter() - started:.0f} s by:\n\n    {command}\n\n{timing_part}\n"
     random_part = random_table(options.graphs, options.ops, options.seed, options.time_limit,
                                options.exact_seconds)
     zoo_part, notes = zoo_table(sizes, options.zoo_time_limit, options.exact_seconds)
@@ -405,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exact-seconds", type=float, default=EXACT_TIME_LIMIT,
                         help="seconds the planner may spend in the exact solver (rewrite's exact=)")
     parser.add_argument("--budget-only", action="store_true", help="only the budget table (e.g. to run an older planner)")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="only the planning-time table of the larger DAGs (no MILP: minutes, not most of an hour)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: few small graphs, short limits")
     parser.add_argument("--out", type=Path, help="write the markdown here instead of printing it")
     argv = sys.argv[1:] if argv is None else argv

@@ -65,6 +65,19 @@ def test_quick_run_writes_every_table(tmp_path: Path) -> None:
         assert int(row[4]) >= 0
 
 
+def test_timing_only_writes_the_planning_time_table_alone(tmp_path: Path) -> None:
+    """``--timing-only`` re-measures the larger DAGs' planning time without any MILP."""
+    script = load_script("planner_gap")
+    out = tmp_path / "timing.md"
+    argv = ["--timing-only", "--timing-ops", "80", "--budget-graphs", "2", "--timing-rounds", "1", "--out", str(out)]
+    script.main(argv)
+    text = out.read_text()
+    assert "python scripts/planner_gap.py --timing-only" in text
+    (timing_table,) = tables(text)
+    assert timing_table[0][:3] == ["graphs", "budget (× eager)", "planning s (median / max)"]
+    assert [row[:2] for row in timing_table[2:]] == [["2 random DAGs of 80 ops", f] for f in ("0.3", "0.5", "0.7")]
+
+
 def test_an_unsettled_budget_cell_is_solved_once_more_for_the_longer_limit(monkeypatch) -> None:
     """A reference solve that ends at its limit with a range (or no answer) is asked again for
     ``again_limit`` seconds, once; a settled one is not."""
