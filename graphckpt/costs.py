@@ -21,6 +21,7 @@ from graphckpt.node_cost import NodeCost
 from graphckpt.op_dedup import forward_costs, profile_costs
 from graphckpt.planned_inputs import autocast_state
 from graphckpt.progress import paused_gc
+from graphckpt.state import state_buffer_bytes, state_copy_bytes
 from graphckpt.timing import checkpoint_overheads, model_device, node_nanoseconds, selective_overhead_per_op
 from graphckpt.torch_compat import OpOverload, allocation_size
 from passes.costgraph import add_value, check_cost_graph
@@ -148,6 +149,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
     blocks = blocks or {}
     lifted = lifted_params or {}
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
+    state_bytes = state_buffer_bytes(graph_module, state)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, scalar_bytes=profile.scalar_bytes,
                        loss=returned_loss(graph_module, profile), autocast=profile.autocast,
@@ -190,6 +192,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
             cached_rerun_extra_bytes=cost.cached_rerun_extra_bytes,
             selective_forward_extra_bytes=cost.selective_forward_extra_bytes,
             autocast_cache_bytes=cost.autocast_cache_bytes,
+            state_copy_bytes=state_copy_bytes(graph_module, node, cost.saved, state_bytes),
             grad_views=cost.grad_views,
             grad_bytes=cost.grad_bytes,
             selective_extra_bytes=cost.selective_extra_bytes,

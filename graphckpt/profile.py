@@ -34,6 +34,7 @@ from graphckpt.pass_through import PassThroughWatch, returns_an_input
 from graphckpt.scratch import layouts_of, plain_forward_temporaries, scratch_by_call
 from graphckpt.torch_compat import (
     FakeTensorMode,
+    RealOutputDtypes,
     allocated_bytes,
     allocation_size,
     casts_up_a_parameter_gradient,
@@ -103,7 +104,8 @@ class _CostInterpreter(fx.Interpreter):
             made_here.append(storage_key(tensor) not in self.owner)
             return tensor
 
-        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), flop_counter() as flops, OpKinds() as kinds:
+        with self.mode, saved_tensors_hooks(pack, self.recorder.unpacked), flop_counter() as flops, \
+                RealOutputDtypes(), OpKinds() as kinds:
             result = super().run_node(node)
         self.keep_alive.append((result, saved))
         cost = self._cost(node, result, saved, flops.get_total_flops(), kinds)

@@ -271,19 +271,6 @@ def _cuda_scratch(func: Any, args: tuple, kwargs: dict, device: torch.device) ->
     return max(0, peak - sum(n for pointer, n in returned.items() if pointer not in inputs))
 
 
-def _as_the_kernel_gets_them(func: Any, args: tuple) -> tuple:
-    """``args`` (layouts) as the real kernel gets them, where the fake kernel made them
-    otherwise: ``native_batch_norm``'s meta function gives the saved mean and inverse std the
-    input's dtype, the real kernels float32 when the weight is float32 (a bf16 input under
-    autocast). Replayed with bf16 ones, its backward raised "mixed dtype" and counted no
-    scratch: MobileNetV2 planned under bf16 measured 1.6x its simulated peak at its floor."""
-    if func is torch.ops.aten.native_batch_norm_backward.default and isinstance(args[2], Layout) \
-            and args[2].dtype == torch.float32:
-        stats = tuple(replace(a, dtype=torch.float32) if isinstance(a, Layout) else a for a in args[5:7])
-        return (*args[:5], *stats, *args[7:])
-    return args
-
-
 def scratch_by_call(calls_by_node: Mapping[str, Sequence[Call]]) -> dict[str, list[int]]:
     """The scratch each node's ATen calls allocate inside their kernels, call by call, in
     the order given: calls measured before in this process are looked up in
@@ -312,7 +299,6 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     """
     cpu: dict[tuple, Call] = {}
     for key, (func, args, kwargs) in calls.items():
-        args = _as_the_kernel_gets_them(func, args)
         device = _replay_device(args, kwargs)
         if device.type == "cpu":
             cpu[key] = (func, args, kwargs)

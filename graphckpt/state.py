@@ -18,7 +18,7 @@ This module finds such *state*: the buffers (and inputs) forward only updates
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -98,6 +98,52 @@ def norm_layer_keys(graph_module: fx.GraphModule, node: fx.Node) -> list[str]:
     if not isinstance(layer, NormBase) or not layer.track_running_stats:
         return []
     return [f"{node.target}.{name}" for name in RUNNING_STATS if getattr(layer, name, None) is not None]
+
+
+def state_copy_bytes(graph_module: fx.GraphModule, node: fx.Node, saved: Sequence[str],
+                     state_bytes: Mapping[str, int]) -> int:
+    """Bytes of the running statistics ``node`` saves for backward that a recompute gives it
+    scratch copies of (the cost graph's ``state_copy_bytes``): a training-mode batch norm
+    layer's mean and variance (``call_module``; :func:`frozen_running_stats` copies them), or
+    the ``state`` buffers among the values it saves (``saved``, value names; an ATen batch norm
+    of an export capture, :func:`scratch_state` copies them; ``state_bytes``:
+    :func:`state_buffer_bytes`). 0 for every other node. An instance norm saves repeated
+    copies of its statistics, not them: 0.
+
+    >>> gm = fx.symbolic_trace(nn.Sequential(nn.BatchNorm1d(8)))
+    >>> state_copy_bytes(gm, next(n for n in gm.graph.nodes if n.op == "call_module"), (), {})
+    64
+    """
+    if node.op == "call_module":
+        layer = graph_module.get_submodule(str(node.target))
+        if (not isinstance(layer, NormBase) or isinstance(layer, INSTANCE_NORMS) or not layer.training
+                or not layer.track_running_stats):
+            return 0
+        return sum(_nbytes(getattr(layer, name, None)) for name in RUNNING_STATS[:2])
+    return sum(state_bytes.get(name, 0) for name in saved)
+
+
+def state_buffer_bytes(graph_module: fx.GraphModule, state: Collection[str]) -> dict[str, int]:
+    """Storage bytes of each ``state`` value that is a buffer (a ``get_attr`` node), by name;
+    state passed as a graph input has no tensor here and is left out."""
+    return {node.name: _nbytes(_attribute(graph_module, str(node.target)))
+            for node in graph_module.graph.nodes if node.op == "get_attr" and node.name in state}
+
+
+INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
+def _attribute(module: nn.Module, path: str) -> Any:
+    """``module``'s attribute at dotted ``path`` (a ``get_attr`` node's target); ``None`` when absent."""
+    value: Any = module
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _nbytes(tensor: Any) -> int:
+    """Bytes of a tensor's storage; 0 for anything else."""
+    return tensor.untyped_storage().nbytes() if isinstance(tensor, torch.Tensor) else 0
 
 
 def state_keys(graph_module: fx.GraphModule, node: fx.Node, roots: Mapping[fx.Node, fx.Node],

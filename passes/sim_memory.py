@@ -24,9 +24,9 @@ import networkx as nx
 from passes.kept_bytes import CastUp, cast_up, shared_by_reader, shared_parameters
 
 # What an integer key names, beside the node (:func:`slot`); a value's storage is VALUE.
-SLOT_KINDS = 10
+SLOT_KINDS = 11
 (VALUE, EXTRA, FORWARD_EXTRA, SELECTIVE_EXTRA, GRAD_PARTIAL, GRAD, PARAM_ACCUMULATOR, PARAM_GRAD, BACKWARD_EXTRA,
- AUTOCAST_CACHE) = range(SLOT_KINDS)
+ AUTOCAST_CACHE, STATE_COPY) = range(SLOT_KINDS)
 
 
 def slot(node: int, kind: int) -> int:
@@ -57,6 +57,8 @@ class GraphIndex:
     selective_forward_extra: list[int]  # forward_extra under selective checkpointing's dispatch mode
     autocast_cache: list[int]
     autocast_cached: tuple[int, ...]  # the nodes with ``autocast_cache`` bytes
+    state_copy: list[int]  # the recompute's copies of running statistics an op saves (``state_copy_bytes``)
+    state_copied: frozenset[int]  # the nodes with ``state_copy`` bytes (none on most graphs)
     selective_extra: list[int]
     backward_extra: list[int]
     param_grad: list[int]
@@ -126,6 +128,8 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
                                                          columns["selective_forward_extra_bytes"], strict=True)],
         autocast_cache=columns["autocast_cache_bytes"],
         autocast_cached=tuple(i for i, cached in enumerate(columns["autocast_cache_bytes"]) if cached),
+        state_copy=columns["state_copy_bytes"],
+        state_copied=frozenset(i for i, copied in enumerate(columns["state_copy_bytes"]) if copied),
         selective_extra=columns["selective_extra_bytes"],
         backward_extra=columns["backward_extra_bytes"],
         param_grad=columns["param_grad_bytes"],
@@ -140,7 +144,7 @@ def _build_index(graph: nx.DiGraph) -> GraphIndex:
 
 _COLUMNS = ("alias_of", "bytes", "saved", "released_early", "saved_extra_bytes", "forward_extra_bytes",
             "cached_rerun_extra_bytes", "selective_forward_extra_bytes", "autocast_cache_bytes", "selective_extra_bytes",
-            "backward_extra_bytes",
+            "backward_extra_bytes", "state_copy_bytes",
             "param_grad_bytes", "param_grad_cast_bytes", "param_grad_narrow_bytes", "grad_views", "grad_bytes")
 
 

@@ -16,6 +16,7 @@ from passes.sim_memory import (
     PARAM_ACCUMULATOR,
     PARAM_GRAD,
     SELECTIVE_EXTRA,
+    STATE_COPY,
     LiveMemory,
     slot,
 )
@@ -103,6 +104,8 @@ def run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> N
                 memory.release(value, 1, None if keys is None else keys[value])
         if index.saved_extra[node]:  # (never allocated otherwise)
             memory.free(slot(node, EXTRA))
+        if index.state_copy[node]:  # a recompute's copies of the running statistics it saved (none in forward)
+            memory.free(slot(node, STATE_COPY))
         if returned:
             _added_into_buffers(memory, node, returned)
 

@@ -44,6 +44,7 @@ from passes.sim_memory import (
     PARAM_GRAD,
     SELECTIVE_EXTRA,
     SLOT_KINDS,
+    STATE_COPY,
     VALUE,
     LiveMemory,
 )
@@ -61,6 +62,7 @@ KIND_NAMES = {
     PARAM_GRAD: "parameter gradients",
     BACKWARD_EXTRA: "backward scratch",
     AUTOCAST_CACHE: "autocast's cached cast",  # a parameter's 16-bit copy, kept to the end of forward
+    STATE_COPY: "running statistics' copy",  # a recompute's, saved by its batch norm until its backward
 }
 """What each kind of simulator storage is called in a breakdown."""
 

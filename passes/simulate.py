@@ -57,7 +57,7 @@ from passes.schedule import plan_schedule
 from passes.segments import Segment, Step, make_segments
 from passes.sim_hooked import backward_hooked
 from passes.sim_loss import loss_scalar_bytes, loss_working_bytes, trained_outputs
-from passes.sim_memory import AUTOCAST_CACHE, EXTRA, GRAD, SELECTIVE_EXTRA, LimitExceeded, LiveMemory, slot
+from passes.sim_memory import AUTOCAST_CACHE, EXTRA, GRAD, SELECTIVE_EXTRA, STATE_COPY, LimitExceeded, LiveMemory, slot
 from passes.sim_ops import run_backward, run_forward
 
 
@@ -164,6 +164,7 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     within = set(index.id_list(segment.nodes))  # readers that hold a value: the body's, run or not
     memory.fresh.append(computed - kept | set(index.id_list(remat_nodes(segment))))
     unwound = _held_until_stop(memory, segment, computed, within)
+    copied = _copy_state(memory, segment, first) if ran else []
     remade = run_remat(memory, segment) if ran or stop is not None else set()  # before its own ops
     for value in _stop_holds(graph, stop):
         memory.hold(index.ids[value])  # saved by the step the recompute stops at, which does not run
@@ -185,6 +186,10 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     for value in kept - taken:  # what the recompute did not reach is dropped from the cache
         memory.release(value)
         memory.free(slot(value, SELECTIVE_EXTRA))
+    run_plain = set(index.id_list(step for step in ran if not isinstance(step, Segment)))
+    for node in copied:  # the copies no op it ran saved go with the recompute
+        if node not in run_plain:
+            memory.free(slot(node, STATE_COPY))
     memory.free(("rng-fork", id(segment)))  # the recompute's own graph, and the states its calls took, go
     for call in (call for step in ran if isinstance(step, Segment) for call in random_calls(graph, step)):
         memory.free((*rerun, id(call)))
@@ -194,7 +199,25 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
         last = children[-1]
         children = (*children[:-1], replace(last, nodes=last.nodes[: len(last.nodes) - len(first)]))
     _backward_sequence(memory, graph, children, grads, ran)
+    for node in copied:  # (each goes at its op's backward: :func:`passes.sim_ops.run_backward`)
+        memory.free(slot(node, STATE_COPY))
     memory.fresh.pop()
+
+
+def _copy_state(memory: LiveMemory, segment: Segment, first: Sequence[str]) -> list[int]:
+    """The scratch copies of running statistics a recompute of ``segment`` makes as it starts
+    (``state_copy_bytes`` of each op of its body, but for those whose backward ran first:
+    ``first``), so that the model's buffers move once per step: allocated here, each held until
+    its op's backward when the recompute runs the op (its batch norm saves them), else until
+    the recompute ends. Returns the ops copied for."""
+    index = memory.index
+    if not index.state_copied:
+        return []
+    before = set(index.id_list(first))
+    copied = [node for node in index.id_list(segment.nodes) if node in index.state_copied and node not in before]
+    for node in copied:
+        memory.allocate(slot(node, STATE_COPY), index.state_copy[node])
+    return copied
 
 
 def _held_until_stop(memory: LiveMemory, segment: Segment, computed: set[int], body: set[int]) -> dict[int, int]:

@@ -78,8 +78,9 @@ def test_batch_norm_backward_scratch_on_16_bit_inputs_is_simulated() -> None:
     """Under autocast on CPU, BatchNorm runs on bf16 with float32 parameters; the fake kernel
     gives its saved statistics bf16, the real one float32, so its backward's replay raised
     "mixed dtype" and counted no scratch (an input-sized buffer): MobileNetV2 at its floor
-    measured 1.6x its simulated peak. Replayed with the statistics as the kernel gets them,
-    eager's step measures its simulated peak."""
+    measured 1.6x its simulated peak. With the statistics in the real kernel's dtype
+    (:class:`graphckpt.torch_compat.RealOutputDtypes`, in the profile's fake run: the saved
+    bytes are right too), eager's step measures its simulated peak."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 48, 1), nn.BatchNorm2d(48), nn.Conv2d(48, 8, 1))
     simulated, measured = _eager_peaks(model, (torch.randn(8, 3, 64, 64),))

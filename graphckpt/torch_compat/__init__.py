@@ -59,16 +59,17 @@ from graphckpt.torch_compat.profiler import (
     profiled_range,
     profiler_enabled,
 )
+from graphckpt.torch_compat.real_dtypes import RealOutputDtypes, real_output_dtypes
 
 __all__ = [
-    "RANGE_PREFIX", "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "TorchDispatchMode",
+    "RANGE_PREFIX", "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "RealOutputDtypes", "TorchDispatchMode",
     "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under", "argument_names",
     "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks",
     "is_accumulate_grad", "is_cast", "memory_timeline_allocations", "module_registries", "module_tree_copy",
     "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
-    "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves",
-    "tree_map", "tree_unflatten",
+    "real_output_dtypes", "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten",
+    "tree_leaves", "tree_map", "tree_unflatten",
 ]
 
 
