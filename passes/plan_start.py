@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Collection, Sequence
+from itertools import pairwise
 from typing import NamedTuple
 
 import networkx as nx
 
-from passes.graph_facts import pure_ops
+from passes.graph_facts import node_attribute, pure_ops
 from passes.highs import Milp
 from passes.schedule import extra_key
 from passes.segments import Segment
@@ -46,6 +47,7 @@ class PlanMakes(NamedTuple):
     values: frozenset[str]  # ops whose values (storages) forward holds into backward
     extras: frozenset[str]  # ops whose extras it holds
     made: tuple[tuple[str, str], ...]  # (training-graph node made again, the op before whose backward)
+    in_order: bool = True  # its forward runs the ops in the graph's order, as a schedule does
 
 
 class _MakesRecorder(LiveMemory):
@@ -86,15 +88,29 @@ def plan_makes(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanMakes:
         if kind >= 0 and after < len(order):
             made.append((extra_key(names[node]) if kind == EXTRA else names[node], names[order[after][1]]))
     return PlanMakes(frozenset(n for i, n in enumerate(names) if index.value_keys[i] in entering),
-                     frozenset(n for i, n in enumerate(names) if i * SLOT_KINDS + EXTRA in entering), tuple(made))
+                     frozenset(n for i, n in enumerate(names) if i * SLOT_KINDS + EXTRA in entering), tuple(made),
+                     _in_graph_order(graph, segments))
+
+
+def _in_graph_order(graph: nx.DiGraph, segments: Sequence[Segment]) -> bool:
+    """Whether ``segments`` run their ops in the graph's execution order. A plan may move an
+    op that reads nothing before it ahead (a view of an input recomputed first); a schedule
+    runs forward in the graph's order, and read as one such a plan may peak higher than it
+    does (an op's extra made beside a value the plan made only after it)."""
+    order = node_attribute(graph, "order")
+    ranks = [order[name] for segment in segments for name in segment.nodes]
+    return all(a < b for a, b in pairwise(ranks))
 
 
 def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
                    with_extra: Collection[str]) -> tuple[Matrix, Matrix] | None:
     """``R`` and ``S`` of the executable schedule reading a plan (``makes``, see the module's
     docstring); ``None`` where it would make a value before the first hooked stage or make
-    an op the runtime may not run again. ``with_extra``: the ops whose extra may be made
+    an op the runtime may not run again, or where the plan runs forward in another order than
+    the graph's (:attr:`PlanMakes.in_order`). ``with_extra``: the ops whose extra may be made
     again (:func:`passes.checkmate.remakeable_extras`, or none where the solve holds every extra)."""
+    if not makes.in_order:
+        return None
     T, first, names, home = training.size, training.n_forward, training.names, training.home
     at = {name: i for i, name in enumerate(names)}
     hooks = hooked_stages(graph, training)

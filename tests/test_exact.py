@@ -115,7 +115,11 @@ def test_budget_search_takes_the_exact_schedule_where_it_recomputes_less() -> No
     plan = fit_budget(graph, budget)
     assert plan.peak_bytes <= budget
     assert plan.segments[0].schedule is not None, plan
-    assert plan.recompute_flops == checkmate_schedule(graph, budget, time_limit=20).recompute_flops
+    reference = checkmate_schedule(graph, budget, time_limit=20)
+    if reference.status == "optimal":
+        assert plan.recompute_flops == reference.recompute_flops
+    else:  # a slower CPU's 20 s may stop above the optimum the planner found (238 against 239 in CI)
+        assert reference.recompute_lower_bound <= plan.recompute_flops <= reference.recompute_flops
     assert "exact solver's schedule" in plan.notes[0]
     without = fit_budget(graph, budget, exact_seconds=0)  # exact=False: the solver is never asked
     assert all(segment.schedule is None for segment in without.segments)
