@@ -36,7 +36,7 @@ from passes.segments import Segment
 from passes.sim_memory import EXTRA, SLOT_KINDS, VALUE, LiveMemory
 from passes.simulate import step_peak
 from passes.training_backward import backward_stage
-from passes.training_graph import Matrix, TrainingGraph, held_between_reads, hooked_stages
+from passes.training_graph import Matrix, TrainingGraph, held_between_reads, hooked_stages, stage_peaks
 
 FORWARD_ENDS = ("loss",)  # the key the replay allocates once forward has run (passes.simulate.step_peak)
 
@@ -48,6 +48,7 @@ class PlanMakes(NamedTuple):
     extras: frozenset[str]  # ops whose extras it holds
     made: tuple[tuple[str, str], ...]  # (training-graph node made again, the op before whose backward)
     in_order: bool = True  # its forward runs the ops in the graph's order, as a schedule does
+    peak_bytes: float = float("inf")  # the plan's simulated peak
 
 
 class _MakesRecorder(LiveMemory):
@@ -89,7 +90,7 @@ def plan_makes(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanMakes:
             made.append((extra_key(names[node]) if kind == EXTRA else names[node], names[order[after][1]]))
     return PlanMakes(frozenset(n for i, n in enumerate(names) if index.value_keys[i] in entering),
                      frozenset(n for i, n in enumerate(names) if i * SLOT_KINDS + EXTRA in entering), tuple(made),
-                     _in_graph_order(graph, segments))
+                     _in_graph_order(graph, segments), memory.peak)
 
 
 def _in_graph_order(graph: nx.DiGraph, segments: Sequence[Segment]) -> bool:
@@ -106,8 +107,11 @@ def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
                    with_extra: Collection[str]) -> tuple[Matrix, Matrix] | None:
     """``R`` and ``S`` of the executable schedule reading a plan (``makes``, see the module's
     docstring); ``None`` where it would make a value before the first hooked stage or make
-    an op the runtime may not run again, or where the plan runs forward in another order than
-    the graph's (:attr:`PlanMakes.in_order`). ``with_extra``: the ops whose extra may be made
+    an op the runtime may not run again, where the plan runs forward in another order than
+    the graph's (:attr:`PlanMakes.in_order`), or where the reading peaks above the plan's
+    simulated peak in the solver's memory model (a start the plan does not vouch for: a random
+    graph of views of one input with extras peaked 226 bytes where its plan peaks at 220).
+    ``with_extra``: the ops whose extra may be made
     again (:func:`passes.checkmate.remakeable_extras`, or none where the solve holds every extra)."""
     if not makes.in_order:
         return None
@@ -150,7 +154,8 @@ def start_schedule(graph: nx.DiGraph, training: TrainingGraph, makes: PlanMakes,
             if i < first and i not in available and (hook_before[t] is None or not make(i, hook_before[t])):
                 return None
     _drop_unread(training, R)
-    return tuple(tuple(row) for row in R), held_between_reads(training, R)
+    read = tuple(tuple(row) for row in R), held_between_reads(training, R)
+    return read if max(stage_peaks(training, *read), default=0) <= makes.peak_bytes else None
 
 
 def _drop_unread(training: TrainingGraph, R: list[list[int]]) -> None:
