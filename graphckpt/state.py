@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphckpt.torch_compat import NormBase, OpOverload, op_schema
+from graphckpt.torch_compat import NormBase, OpOverload, allocated_bytes, op_schema
 
 RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 # ATen norms that write the running statistics they are passed (in training mode).
@@ -119,31 +119,19 @@ def state_copy_bytes(graph_module: fx.GraphModule, node: fx.Node, saved: Sequenc
         if (not isinstance(layer, NormBase) or isinstance(layer, INSTANCE_NORMS) or not layer.training
                 or not layer.track_running_stats):
             return 0
-        return sum(_nbytes(getattr(layer, name, None)) for name in RUNNING_STATS[:2])
+        return sum(allocated_bytes(stat) for name in RUNNING_STATS[:2] if (stat := getattr(layer, name, None)) is not None)
     return sum(state_bytes.get(name, 0) for name in saved)
 
 
 def state_buffer_bytes(graph_module: fx.GraphModule, state: Collection[str]) -> dict[str, int]:
-    """Storage bytes of each ``state`` value that is a buffer (a ``get_attr`` node), by name;
-    state passed as a graph input has no tensor here and is left out."""
-    return {node.name: _nbytes(_attribute(graph_module, str(node.target)))
-            for node in graph_module.graph.nodes if node.op == "get_attr" and node.name in state}
+    """Storage bytes of each ``state`` value that is a buffer (a ``get_attr`` node naming one),
+    by name; state passed as a graph input, or a plain tensor attribute, has none here."""
+    buffers = dict(graph_module.named_buffers())
+    return {node.name: allocated_bytes(buffers[str(node.target)]) for node in graph_module.graph.nodes
+            if node.op == "get_attr" and node.name in state and str(node.target) in buffers}
 
 
 INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-
-
-def _attribute(module: nn.Module, path: str) -> Any:
-    """``module``'s attribute at dotted ``path`` (a ``get_attr`` node's target); ``None`` when absent."""
-    value: Any = module
-    for part in path.split("."):
-        value = getattr(value, part, None)
-    return value
-
-
-def _nbytes(tensor: Any) -> int:
-    """Bytes of a tensor's storage; 0 for anything else."""
-    return tensor.untyped_storage().nbytes() if isinstance(tensor, torch.Tensor) else 0
 
 
 def state_keys(graph_module: fx.GraphModule, node: fx.Node, roots: Mapping[fx.Node, fx.Node],

@@ -171,7 +171,8 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     rerun = ("rng-rerun", len(memory.fresh))
     if ran and draws_random(graph, segment.nodes):  # the recompute forks the generator while it runs
         memory.allocate(("rng-fork", id(segment)), graph.graph.get("rng_state_bytes", 0))
-    taken = kept & set(index.id_list(step for step in ran if not isinstance(step, Segment)))
+    run_plain = set(index.id_list(step for step in ran if not isinstance(step, Segment)))  # not as a child
+    taken = kept & run_plain
     for is_segment, steps in groupby(ran, key=lambda step: isinstance(step, Segment)):
         if not is_segment:
             run_forward(memory, index.id_list(steps), save=True, within=within, consumed=taken,
@@ -186,7 +187,6 @@ def _backward_recomputed(memory: LiveMemory, graph: nx.DiGraph, segment: Segment
     for value in kept - taken:  # what the recompute did not reach is dropped from the cache
         memory.release(value)
         memory.free(slot(value, SELECTIVE_EXTRA))
-    run_plain = set(index.id_list(step for step in ran if not isinstance(step, Segment)))
     for node in copied:  # the copies no op it ran saved go with the recompute
         if node not in run_plain:
             memory.free(slot(node, STATE_COPY))
