@@ -80,8 +80,9 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     8739 / 9038 FLOPs in all in three runs against 9317 / 8897 without it (one graph 978 ->
     837-918; one 1033-1066 -> 1176, where the solver's own start had found another basin);
     the zoo DenseNet at 0.5 of eager 71.4M -> 47.8-51.3M, where no solve had beaten the plan.
-    Polishing both, the plan in one lane and the solver's own start in the other, recomputed
-    more in all than polishing the plan alone (9010 / 9004): each got half the windows."""
+    Polishing both, the plan in one lane and the solver's own start in the other, sharing one
+    best, recomputed more in all than polishing the plan alone (9010 / 9004): each got half the
+    windows. Now, on two CPUs, each lane polishes a best of its own there (:func:`polish_two_basins`)."""
     started = time.perf_counter()
     deadline = started + (1 - POLISH_SHARE) * time_limit
     relaxation = model.solve(cost, time_limit, relaxed=True)
@@ -128,6 +129,7 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
         return answer
     until = started + time_limit
     own = found.best is None or (cutoff is not None and found.best.objective > cutoff)  # none beat the cutoff
+    plan_basin = own and start is not None and found.best is not None  # the best is the plan in hand
     if own and not polish_start:
         return answer
     if found.best is None:  # a start for the polish, found in time on top of the limit
@@ -139,13 +141,46 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
         if found.best is None:
             return answer
     clock = PolishClock(until, until + POLISH_OVERTIME * time_limit)
-    if lanes() > 1:
+    if lanes() > 1 and plan_basin:  # no solve beat the plan in hand: two basins
+        polish_two_basins(model, cost, found, clock, next(freed_neighbourhoods(S, relaxation.x, FREED_AT))[0],
+                          START_SHARE * time_limit)
+    elif lanes() > 1:
         with quiet():
             at_once(lambda: polish(model, cost, found, clock, own=own),
                     lambda: polish(model, cost, found, clock, shifted=True, own=own))
     else:
         polish(model, cost, found, clock, own=own)
     return _answer(relaxation, found.best, full)
+
+
+def polish_two_basins(model: Milp, cost: np.ndarray, found: Incumbent, clock: PolishClock,
+                      least_fixed: dict[int, float], start_seconds: float) -> None:
+    """Polish ``found``'s best (the plan in hand, which no solve beat) in one lane, on the
+    shifted windows, and in the other a schedule of the sub-MIP ``least_fixed`` fixes, found in
+    ``start_seconds`` without the cutoff, each lane bettering its own best; the better of the
+    two ends in ``found``.
+
+    A polish stays in the basin it starts from. One 40-op DAG of ``scripts/planner_gap.py`` at
+    0.3 of eager (seed 0, graph 7: 5 s for the solver, two CPUs) polished from the plan in both
+    lanes recomputed 1176-1186 FLOPs in six runs; in two basins 1012-1055 in five of nine and
+    1186 in four (the solver's start polished no lower than the plan's); the 60 s reference
+    solve finds 985. One of seed 1's at 0.5: 224 in three runs, 213-217 in four. The plan's lane
+    takes the shifted windows: on the unshifted ones alone it stopped at 1376 on that graph in
+    each of six runs, on the shifted ones at 1186, as the two lanes did (one graph: which
+    windows suit a basin is not known in general). Of 65 budgets asked of such DAGs (16 and 40
+    ops, seeds 0-3) and the zoo graphs, only these two and the zoo MLP at 0.3 (the same plan)
+    get here: elsewhere a solve beats the plan first. Stop 82 tried the two starts with one best
+    shared by the lanes (:func:`guided_solve`, not kept); here each lane keeps its own."""
+    other = Incumbent(None)
+
+    def from_own_start() -> None:
+        other.offer(model.fixed(least_fixed).solve(cost, min(start_seconds, clock.left()), enough=FLOPS_PROVEN))
+        polish(model, cost, other, clock, own=True)
+
+    with quiet():
+        at_once(lambda: polish(model, cost, found, clock, shifted=True, own=True), from_own_start)
+    if other.best is not None:
+        found.offer(other.best)
 
 
 def _answer(relaxation: Solved, best: Solved | None, full: Solved) -> Solved:

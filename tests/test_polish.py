@@ -176,6 +176,46 @@ def test_where_no_solve_beats_the_cutoff_the_polish_starts_from_a_schedule_found
     assert float(cost @ found.x) == pytest.approx(found.objective)
 
 
+
+def test_where_no_solve_beats_the_plan_in_hand_two_lanes_polish_two_basins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On two CPUs, where no solve beats the plan in hand (the start), one lane polishes the
+    plan and the other a schedule found without the cutoff, each bettering a best of its own
+    (a polish stays in the basin it starts from: one 40-op DAG at 0.3 of eager recomputed
+    1176-1186 FLOPs polished from the plan in both lanes, 1012-1186 in two basins); the better
+    of the two comes back, a schedule of the whole model no dearer than the plan."""
+    import passes.guided_solve
+    from passes.guided_solve import guided_solve
+
+    model, cost, plan, least = _poorer_start(12)
+    start = {column: float(round(plan.x[column])) for key, column in model.columns.items() if key[0] in ("R", "S")}
+    cutoff = plan.objective - 0.25  # asked to beat the plan in hand
+    solve, before_polish, polished = Milp.solve, [True], []
+
+    def nothing_beats_the_plan(self: Milp, cost, time_limit: float, relaxed: bool = False, cutoff=None, enough=0.0):
+        if before_polish[0] and not relaxed and cutoff is not None:  # the guided solves find nothing in the time
+            return Solved("time_limit", None, float("inf"), 0.0)
+        return solve(self, cost, time_limit, relaxed, cutoff=cutoff, enough=enough)
+
+    real = passes.guided_solve.polish
+
+    def watched(model, cost, found, clock, shifted=False, own=False):
+        before_polish[0] = False
+        polished.append((found, shifted, own, None if found.best is None else found.best.objective))
+        return real(model, cost, found, clock, shifted, own)
+
+    monkeypatch.setattr(Milp, "solve", nothing_beats_the_plan)
+    monkeypatch.setattr(passes.guided_solve, "lanes", lambda: 2)
+    monkeypatch.setattr(passes.guided_solve, "polish", watched)
+    monkeypatch.setattr(passes.guided_solve, "START_SHARE", 0.4)  # time for the other start on a loaded machine
+    found = guided_solve(model, cost, 3.0, cutoff, start=start)
+    assert len(polished) == 2 and polished[0][0] is not polished[1][0]  # a best of its own each
+    assert all(own for _, _, own, _ in polished)
+    from_plan = [first for _, shifted, _, first in polished if shifted]  # the plan's lane: the shifted windows
+    assert from_plan == [plan.objective]  # (the other lane's start is found in that lane)
+    assert found.x is not None and found.objective <= plan.objective
+    assert float(cost @ found.x) == pytest.approx(found.objective)
+    assert found.objective >= least - 1e-6
+
 def test_where_the_whole_model_proves_nothing_beats_the_cutoff_no_start_is_sought(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A cutoff proven unbeatable (the whole MILP infeasible under it) ends the solve: no
