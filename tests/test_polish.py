@@ -176,7 +176,6 @@ def test_where_no_solve_beats_the_cutoff_the_polish_starts_from_a_schedule_found
     assert float(cost @ found.x) == pytest.approx(found.objective)
 
 
-
 def test_where_no_solve_beats_the_plan_in_hand_two_lanes_polish_two_basins(monkeypatch: pytest.MonkeyPatch) -> None:
     """On two CPUs, where no solve beats the plan in hand (the start), one lane polishes the
     plan and the other a schedule found without the cutoff, each bettering a best of its own
@@ -215,6 +214,7 @@ def test_where_no_solve_beats_the_plan_in_hand_two_lanes_polish_two_basins(monke
     assert found.x is not None and found.objective <= plan.objective
     assert float(cost @ found.x) == pytest.approx(found.objective)
     assert found.objective >= least - 1e-6
+
 
 def test_where_the_whole_model_proves_nothing_beats_the_cutoff_no_start_is_sought(
         monkeypatch: pytest.MonkeyPatch) -> None:
