@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -132,18 +132,21 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
     plan_basin = own and start is not None and found.best is not None  # the best is the plan in hand
     if own and not polish_start:
         return answer
+
+    def own_start(seconds: float) -> Solved:
+        """Any schedule of the least fixed freed sub-MIP, asked without the cutoff."""
+        fixed, _ = next(freed_neighbourhoods(S, relaxation.x, FREED_AT))
+        return model.fixed(fixed).solve(cost, seconds, enough=FLOPS_PROVEN)
+
     if found.best is None:  # a start for the polish, found in time on top of the limit
         begun = time.perf_counter()
-        fixed, _ = next(freed_neighbourhoods(S, relaxation.x, FREED_AT))
-        found.offer(model.fixed(fixed).solve(cost, START_SHARE * time_limit, cutoff=found.bar(own=True),
-                                             enough=FLOPS_PROVEN))
+        found.offer(own_start(START_SHARE * time_limit))
         until += time.perf_counter() - begun
         if found.best is None:
             return answer
     clock = PolishClock(until, until + POLISH_OVERTIME * time_limit)
     if lanes() > 1 and plan_basin:  # no solve beat the plan in hand: two basins
-        polish_two_basins(model, cost, found, clock, next(freed_neighbourhoods(S, relaxation.x, FREED_AT))[0],
-                          START_SHARE * time_limit)
+        polish_two_basins(model, cost, found, clock, lambda: own_start(min(START_SHARE * time_limit, clock.left())))
     elif lanes() > 1:
         with quiet():
             at_once(lambda: polish(model, cost, found, clock, own=own),
@@ -154,11 +157,11 @@ def guided_solve(model: Milp, cost: np.ndarray, time_limit: float, cutoff: float
 
 
 def polish_two_basins(model: Milp, cost: np.ndarray, found: Incumbent, clock: PolishClock,
-                      least_fixed: dict[int, float], start_seconds: float) -> None:
+                      own_start: Callable[[], Solved]) -> None:
     """Polish ``found``'s best (the plan in hand, which no solve beat) in one lane, on the
-    shifted windows, and in the other a schedule of the sub-MIP ``least_fixed`` fixes, found in
-    ``start_seconds`` without the cutoff, each lane bettering its own best; the better of the
-    two ends in ``found``.
+    shifted windows, and in the other the schedule ``own_start`` finds (the solver's own,
+    without the cutoff), each lane bettering its own best; the better of the two ends in
+    ``found``.
 
     A polish stays in the basin it starts from. One 40-op DAG of ``scripts/planner_gap.py`` at
     0.3 of eager (seed 0, graph 7: 5 s for the solver, two CPUs) polished from the plan in both
@@ -174,7 +177,7 @@ def polish_two_basins(model: Milp, cost: np.ndarray, found: Incumbent, clock: Po
     other = Incumbent(None)
 
     def from_own_start() -> None:
-        other.offer(model.fixed(least_fixed).solve(cost, min(start_seconds, clock.left()), enough=FLOPS_PROVEN))
+        other.offer(own_start())
         polish(model, cost, other, clock, own=True)
 
     with quiet():
