@@ -28,10 +28,11 @@ from pathlib import Path
 
 import networkx as nx
 
+from graphckpt.tools.milp_gap import Gap, cell, gap_to_milp
+from graphckpt.tools.random_dags import random_cost_graph
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
-from passes.checkmate import CheckmateResult, SolveTimeout, checkmate_schedule
-from passes.costgraph import add_value
+from passes.checkmate import CheckmateResult, checkmate_schedule
 from passes.exact import EXACT_TIME_LIMIT
 from passes.flat_plans import candidate_plans
 from passes.graph_facts import op_nodes
@@ -55,51 +56,10 @@ GPT_NOTE = (" gpt (`--models gpt`; its smallest, one layer, has 42 ops) is left 
 QUICK_SIZES: dict[str, dict[str, object]] = {"mlp": {"depth": 4, "width": 16, "batch": 64}}
 
 
-@dataclass(frozen=True)
-class Gap:
-    """A plan's total forward compute over the optimum's, known to lie in ``[low, high]``."""
-
-    low: float  # over the MILP's schedule (the optimum when proven, else feasible and unproven)
-    high: float  # over the MILP's proven lower bound; equal to ``low`` when proven optimal
-
-    @property
-    def settled(self) -> bool:
-        """Whether the ratio is known (to the report's two decimals), not a range."""
-        return self.high - self.low < 5e-3
-
-    def narrowed(self, other: Gap) -> Gap:
-        """What two solves for the same plan know together: any schedule either found bounds
-        the optimum from above, any bound either proved bounds it from below."""
-        return Gap(max(self.low, other.low), min(self.high, other.high))
-
-
-def random_cost_graph(rng: random.Random, ops: int) -> nx.DiGraph:
-    """A random DAG: each op reads the previous one and sometimes an earlier value (skips).
-    Marked ``measured``, as a model's graph costed from example inputs is: no op draws
-    random numbers, so selective segments may run by saved-tensor hooks."""
-    graph = nx.DiGraph(measured=True)
-    add_value(graph, "x", kind="input", order=0, bytes=64, requires_grad=False)
-    names = ["x"]
-    for index in range(ops):
-        reads = {names[-1]}
-        if index > 1 and rng.random() < 0.3:
-            reads.add(rng.choice(names[:-1]))
-        name = f"op{index}"
-        flops = rng.choice([1, 10, 100])
-        add_value(graph, name, kind="op", order=index + 1, bytes=rng.choice([64, 128, 256]),
-                  reads=sorted(reads), flops=flops, saved=tuple(sorted(reads)),
-                  expensive=flops == 100)  # the "matmuls": what selective segments keep
-        names.append(name)
-    readers = {u for u, _ in graph.edges}
-    add_value(graph, "output", kind="output", order=ops + 1, bytes=0,
-              reads=[n for n in names[1:] if n not in readers])
-    return graph
-
-
 def zoo_cost_graph(name: str, size: dict[str, object]) -> nx.DiGraph:
     """A zoo model's cost graph, as ``graphckpt.analyze`` gives it."""
     from graphckpt.api import analyze
-    from graphckpt.tools import zoo  # torch only here: the random table needs none
+    from graphckpt.tools import zoo
 
     model, inputs = zoo.make(name, **size)
     return analyze(model, inputs).cost_graph.copy()
@@ -124,31 +84,6 @@ def plans_of(graph: nx.DiGraph, exact_seconds: float = EXACT_TIME_LIMIT) -> dict
 def gaps(graph: nx.DiGraph, plans: dict[str, Plan], time_limit: float) -> dict[str, Gap]:
     """Each plan's :class:`Gap` to the MILP's least recompute at the plan's simulated peak."""
     return {name: gap_to_milp(graph, plan.peak_bytes, plan.recompute_flops, time_limit) for name, plan in plans.items()}
-
-
-def gap_to_milp(graph: nx.DiGraph, budget_bytes: float, ours: int, time_limit: float) -> Gap:
-    """A plan's :class:`Gap` to the least recompute of any schedule under ``budget_bytes``
-    (the plan recomputes ``ours`` FLOPs and fits it). The MILP is asked only for schedules
-    recomputing less (``beat=ours``): where none does it proves so, often in a fraction of
-    a full solve, and the ratio is 1.00x; stopped at its time limit without one, the ratio
-    lies between 1.00x and ``ours`` over HiGHS's proven bound."""
-    forward = sum(f for _, f in graph.nodes(data="flops"))
-    total = forward + ours
-    try:
-        best = checkmate_schedule(graph, budget_bytes, time_limit=time_limit, beat=ours)
-    except SolveTimeout as stopped:
-        return Gap(1.0, total / (forward + stopped.recompute_lower_bound))
-    if best is None:
-        return Gap(1.0, 1.0)
-    return Gap(total / (forward + best.recompute_flops), total / (forward + best.recompute_lower_bound))
-
-
-def cell(gap: Gap | None) -> str:
-    """``1.23x`` when proven; ``1.06-1.25x*`` (the true ratio's range) when the MILP timed out;
-    ``—`` for no gap (a model whose table has no such row)."""
-    if gap is None:
-        return "—"
-    return f"{gap.low:.2f}x" if gap.settled else f"{gap.low:.2f}–{gap.high:.2f}x*"
 
 
 def random_table(graphs: int, ops: int, seed: int, time_limit: float, exact_seconds: float = EXACT_TIME_LIMIT) -> str:

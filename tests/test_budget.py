@@ -211,10 +211,10 @@ def test_a_large_graph_whose_default_flat_plans_miss_tries_more_segments() -> No
     forward."""
     import random
 
+    from graphckpt.tools.random_dags import random_cost_graph
     from passes.flat_plans import THOROUGH_UP_TO, more_segments
     from passes.graph_facts import op_nodes
     from passes.heuristics import sqrt_candidate
-    from scripts.planner_gap import random_cost_graph
 
     graph = random_cost_graph(random.Random(1), 500)
     assert len(op_nodes(graph)) > THOROUGH_UP_TO
@@ -237,8 +237,8 @@ def test_on_a_graph_past_the_local_search_the_drop_scan_stops_at_the_filled_plan
     import random
 
     import passes.budget_search as budget_module
+    from graphckpt.tools.random_dags import random_cost_graph
     from passes.search import SEARCH_MAX_OPS
-    from scripts.planner_gap import random_cost_graph
 
     graph = random_cost_graph(random.Random(3), 100)
     assert len(op_nodes(graph)) > SEARCH_MAX_OPS

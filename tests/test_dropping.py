@@ -185,8 +185,8 @@ def _scan_of_a_dag() -> _ScanOfADag:
     import random
 
     import passes.drop_scan as drops
+    from graphckpt.tools.random_dags import random_cost_graph
     from passes.simulate import eager_segments
-    from scripts.planner_gap import random_cost_graph
 
     graph = random_cost_graph(random.Random(4), 200)
     base = eager_segments(graph)

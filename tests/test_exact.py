@@ -106,7 +106,7 @@ def test_a_scheduled_segment_must_keep_what_its_schedule_keeps() -> None:
 def test_budget_search_takes_the_exact_schedule_where_it_recomputes_less() -> None:
     import random
 
-    from scripts.planner_gap import random_cost_graph
+    from graphckpt.tools.random_dags import random_cost_graph
 
     rng = random.Random(0)
     graphs = [random_cost_graph(rng, 16) for _ in range(6)]

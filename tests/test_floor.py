@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from graphckpt.tools.random_dags import random_cost_graph
 from passes.budget import BudgetError, unreachable
 from passes.budget_search import fit_budget
 from passes.checkmate import checkmate_schedule
@@ -15,7 +16,6 @@ from passes.exact import floor_plan, floors_below
 from passes.floor import FLOOR_MAX_OPS, Floor, true_floor
 from passes.optimal import DynamicProgram
 from passes.simulate import eager_peak
-from scripts.planner_gap import random_cost_graph
 from tests.test_exact_extras import _small_unet
 
 pytestmark = pytest.mark.full_solver_time  # floors are what the solver finds in its time

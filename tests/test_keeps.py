@@ -21,6 +21,7 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
+from graphckpt.tools.random_dags import random_cost_graph
 from passes.budget_search import fit_budget
 from passes.graph_facts import op_nodes
 from passes.keeps import REFILL_SLACK, filled_again, with_keeps, without_keeps
@@ -38,7 +39,6 @@ from passes.relaxed import relaxed_plans
 from passes.segments import make_segments, validate_plan
 from passes.simulate import eager_peak, simulate
 from passes.strategies import choose_plan
-from scripts.planner_gap import random_cost_graph
 from tests.equivalence import assert_trains_like_twice, zoo_pair
 
 

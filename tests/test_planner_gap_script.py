@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+from passes.checkmate import SolveTimeout
 from tests.scripts import load_script
 
 CELL = re.compile(r"^(\d+\.\d+)(?:–(\d+\.\d+))?x\*?$")
@@ -104,7 +105,7 @@ def test_an_unsettled_budget_cell_is_solved_once_more_for_the_longer_limit(monke
     def schedule(graph, budget, time_limit):
         solves.append(time_limit)
         if time_limit < 100:
-            raise script.SolveTimeout("no answer yet", 0.0)
+            raise SolveTimeout("no answer yet", 0.0)
         return None  # proven: no schedule meets the budget
 
     monkeypatch.setattr(script, "checkmate_schedule", schedule)

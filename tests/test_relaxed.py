@@ -12,6 +12,7 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
+from graphckpt.tools.random_dags import random_cost_graph
 from passes.checkmate import checkmate_schedule, relaxed_holds
 from passes.flat_plans import candidate_plans
 from passes.floor import true_floor
@@ -24,7 +25,6 @@ from passes.relaxed import relaxed_plan
 from passes.segments import validate_plan
 from passes.simulate import eager_peak, simulate
 from passes.strategies import plan_graph
-from scripts.planner_gap import random_cost_graph
 from tests.equivalence import assert_trains_like_twice, fresh_pair
 
 pytestmark = pytest.mark.full_solver_time  # relaxed plans against the MILP's proven schedules and floors

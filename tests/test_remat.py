@@ -19,6 +19,7 @@ from graphckpt.api import analyze
 from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
+from graphckpt.tools.random_dags import random_cost_graph
 from passes.budget_search import fit_budget
 from passes.drops import drop_plan
 from passes.graph_facts import op_nodes
@@ -28,7 +29,6 @@ from passes.remat import ChainTooLong, Remat, greedy_remat, remat_chain, with_re
 from passes.search import search
 from passes.segments import PlanError, make_segments
 from passes.simulate import eager_peak
-from scripts.planner_gap import random_cost_graph
 from tests.equivalence import assert_trains_like, assert_trains_like_twice, fresh_pair, zoo_pair
 
 

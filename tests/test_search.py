@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphckpt.tools.random_dags import random_cost_graph
 from passes.budget import BudgetError
 from passes.budget_search import fit_budget
 from passes.optimal import DynamicProgram
 from passes.search import SEARCH_MAX_OPS, PlanLayout, build, layout_of, search, unread
 from passes.segments import PlanError, validate_plan
 from passes.simulate import eager_peak
-from scripts.planner_gap import random_cost_graph
 
 
 @pytest.mark.parametrize("seed", range(4))
