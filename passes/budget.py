@@ -88,7 +88,7 @@ def _reason(budget_bytes: int, smallest_peak_bytes: int, eager_peak_bytes: int, 
     ratio = smallest_peak_bytes / max(eager_peak_bytes, 1)
     return (f"no plan fits {format_bytes(budget_bytes, 'MiB')}; the smallest simulated peak is "
             f"{format_bytes(smallest_peak_bytes, 'MiB')} ({ratio:.2f}x eager, "
-            f"strategy {strategy} with {segment_count} segments)")
+            f"strategy {strategy} with {segment_count} segment{'' if segment_count == 1 else 's'})")
 
 
 def parse_budget(budget: Budget, eager_peak_bytes: int) -> int:

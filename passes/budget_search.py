@@ -24,7 +24,7 @@ from passes.optimal import DynamicPrograms
 from passes.peak_queries import forward_floor
 from passes.plan import Candidate, Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
-from passes.relaxed import Rounded, relaxed_plans, remakes_of
+from passes.relaxed import Rounded, lowest_relaxed, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, SEEDS_BELOW_FLOOR, search, search_seeds
 from passes.segments import PlanError, Segment
 from passes.simulate import eager_peak, forward_flops
@@ -105,6 +105,12 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                     return _chosen(lowest, budget_bytes, flat, tried, "the exact solver's schedule of least peak "
                                    "(passes.exact.floor_plan)")
                 planned += [lowest] if lowest else []
+                lower = lowest_relaxed(graph, max(budget_bytes, floor.lower_bound_bytes if floor else 0),
+                                       min(p.peak_bytes for p in planned))
+                if lower is not None and lower.peak_bytes <= budget_bytes:
+                    return _chosen(lower, budget_bytes, flat, tried, _relaxed_origin(lower))
+                planned += [lower] if lower else []
+                floor = floor if lower is None or floor is None else floor.below(lower.peak_bytes)
                 raise unreachable(graph, budget_bytes, planned,
                                   *((floor.peak_bytes, floor.lower_bound_bytes) if floor else ()))
             chosen, origin = rounded.searchable, _relaxed_origin(rounded.searchable)

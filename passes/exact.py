@@ -91,8 +91,8 @@ def floors_below(graph: nx.DiGraph, time_limit: float, below: float) -> tuple[Pl
         lowest = floor_plan(graph, time_limit, below=below)
         return lowest, true_floor(graph, below=below if lowest is None else min(below, lowest.peak_bytes))
     lowest, floor = at_once(lambda: floor_plan(graph, time_limit, below=below), lambda: true_floor(graph, below=below))
-    if floor is not None and lowest is not None and lowest.peak_bytes < floor.peak_bytes:
-        floor = Floor(lowest.peak_bytes, min(floor.lower_bound_bytes, lowest.peak_bytes))
+    if floor is not None and lowest is not None:
+        floor = floor.below(lowest.peak_bytes)
     return lowest, floor
 
 

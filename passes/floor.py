@@ -42,6 +42,19 @@ class Floor:
     def proven(self) -> bool:
         return self.peak_bytes - self.lower_bound_bytes < 1
 
+    def below(self, peak_bytes: float) -> Floor:
+        """This floor, lowered to ``peak_bytes`` where a plan is known to reach less than the
+        schedule found (its bound with it, where it proved more than that plan shows).
+
+        >>> Floor(100, 80).below(90), Floor(100, 80).below(120)
+        (Floor(peak_bytes=90, lower_bound_bytes=80), Floor(peak_bytes=100, lower_bound_bytes=80))
+        >>> Floor(100, 95).below(90)
+        Floor(peak_bytes=90, lower_bound_bytes=90)
+        """
+        if peak_bytes >= self.peak_bytes:
+            return self
+        return Floor(peak_bytes, min(self.lower_bound_bytes, peak_bytes))
+
 
 def true_floor(graph: nx.DiGraph, time_limit: float = FLOOR_TIME_LIMIT, below: float | None = None) -> Floor | None:
     """The least peak any recompute schedule of ``graph`` reaches in the simulator's model of

@@ -176,3 +176,29 @@ def with_held(graph: nx.DiGraph, plan: Plan, budget_bytes: float) -> Plan:
 def _holding(segments: tuple[Segment, ...], index: int, held: tuple[str, ...]) -> tuple[Segment, ...]:
     """``segments`` with the one at ``index`` holding ``held`` once made again."""
     return (*segments[:index], replace(segments[index], remake_held=held), *segments[index + 1:])
+
+
+def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -> Plan | None:
+    """The relaxed plan of least peak found under ``high`` (a refused budget's smallest plan
+    in hand) and not under ``low`` (what is known unreachable: the budget, the exact
+    solver's proven floor), by bisecting the budget :func:`relaxed_plans` rounds for over
+    ``steps`` solves; ``None`` when none is found.
+
+    A refusal names the smallest peak a plan reaches. The floor solves of
+    :func:`passes.exact.floors_below` may stop at their time limit with none below the
+    plans in hand while the relaxation's rounding reaches lower: on the zoo ResNet, refused
+    at 0.5 of eager, the plans in hand peaked at 0.65x and their floor solves found nothing
+    below in 5 s, but a relaxed plan peaks at 0.56x, the proven floor."""
+    best: Plan | None = None
+    for _ in range(steps):
+        if high - low < 0.01 * high:
+            break
+        middle = (low + high) / 2
+        rounded = relaxed_plans(graph, middle)
+        found = min((p for p in rounded if p is not None and p.peak_bytes <= middle),
+                    key=lambda p: p.peak_bytes, default=None)
+        if found is None:
+            low = middle
+        else:
+            best, high = found, found.peak_bytes
+    return best

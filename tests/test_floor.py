@@ -15,6 +15,7 @@ from passes.checkmate import checkmate_schedule
 from passes.exact import floor_plan, floors_below
 from passes.floor import FLOOR_MAX_OPS, Floor, true_floor
 from passes.optimal import DynamicProgram
+from passes.relaxed import lowest_relaxed
 from passes.simulate import eager_peak
 from tests.test_exact_extras import _small_unet
 
@@ -33,9 +34,10 @@ def test_true_floor_is_below_every_plan_and_reachable(seed: int) -> None:
 
 def test_budget_error_names_both_floors() -> None:
     # Seed 1's graph had a gap until plans could rematerialize inputs: its plans now reach
-    # the true floor (test_plans_reach_the_true_floor_of_a_graph_they_missed); seed 2's has one
-    # to the plans of every strategy but the exact solver's, whose schedules reach it.
-    graph = random_cost_graph(random.Random(2), 10)
+    # the true floor (test_plans_reach_the_true_floor_of_a_graph_they_missed); seed 2's until a
+    # refusal tried relaxed plans below the others (passes.relaxed.lowest_relaxed); seed 10's
+    # has one to the plans of every strategy but the exact solver's, whose schedules reach it.
+    graph = random_cost_graph(random.Random(10), 10)
     smallest = DynamicProgram(graph).smallest().peak_bytes
     floor = true_floor(graph, time_limit=20)
     assert floor is not None and floor.peak_bytes < smallest  # this graph has a gap to show
@@ -167,3 +169,36 @@ def test_a_refusals_two_floors_are_the_same_solved_at_once_or_one_after_the_othe
     assert lowest is not None and floor is not None and alone is not None and floor.proven
     assert floor.peak_bytes == pytest.approx(alone.peak_bytes)
     assert floor.peak_bytes <= lowest.peak_bytes == floor_plan(graph, time_limit=20).peak_bytes
+
+
+@pytest.mark.parametrize("seed", [0, 5, 8])
+def test_a_refusal_whose_floor_solves_found_nothing_names_the_relaxed_plans_floor(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the floor solves find no schedule below the plans in hand (their time ran out, as
+    on the zoo ResNet at 0.5 of eager), the refusal names the least peak a plan rounded from
+    the relaxation reaches, when lower, and a budget at the peak named is met."""
+    import passes.budget_search as budget_search
+
+    graph = random_cost_graph(random.Random(seed), 10)
+    dynamic_floor = DynamicProgram(graph).smallest().peak_bytes
+    relaxed = lowest_relaxed(graph, 0, dynamic_floor)
+    assert relaxed is not None and relaxed.peak_bytes < dynamic_floor  # seeds with a gap to show
+    monkeypatch.setattr(budget_search, "floors_below", lambda *args, **kwargs: (None, None))
+    with pytest.raises(BudgetError) as raised:
+        fit_budget(graph, int(0.2 * eager_peak(graph)), exact_seconds=0)
+    error = raised.value
+    assert error.strategy == "relaxed" and error.smallest_peak_bytes < dynamic_floor
+    assert fit_budget(graph, error.smallest_peak_bytes, exact_seconds=0).peak_bytes <= error.smallest_peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_lowest_relaxed_plan_lies_between_the_bounds_given(seed: int) -> None:
+    """:func:`passes.relaxed.lowest_relaxed` looks only under ``high`` and never claims a peak
+    under what is known unreachable (the proven floor); none when the bounds are within 1%."""
+    graph = random_cost_graph(random.Random(seed), 10)
+    floor = true_floor(graph, time_limit=20)
+    high = DynamicProgram(graph).smallest().peak_bytes
+    assert floor is not None and floor.proven
+    found = lowest_relaxed(graph, floor.lower_bound_bytes, high)
+    assert found is None or floor.peak_bytes - 1 <= found.peak_bytes <= high
+    assert lowest_relaxed(graph, high * 0.995, high) is None
