@@ -335,6 +335,9 @@ def test_parse_zoo_spec_coerces_values() -> None:
     assert parse_zoo_spec("zoo:gpt?layers=2&dropout=0.0&name=x&flag=true") == (
         "gpt", {"layers": 2, "dropout": 0.0, "name": "x", "flag": True})
     assert parse_zoo_spec("zoo:mlp") == ("mlp", {})
+    assert parse_zoo_spec("zoo:resnet?widths=(32,64,128)&blocks_per_stage=2") == (
+        "resnet", {"widths": (32, 64, 128), "blocks_per_stage": 2})
+    assert parse_zoo_spec("zoo:resnet?widths=8,16") == ("resnet", {"widths": (8, 16)})
 
 
 def test_load_target_zoo_batch_option_wins() -> None:

@@ -51,7 +51,11 @@ class Target:
 
 
 def _coerce(text: str) -> Any:
-    """A query-string value as int, float, bool or str (``"4"`` -> 4, ``"0.1"`` -> 0.1)."""
+    """A query-string value as int, float, bool, str, or a tuple of them where commas part it
+    (``"4"`` -> 4, ``"0.1"`` -> 0.1, ``"32,64"`` or ``"(32,64)"`` -> (32, 64)): ResNet's
+    ``widths`` are a tuple."""
+    if "," in text:
+        return tuple(_coerce(part.strip()) for part in text.strip("()[] ").split(",") if part.strip())
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
