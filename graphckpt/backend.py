@@ -79,14 +79,18 @@ def choose(cost_graph: nx.DiGraph, strategy: str, budget: Budget | None) -> Plan
     size string) when one is given.
 
     A budget no plan of this graph reaches (a graph break can leave a graph too small to
-    split) gets ``auto``'s plan, the lowest peak of the heuristics, and a warning.
+    split) gets the plan of least peak the refusal found, the nearest to the budget, and a
+    warning; ``auto``'s plan where the refusal names none.
     """
     try:
         return plan_cost_graph(cost_graph, strategy, budget=budget)
     except BudgetError as error:
-        warnings.warn(f"graphckpt.backend: {error} Graph breaks split the budget per graph; using the "
-                      "'auto' plan (lowest peak of the heuristics) for this graph instead.", stacklevel=2)
-        return choose_plan(cost_graph, "auto")
+        smallest = error.smallest_plan
+        instead = ("the plan of least peak found" if smallest is not None else
+                   "the 'auto' plan (lowest peak of the heuristics)")
+        warnings.warn(f"graphckpt.backend: {error} Graph breaks split the budget per graph; using {instead} "
+                      "for this graph instead.", stacklevel=2)
+        return smallest if smallest is not None else choose_plan(cost_graph, "auto")
 
 
 @dataclass

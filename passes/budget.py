@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from passes.plan import Plan
+from passes.plan import Plan, plan_of_segments
 from passes.schedule import plan_schedule
 from passes.segments import Segment
 from passes.sim_peak import PeakBreakdown, peak_breakdown
@@ -66,6 +66,15 @@ class BudgetError(ValueError):
         if self._at_peak is None and self.cost_graph is not None:
             self._at_peak = peak_breakdown(self.cost_graph, self._smallest_segments)
         return self._at_peak
+
+    @property
+    def smallest_plan(self) -> Plan | None:
+        """The plan of least peak the refusal found, the one ``smallest_peak_bytes`` names: what
+        a caller that must go on (the compile backend, one graph of many) runs to come nearest
+        the budget; ``None`` for an unreadable budget."""
+        if self.cost_graph is None or not self._smallest_segments:
+            return None
+        return plan_of_segments(self.cost_graph, self.strategy or "optimal", self._smallest_segments)
 
     @property
     def floor_proven(self) -> bool:

@@ -277,3 +277,32 @@ def test_compiled_mlp_peak_is_below_eager() -> None:
     2-core CPU, as graphckpt.rewrite; the bound leaves room for other machines. Slow (about
     20 s): steps of this size, under the profiler."""
     assert compiled_peak_ratio(32, 256, 512) < 0.4
+
+
+def test_a_budget_no_plan_of_a_graph_meets_gets_the_least_peak_plan_found() -> None:
+    """A graph whose every plan peaks above the budget runs the plan of least peak the refusal
+    named, the nearest to the budget (on this 16-op random DAG below auto's), with a warning."""
+    import random
+
+    from graphckpt.tools.random_dags import random_cost_graph
+    from passes.strategies import choose_plan
+
+    graph = random_cost_graph(random.Random(0), 16)
+    with pytest.warns(UserWarning, match="plan of least peak found") as caught:
+        plan = backend_module.choose(graph, "optimal", 0.05)
+    named = str(caught[0].message).split("the smallest simulated peak is ")[1]
+    assert plan.peak_bytes < choose_plan(graph, "auto").peak_bytes
+    assert f"({plan.peak_bytes / plan.eager_peak_bytes:.2f}x eager" in named
+
+
+def test_a_compiled_model_under_a_budget_it_cannot_meet_trains_like_eager() -> None:
+    torch.manual_seed(0)
+    width = 32
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.Tanh())])
+    compiled_model = copy.deepcopy(model)
+    x = torch.randn(64, width)
+    model(x).pow(2).sum().backward()
+    with pytest.warns(UserWarning, match="plan of least peak found"):
+        torch.compile(compiled_model, backend=graphckpt.backend(budget=0.01))(x).pow(2).sum().backward()
+    for ours, theirs in zip(compiled_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=RTOL, atol=ATOL)
