@@ -202,8 +202,7 @@ def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -
             break
         middle = (low + high) / 2
         rounded = relaxed_plans(graph, middle)
-        found = min((p for p in rounded if p is not None and p.peak_bytes <= middle),
-                    key=lambda p: p.peak_bytes, default=None)
+        found = min((p for p in rounded if p is not None), key=lambda p: p.peak_bytes, default=None)  # each fits
         if found is None:
             low = middle
         else:
