@@ -17,7 +17,7 @@ from passes.plan import Plan, plan_of_segments
 from passes.schedule import plan_schedule
 from passes.segments import Segment
 from passes.sim_peak import PeakBreakdown, peak_breakdown
-from passes.units import format_bytes, parse_size
+from passes.units import format_bytes, parse_size, unit_of
 
 Budget = float | int | str
 
@@ -95,8 +95,9 @@ class BudgetError(ValueError):
 def _reason(budget_bytes: int, smallest_peak_bytes: int, eager_peak_bytes: int, strategy: str | None,
             segment_count: int | None) -> str:
     ratio = smallest_peak_bytes / max(eager_peak_bytes, 1)
-    return (f"no plan fits {format_bytes(budget_bytes, 'MiB')}; the smallest simulated peak is "
-            f"{format_bytes(smallest_peak_bytes, 'MiB')} ({ratio:.2f}x eager, "
+    unit = unit_of(eager_peak_bytes or smallest_peak_bytes)  # every size of a refusal in eager's unit
+    return (f"no plan fits {format_bytes(budget_bytes, unit)}; the smallest simulated peak is "
+            f"{format_bytes(smallest_peak_bytes, unit)} ({ratio:.2f}x eager, "
             f"strategy {strategy} with {segment_count} segment{'' if segment_count == 1 else 's'})")
 
 
@@ -197,7 +198,8 @@ def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budge
         return ""
     fits = "meets" if floor <= budget_bytes else "does not meet"
     return (f" The true floor (the least peak of any recompute schedule, passes.floor) is lower: a schedule "
-            f"reaches {format_bytes(floor, 'MiB')} ({floor / max(eager_peak_bytes, 1):.2f}x eager), which {fits} "
+            f"reaches {format_bytes(floor, unit_of(eager_peak_bytes))} "
+            f"({floor / max(eager_peak_bytes, 1):.2f}x eager), which {fits} "
             "this budget, by recomputing values from several kept ones just before each use, "
             "which graphckpt's plans express only in part (each value made again at every use, with a "
             "whole segment's keep set).")
@@ -209,7 +211,7 @@ def _bound_note(bound: int | None, floor: int | None, eager_peak_bytes: int, bud
     may; nothing where it proved nothing, or the floor named already meets the budget."""
     if bound is None or floor is None or bound <= 0 or floor <= budget_bytes:
         return ""
-    below = f"{format_bytes(bound, 'MiB')} ({bound / max(eager_peak_bytes, 1):.2f}x eager)"
+    below = f"{format_bytes(bound, unit_of(eager_peak_bytes))} ({bound / max(eager_peak_bytes, 1):.2f}x eager)"
     if bound > budget_bytes:
         return f" No recompute schedule meets this budget: the exact solver proved none peaks below {below}."
     return (f" The exact solver stopped at its time limit having proved only that no schedule peaks below "

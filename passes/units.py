@@ -28,6 +28,22 @@ def parse_size(text: str) -> int | None:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2) or ""])
 
 
+def unit_of(nbytes: float) -> str:
+    """The largest of :data:`BINARY_UNITS` that keeps ``nbytes`` below 1024 of it: the unit
+    :func:`format_bytes` writes ``nbytes`` in, and the one a message whose sizes are compared
+    with it (a budget against eager's peak) writes them all in.
+
+    >>> unit_of(512), unit_of(32768), unit_of(3.5 * 2**30)
+    ('B', 'KiB', 'GiB')
+    """
+    value = abs(float(nbytes))
+    for name in BINARY_UNITS[:-1]:
+        if value < 1024:
+            return name
+        value /= 1024
+    return BINARY_UNITS[-1]
+
+
 def format_bytes(nbytes: float, unit: str | None = None) -> str:
     """``nbytes`` for a person to read, in binary units.
 
@@ -41,9 +57,6 @@ def format_bytes(nbytes: float, unit: str | None = None) -> str:
     """
     if unit is not None:
         return f"{nbytes / 1024 ** BINARY_UNITS.index(unit):.2f} {unit}"
-    value = float(nbytes)
-    for name in BINARY_UNITS:
-        if abs(value) < 1024 or name == BINARY_UNITS[-1]:
-            return f"{value:.0f} {name}" if name == "B" else f"{value:.3g} {name}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    name = unit_of(nbytes)
+    value = nbytes / 1024 ** BINARY_UNITS.index(name)
+    return f"{value:.0f} {name}" if name == "B" else f"{value:.3g} {name}"

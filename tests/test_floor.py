@@ -17,6 +17,7 @@ from passes.floor import FLOOR_MAX_OPS, Floor, true_floor
 from passes.optimal import DynamicProgram
 from passes.relaxed import lowest_relaxed
 from passes.simulate import eager_peak
+from passes.units import format_bytes, unit_of
 from tests.test_exact_extras import _small_unet
 
 pytestmark = pytest.mark.full_solver_time  # floors are what the solver finds in its time
@@ -90,7 +91,8 @@ def test_a_refusal_says_what_the_solver_proved_of_the_floor(bound: int | None, b
     if says is None:
         assert "exact solver" not in str(error)
     else:
-        assert f"{says} 0.00 MiB ({bound / plan.eager_peak_bytes:.2f}x eager)" in str(error), str(error)
+        written = format_bytes(bound, unit_of(plan.eager_peak_bytes))  # every size in eager's unit
+        assert f"{says} {written} ({bound / plan.eager_peak_bytes:.2f}x eager)" in str(error), str(error)
         assert (MAY_MEET in str(error)) == (says == MAY_MEET)
 
 
