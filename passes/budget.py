@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from passes.plan import Plan, plan_of_segments
+from passes.plan import Plan
 from passes.schedule import plan_schedule
-from passes.segments import Segment
 from passes.sim_peak import PeakBreakdown, peak_breakdown
 from passes.units import format_bytes, parse_size, unit_of
 
@@ -28,8 +27,10 @@ class BudgetError(ValueError):
     When no plan fits, the fields say why, for programs to read rather than the message:
     ``budget_bytes`` asked for, ``smallest_peak_bytes`` the smallest simulated peak any plan
     reaches (the floor), ``eager_peak_bytes``, ``strategy`` and ``segment_count`` of that
-    smallest plan, and ``kept_values``: the heaviest values it still keeps. A budget that
-    cannot be read leaves them ``None`` (``()`` for ``kept_values``).
+    smallest plan, and ``kept_values``: the heaviest values it still keeps; ``smallest_plan``
+    that plan itself, which a caller that must go on (the compile backend, one graph of many)
+    runs to come nearest the budget. A budget that cannot be read leaves them ``None`` (``()``
+    for ``kept_values``).
 
     ``smallest_peak_bytes`` is the floor of graphckpt's plans; ``true_floor_bytes`` the least
     peak any recompute schedule reaches (:func:`passes.floor.true_floor`, the exact MILP, on
@@ -46,12 +47,12 @@ class BudgetError(ValueError):
                  eager_peak_bytes: int | None = None, strategy: str | None = None,
                  segment_count: int | None = None, kept_values: Sequence[str] = (),
                  true_floor_bytes: int | None = None, floor_bound_bytes: int | None = None,
-                 cost_graph: nx.DiGraph | None = None, smallest_segments: Sequence[Segment] = ()) -> None:
+                 cost_graph: nx.DiGraph | None = None, smallest_plan: Plan | None = None) -> None:
         super().__init__(message)
         self.true_floor_bytes = true_floor_bytes
         self.floor_bound_bytes = floor_bound_bytes
         self.cost_graph = cost_graph
-        self._smallest_segments = tuple(smallest_segments)
+        self.smallest_plan = smallest_plan
         self._at_peak: PeakBreakdown | None = None
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
@@ -63,18 +64,9 @@ class BudgetError(ValueError):
     @property
     def at_peak(self) -> PeakBreakdown | None:
         """What is alive at the smallest plan's simulated peak; ``None`` for an unreadable budget."""
-        if self._at_peak is None and self.cost_graph is not None:
-            self._at_peak = peak_breakdown(self.cost_graph, self._smallest_segments)
+        if self._at_peak is None and self.cost_graph is not None and self.smallest_plan is not None:
+            self._at_peak = peak_breakdown(self.cost_graph, self.smallest_plan.segments)
         return self._at_peak
-
-    @property
-    def smallest_plan(self) -> Plan | None:
-        """The plan of least peak the refusal found, the one ``smallest_peak_bytes`` names: what
-        a caller that must go on (the compile backend, one graph of many) runs to come nearest
-        the budget; ``None`` for an unreadable budget."""
-        if self.cost_graph is None or not self._smallest_segments:
-            return None
-        return plan_of_segments(self.cost_graph, self.strategy or "optimal", self._smallest_segments)
 
     @property
     def floor_proven(self) -> bool:
@@ -169,7 +161,7 @@ def unreachable(graph: nx.DiGraph, budget_bytes: int, plans: list[Plan],
                        budget_bytes=budget_bytes, smallest_peak_bytes=best.peak_bytes,
                        eager_peak_bytes=best.eager_peak_bytes, strategy=best.strategy,
                        segment_count=len(best.segments), kept_values=heaviest, true_floor_bytes=floor,
-                       floor_bound_bytes=bound, cost_graph=graph, smallest_segments=best.segments)
+                       floor_bound_bytes=bound, cost_graph=graph, smallest_plan=best)
 
 
 def _proven_below(true_floor_bytes: float | None, floor_bound_bytes: float | None) -> int | None:

@@ -192,7 +192,7 @@ def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -
     :func:`passes.exact.floors_below` may stop at their time limit with none below the
     plans in hand while the relaxation's rounding reaches lower: on the zoo ResNet, refused
     at 0.5 of eager, the plans in hand peaked at 0.65x and their floor solves found nothing
-    below in 5 s, but a relaxed plan peaks at 0.56x, the proven floor. Graphs over
+    below in 5 s, but a relaxed plan peaks at 0.56x, the floor. Graphs over
     :data:`LOWEST_RELAXED_MAX_OPS` ops get none."""
     if len(op_nodes(graph)) > LOWEST_RELAXED_MAX_OPS:
         return None
