@@ -105,8 +105,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
                     return _chosen(lowest, budget_bytes, flat, tried, "the exact solver's schedule of least peak "
                                    "(passes.exact.floor_plan)")
                 planned += [lowest] if lowest else []
-                lower = lowest_relaxed(graph, max(budget_bytes, floor.lower_bound_bytes if floor else 0),
-                                       min(p.peak_bytes for p in planned))
+                lower = None if rounded.timed_out else lowest_relaxed(  # one time-out says the rest would too
+                    graph, max(budget_bytes, floor.lower_bound_bytes if floor else 0), min(p.peak_bytes for p in planned))
                 if lower is not None and lower.peak_bytes <= budget_bytes:
                     return _chosen(lower, budget_bytes, flat, tried, _relaxed_origin(lower))
                 planned += [lower] if lower else []

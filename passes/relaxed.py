@@ -22,12 +22,13 @@ keeps some of what it made alive across uses.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
 import networkx as nx
 
-from passes.checkmate import MAX_OPS, relaxed_holds
+from passes.checkmate import MAX_OPS, relaxation
 from passes.graph_facts import op_nodes
 from passes.hooked import holdable, keeps_by_hooks, remake_phrase
 from passes.keeps import with_keeps, without_keeps
@@ -87,10 +88,13 @@ class Rounded(NamedTuple):
     """What :func:`relaxed_plans` found: ``plan``, the cheapest that fits, holding values once
     made again where that helps (:func:`with_held`); ``searchable``, the cheapest that fits
     holding none, which :func:`passes.search.search` can start from (its layouts say nothing
-    of held values, so a start holding some would leave it nowhere to climb)."""
+    of held values, so a start holding some would leave it nowhere to climb); ``timed_out``,
+    whether the relaxation went unsolved in its time (then neither says the budget is out
+    of reach)."""
 
     plan: Plan | None
     searchable: Plan | None
+    timed_out: bool = False
 
 
 NOTHING_ROUNDED = Rounded(None, None)
@@ -107,16 +111,38 @@ def relaxed_plans(graph: nx.DiGraph, budget_bytes: float) -> Rounded:
     each kept by one hooked segment over the graph, with and without held values
     (:class:`Rounded`); nothing on graphs over :data:`RELAXED_MAX_OPS` ops, where no segment
     would run by hooks, or when none fits."""
-    if len(op_nodes(graph)) > RELAXED_MAX_OPS:
-        return NOTHING_ROUNDED
-    whole = whole_graph(graph)
-    if not _any_hooked(graph, keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})):
-        return NOTHING_ROUNDED
-    holds = relaxed_holds(graph, budget_bytes, time_limit=RELAXED_SECONDS)
-    if holds is None:
-        return NOTHING_ROUNDED
+    fits, timed_out = fitting_roundings(graph, budget_bytes)
     best: Plan | None = None
     searchable: Plan | None = None
+    for plan in fits:
+        if searchable is None or plan.cost_key < searchable.cost_key:
+            searchable = plan
+        plan = with_held(graph, plan, budget_bytes)
+        if best is None or plan.cost_key < best.cost_key:
+            best = plan
+    return Rounded(_noted(best), _noted(searchable), timed_out)
+
+
+def fitting_roundings(graph: nx.DiGraph, budget_bytes: float) -> tuple[Iterator[Plan], bool]:
+    """The plans of the relaxation's rounded keep sets that fit ``budget_bytes``, made one by
+    one as they are asked for (each costs dozens of simulations), none holding values once
+    made; and whether the relaxation went unsolved in its time. No plans on graphs over
+    :data:`RELAXED_MAX_OPS` ops or where no segment would run by hooks."""
+    if len(op_nodes(graph)) > RELAXED_MAX_OPS:
+        return iter(()), False
+    whole = whole_graph(graph)
+    if not _any_hooked(graph, keeping(whole, {name for name in op_nodes(graph) if keepable(graph, name)})):
+        return iter(()), False
+    holds, status = relaxation(graph, budget_bytes, time_limit=RELAXED_SECONDS)
+    if holds is None:
+        return iter(()), status == "time_limit"
+    return _fits(graph, whole, holds, budget_bytes), False
+
+
+def _fits(graph: nx.DiGraph, whole: tuple[Segment, ...], holds: dict[str, float],
+          budget_bytes: float) -> Iterator[Plan]:
+    """Each rounded keep set of ``holds`` as a plan under ``budget_bytes``, remaking values at
+    every use where remaking each group once does not fit; sets that fit neither way skipped."""
     for kept in with_one_less(rounded_keeps(graph, holds)):
         segments = keeping(whole, kept)
         if not _any_hooked(graph, segments):
@@ -124,14 +150,8 @@ def relaxed_plans(graph: nx.DiGraph, budget_bytes: float) -> Rounded:
         plan = fitted(graph, segments, budget_bytes)
         if plan is None or plan.peak_bytes > budget_bytes:  # make values again at each use instead
             plan = fitted(graph, tuple(replace(s, remake_each_use=True) for s in segments), budget_bytes)
-        if plan is None or plan.peak_bytes > budget_bytes:
-            continue
-        if searchable is None or plan.cost_key < searchable.cost_key:
-            searchable = plan
-        plan = with_held(graph, plan, budget_bytes)
-        if best is None or plan.cost_key < best.cost_key:
-            best = plan
-    return Rounded(_noted(best), _noted(searchable))
+        if plan is not None and plan.peak_bytes <= budget_bytes:
+            yield plan
 
 
 def _noted(plan: Plan | None) -> Plan | None:
@@ -178,10 +198,6 @@ def _holding(segments: tuple[Segment, ...], index: int, held: tuple[str, ...]) -
     return (*segments[:index], replace(segments[index], remake_held=held), *segments[index + 1:])
 
 
-LOWEST_RELAXED_MAX_OPS = 40  # the floor solves' reach; the benchmarks' 56-op ResNet solves no relaxation in its
-# 3 s, and four tries made a refusal there 18.8 s instead of 5.5 s for nothing
-
-
 def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -> Plan | None:
     """The relaxed plan of least peak found under ``high`` (a refused budget's smallest plan
     in hand) and not under ``low`` (what is known unreachable: the budget, the exact
@@ -192,19 +208,24 @@ def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -
     :func:`passes.exact.floors_below` may stop at their time limit with none below the
     plans in hand while the relaxation's rounding reaches lower: on the zoo ResNet, refused
     at 0.5 of eager, the plans in hand peaked at 0.65x and their floor solves found nothing
-    below in 5 s, but a relaxed plan peaks at 0.56x, the floor. Graphs over
-    :data:`LOWEST_RELAXED_MAX_OPS` ops get none."""
-    if len(op_nodes(graph)) > LOWEST_RELAXED_MAX_OPS:
-        return None
+    below in 5 s, but a relaxed plan peaks at 0.56x, the floor. On graphs of 41 to
+    :data:`RELAXED_MAX_OPS` ops no floor solve runs, and this is the only look below the
+    plans in hand. The bisection stops at the first relaxation not solved in its time: one
+    that times out at one budget rarely solves at the next (the benchmarks' 56-op ResNet
+    solves none in its 3 s). Each step takes the first rounded plan under its middle, and
+    values are held once made (:func:`with_held`) only in the plan found last, under its own
+    peak: what a rounding spends its time on lowers recompute, not the peak."""
     best: Plan | None = None
     for _ in range(steps):
         if high - low < 0.01 * high:
             break
         middle = (low + high) / 2
-        rounded = relaxed_plans(graph, middle)
-        found = min((p for p in rounded if p is not None), key=lambda p: p.peak_bytes, default=None)  # each fits
+        fits, timed_out = fitting_roundings(graph, middle)
+        if timed_out:
+            break
+        found = next(fits, None)  # any plan under the middle halves the range
         if found is None:
             low = middle
         else:
             best, high = found, found.peak_bytes
-    return best
+    return None if best is None else _noted(with_held(graph, best, best.peak_bytes))
