@@ -36,6 +36,7 @@ from graphckpt.torch_compat import (
     memory_timeline_allocations,
     profiled_event_tree,
     profiler_enabled,
+    quiet_profile,
     tree_leaves,
     tree_map,
 )
@@ -174,14 +175,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def cpu_peak_and_net(fn: Callable[[], object]) -> tuple[int, int]:
     """Run ``fn()`` under the CPU memory profiler; return ``(peak, net)`` bytes of the
     storages it creates (:func:`allocation_peak` over the profiler's memory timeline)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     if profiler_enabled():
         raise RuntimeError(
             "peak_memory: a torch profiler session is already active; nested "
             "profilers corrupt each other's results. Call peak_memory outside it."
         )
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                       with_stack=False) as prof:
         fn()
     try:
         events = memory_timeline_allocations(prof, torch.device("cpu"))
@@ -309,10 +311,10 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
                 continue
     if not cpu or profiler_enabled():
         return
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
 
     marks: dict[str, tuple] = {}
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.no_grad(), quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for index, (key, (func, args, kwargs)) in enumerate(cpu.items()):
             try:
                 real_args, real_kwargs = _realize(args, kwargs)

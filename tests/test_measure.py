@@ -6,6 +6,7 @@ All sizes are fp32, so 2**18 elements = 1 MiB.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -246,3 +247,40 @@ def test_measuring_leaves_none_its_references() -> None:
         peak_memory(step)
     gc.collect()
     assert sys.getrefcount(None) >= before
+
+
+def test_costing_a_model_leaves_no_kineto_marker_on_stderr() -> None:
+    """torch 2.13's kineto writes ``USDT:… profiler_start`` and ``profiler_stop`` to stderr at
+    each profiler session; graphckpt's sessions (op times, scratch, peaks) filter them out,
+    so ``rewrite(model, inputs)`` prints nothing of its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, torch\n"
+            "from graphckpt.api import cost_model\n"
+            "from graphckpt.tools import zoo\n"
+            "model, inputs, *_ = zoo.make('mlp')\n"
+            "cost_model(model, inputs)\n"
+            "from graphckpt.scratch import peak_memory\n"
+            "peak_memory(lambda: model(*inputs).sum().backward())\n"
+            "print('done', file=sys.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                            cwd=Path(__file__).parents[1])
+    assert b"profiler_start" not in result.stderr and b"profiler_stop" not in result.stderr, result.stderr
+    assert result.stderr.endswith(b"done\n")  # stderr is the process's own again
+
+
+def test_a_quiet_profile_passes_on_what_else_is_written_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:
+    from graphckpt.torch_compat.profiler import _without_kineto_markers
+
+    with _without_kineto_markers():
+        os.write(2, b"USDT:2026-12-03 10:20:10 31154:31154 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+                    b"a real warning\n")
+        print("from python", file=sys.stderr)
+    # under capfd Python's sys.stderr writes past file descriptor 2, so only the lines are compared, not their order
+    assert sorted(capfd.readouterr().err.splitlines()) == ["a real warning", "from python"]
+    with pytest.raises(ValueError), _without_kineto_markers():
+        raise ValueError("left as it was")
+    print("after", file=sys.stderr)
+    assert capfd.readouterr().err == "after\n"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphckpt.torch_compat import RANGE_PREFIX
+from graphckpt.torch_compat import RANGE_PREFIX, quiet_profile
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def _profiled(step: Callable[[], object], device: torch.device) -> StepProfile:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with quiet_profile(activities=activities) as profiler:
         start = time.perf_counter()
         step()
         wall = time.perf_counter() - start

@@ -58,6 +58,7 @@ from graphckpt.torch_compat.profiler import (
     profiled_event_tree,
     profiled_range,
     profiler_enabled,
+    quiet_profile,
 )
 from graphckpt.torch_compat.real_dtypes import RealOutputDtypes, real_output_dtypes
 
@@ -68,8 +69,8 @@ __all__ = [
     "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks",
     "is_accumulate_grad", "is_cast", "memory_timeline_allocations", "module_registries", "module_tree_copy",
     "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
-    "real_output_dtypes", "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten",
-    "tree_leaves", "tree_map", "tree_unflatten",
+    "quiet_profile", "real_output_dtypes", "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint",
+    "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
 ]
 
 

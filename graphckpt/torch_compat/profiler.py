@@ -7,14 +7,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
+import re
 import sys
-from collections.abc import Hashable
+import tempfile
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = ["RANGE_PREFIX", "allocations_under", "memory_timeline_allocations", "profiled_event_tree",
-           "profiled_range", "profiler_enabled"]
+           "profiled_range", "profiler_enabled", "quiet_profile"]
 
 
 def profiler_enabled() -> bool:
@@ -23,6 +26,49 @@ def profiler_enabled() -> bool:
     ``torch.autograd.profiler._is_profiler_enabled``. Checked on 2.5, 2.6, 2.13.
     """
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+KINETO_MARKER = re.compile(rb"USDT:[^\n]*ActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*")
+"""A line kineto writes to the process's stderr as each profiler session starts and stops
+(torch 2.13: ``USDT:2026-12-03 10:20:10 31154:31154 SyncActivityProfilerHandler.cpp:52]
+profiler_start``). Only ``KINETO_LOG_LEVEL=6`` set before the process's first session silences
+it, and that silences kineto's warnings and errors for the user's own sessions too."""
+
+
+@contextlib.contextmanager
+def quiet_profile(**options: Any) -> Iterator[torch.profiler.profile]:
+    """``torch.profiler.profile(**options)`` whose start and stop leave no kineto marker line
+    (:data:`KINETO_MARKER`) on stderr: graphckpt measures op times and peaks in profiler
+    sessions, and a user calling ``rewrite(model, inputs)`` would see two such lines per
+    session. Whatever else is written to stderr while a session starts or stops is passed on."""
+    prof = torch.profiler.profile(**options)
+    with _without_kineto_markers():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _without_kineto_markers():
+            prof.__exit__(*sys.exc_info())
+
+
+@contextlib.contextmanager
+def _without_kineto_markers() -> Iterator[None]:
+    """The process's stderr (file descriptor 2, where C++ writes) caught while the block runs,
+    then written back less the lines :data:`KINETO_MARKER` matches."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not KINETO_MARKER.fullmatch(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 _NO_RANGE = contextlib.nullcontext()
