@@ -272,15 +272,15 @@ def test_costing_a_model_leaves_no_kineto_marker_on_stderr() -> None:
 
 
 def test_a_quiet_profile_passes_on_what_else_is_written_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:
-    from graphckpt.torch_compat.profiler import _without_kineto_markers
+    from graphckpt.torch_compat.profiler import KINETO_MARKER, stderr_without
 
-    with _without_kineto_markers():
+    with stderr_without(KINETO_MARKER):
         os.write(2, b"USDT:2026-12-03 10:20:10 31154:31154 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
                     b"a real warning\n")
         print("from python", file=sys.stderr)
     # under capfd Python's sys.stderr writes past file descriptor 2, so only the lines are compared, not their order
     assert sorted(capfd.readouterr().err.splitlines()) == ["a real warning", "from python"]
-    with pytest.raises(ValueError), _without_kineto_markers():
+    with pytest.raises(ValueError), stderr_without(KINETO_MARKER):
         raise ValueError("left as it was")
     print("after", file=sys.stderr)
     assert capfd.readouterr().err == "after\n"

@@ -7,14 +7,13 @@ so ``graphckpt inspect --json ... | jq`` always gets clean JSON.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sys
-import tempfile
-from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
+
+from graphckpt.torch_compat.profiler import stderr_without
 
 _PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] "
                                r"|^\[W\d+ .*allocated before the profiling started")
@@ -41,28 +40,9 @@ def note_line(message: str) -> None:
     err().print(f"[dim]note: {escape(message)}[/]", soft_wrap=True)
 
 
-@contextlib.contextmanager
-def quiet_profiler() -> Iterator[None]:
+def quiet_profiler() -> contextlib.AbstractContextManager[None]:
     """Drop the ``USDT: ... profiler_start`` lines torch's C++ profiler writes straight to
-    file descriptor 2 on every run (no setting turns them off) and its warning about blocks
+    file descriptor 2 on every run (:data:`graphckpt.torch_compat.profiler.KINETO_MARKER`) and its warning about blocks
     allocated before profiling (expected: parameters exist before a measured step); anything
     else written to stderr meanwhile is passed on once the block ends."""
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no file descriptor 2 (embedded interpreters): nothing to filter
-        yield
-        return
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            kept = [line for line in sink.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _PROFILER_CHATTER.match(line)]
-            if kept:
-                sys.stderr.write("".join(kept))
+    return stderr_without(_PROFILER_CHATTER)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 __all__ = ["RANGE_PREFIX", "allocations_under", "memory_timeline_allocations", "profiled_event_tree",
-           "profiled_range", "profiler_enabled", "quiet_profile"]
+           "profiled_range", "profiler_enabled", "quiet_profile", "stderr_without"]
 
 
 def profiler_enabled() -> bool:
@@ -28,7 +28,7 @@ def profiler_enabled() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-KINETO_MARKER = re.compile(rb"USDT:[^\n]*ActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*")
+KINETO_MARKER = re.compile(r"USDT:[^\n]*ActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*")
 """A line kineto writes to the process's stderr as each profiler session starts and stops
 (torch 2.13: ``USDT:2026-12-03 10:20:10 31154:31154 SyncActivityProfilerHandler.cpp:52]
 profiler_start``). Only ``KINETO_LOG_LEVEL=6`` set before the process's first session silences
@@ -42,22 +42,28 @@ def quiet_profile(**options: Any) -> Iterator[torch.profiler.profile]:
     sessions, and a user calling ``rewrite(model, inputs)`` would see two such lines per
     session. Whatever else is written to stderr while a session starts or stops is passed on."""
     prof = torch.profiler.profile(**options)
-    with _without_kineto_markers():
+    with stderr_without(KINETO_MARKER):
         prof.__enter__()
     try:
         yield prof
     finally:
-        with _without_kineto_markers():
+        with stderr_without(KINETO_MARKER):
             prof.__exit__(*sys.exc_info())
 
 
 @contextlib.contextmanager
-def _without_kineto_markers() -> Iterator[None]:
-    """The process's stderr (file descriptor 2, where C++ writes) caught while the block runs,
-    then written back less the lines :data:`KINETO_MARKER` matches."""
+def stderr_without(lines: re.Pattern[str]) -> Iterator[None]:
+    """The process's stderr (file descriptor 2, where torch's C++ writes) caught while the
+    block runs, then written back less the lines ``lines`` matches at their start: the one
+    filter for the profiler's chatter (:func:`quiet_profile`, the CLI's
+    :func:`graphckpt.tools.console.quiet_profiler`)."""
     sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (embedded interpreters): nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as caught:
         os.dup2(caught.fileno(), 2)
         try:
             yield
@@ -66,9 +72,10 @@ def _without_kineto_markers() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().splitlines(keepends=True) if not KINETO_MARKER.fullmatch(line)]
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not lines.match(line)]
             if kept:
-                os.write(2, b"".join(kept))
+                sys.stderr.write("".join(kept))
 
 
 _NO_RANGE = contextlib.nullcontext()
