@@ -16,7 +16,6 @@ from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
 from passes.exact import EXACT_TIME_LIMIT, exact_plan, exact_solvable, floors_below
 from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
-from passes.floor import Floor
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import MANY_STARTS_UP_TO, best_with_keeps, best_without_keeps, filled_again, selective_start
@@ -25,7 +24,8 @@ from passes.optimal import DynamicPrograms
 from passes.peak_queries import forward_floor
 from passes.plan import Candidate, Plan, Progress, build_plan, simulated
 from passes.recompute import cost_key
-from passes.relaxed import RELAXED_MAX_OPS, Rounded, lowest_relaxed, relaxed_plans, remakes_of
+from passes.refusal import lower_refusal
+from passes.relaxed import Rounded, lowest_relaxed, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, SEEDS_BELOW_FLOOR, search, search_seeds
 from passes.segments import PlanError, Segment
 from passes.simulate import eager_peak, forward_flops
@@ -51,59 +51,18 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     ``"optimal"``; a note says which plan won.
 
     Raises :class:`BudgetError` naming the smallest peak any plan reaches (of those planned
-    for the budget and for budgets between it and their least peak: :func:`lower_refusal`),
+    for the budget and for budgets between it and their least peak:
+    :func:`passes.refusal.lower_refusal`),
     the values its plan still keeps and, on small graphs, the true floor (:mod:`passes.floor`)
     when none fits.
     """
     try:
         return _fit_budget(graph, budget_bytes, progress, exact_seconds, floors=True)
     except BudgetError as refused:
-        lower = lower_refusal(graph, refused)
+        lower = lower_refusal(graph, refused, lambda budget: _fit_budget(graph, budget, None, 0, floors=False))
         if isinstance(lower, Plan):
             return lower
         raise lower from None
-
-
-REFUSAL_STEPS = (2, 4)  # budgets a refusal plans for between the refused one and the least peak planned: on
-# graphs up to RELAXED_MAX_OPS, where the relaxation (and up to 40 ops the floor solves) looked below already, and
-# above. 50- and 60-op random DAGs at 0.2 of eager: 0-8% lower peaks named with 2 steps or 4 alike, the
-# refusals 9-21 s with 2, 13-22 s with 4, 6-10 s with none (stop 91)
-
-
-def lower_refusal(graph: nx.DiGraph, refused: BudgetError, steps: int | None = None) -> BudgetError | Plan:
-    """``refused`` naming the least peak a plan reaches, looked for by planning for budgets
-    bisected between the refused budget (or the solver's proven bound) and the least peak
-    it names, over ``steps`` plannings without the exact solver (:data:`REFUSAL_STEPS`); or the plan found, should
-    one fit the refused budget after all.
-
-    What each strategy reaches depends on the budget asked: a drop scan, a search or the
-    keeps stop as soon as a plan fits, and give nothing for a budget none of them meets. On
-    random DAGs of 100 and 200 ops refused at 0.1 of eager, the plans for the budget peaked
-    at 0.25-0.36x of eager, but budgets 15% below that were met (by dropping values on top
-    of a flat plan). A budget at the peak named is met, as before."""
-    budget_bytes, best = refused.budget_bytes, refused.smallest_plan
-    if best is None:
-        return refused
-    if steps is None:
-        steps = REFUSAL_STEPS[len(op_nodes(graph)) > RELAXED_MAX_OPS]
-    low, high = max(budget_bytes, refused.floor_bound_bytes or 0), refused.smallest_peak_bytes
-    for _ in range(steps):
-        if high - low < 0.01 * high:
-            break
-        middle = int((low + high) / 2)
-        try:
-            found = _fit_budget(graph, middle, None, 0, floors=False)
-        except BudgetError as nested:  # its plans, made for a lower budget, may still reach lower
-            found, low = nested.smallest_plan, middle
-        if found.peak_bytes < high:
-            best, high = found, found.peak_bytes
-    if best is refused.smallest_plan:
-        return refused
-    if best.peak_bytes <= budget_bytes:
-        return best
-    floor = (None if refused.true_floor_bytes is None
-             else Floor(refused.true_floor_bytes, refused.floor_bound_bytes or 0).below(best.peak_bytes))
-    return unreachable(graph, budget_bytes, [best], *((floor.peak_bytes, floor.lower_bound_bytes) if floor else ()))
 
 
 def _fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None, exact_seconds: float,

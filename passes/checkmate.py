@@ -251,10 +251,12 @@ def recompute_objective(model: Milp, training: TrainingGraph, tie_break: bool = 
 
 
 class Relaxation(NamedTuple):
-    """What the LP relaxation under a budget answered: ``holds`` (see :func:`relaxed_holds`),
-    ``None`` when it has none, and ``status``, HiGHS's word for why (``"optimal"``,
-    ``"infeasible"``, ``"time_limit"``): an infeasible relaxation says the budget is below
-    every schedule, a timed-out one says nothing."""
+    """What the LP relaxation under a budget answered: ``holds``, for each forward value how
+    much of it the relaxation holds from forward into backward (``S`` entering the first
+    backward stage, in ``[0, 1]``: Checkmate's rounding starts from it, and it solves in a
+    fraction of a second where the MILP takes seconds), ``None`` when it has none; and
+    ``status``, HiGHS's word for why (``"optimal"``, ``"infeasible"``, ``"time_limit"``): an
+    infeasible relaxation says the budget is below every schedule, a timed-out one says nothing."""
 
     holds: dict[str, float] | None
     status: str
@@ -265,7 +267,7 @@ def relaxation(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 5.
     seconds: its holds and status (:class:`Relaxation`); :class:`ValueError` above
     :data:`MAX_OPS` op nodes."""
     if len(op_nodes(graph)) > MAX_OPS:
-        raise ValueError(f"relaxed_holds: {len(op_nodes(graph))} op nodes, more than {MAX_OPS}")
+        raise ValueError(f"relaxation: {len(op_nodes(graph))} op nodes, more than {MAX_OPS}")
     training = training_graph(graph)
     model = build_milp(training, budget_bytes)
     solution = model.solve(recompute_objective(model, training), time_limit, relaxed=True)
@@ -275,16 +277,6 @@ def relaxation(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 5.
     return Relaxation({training.names[i]: float(solution.x[column]) for (kind, t, i, *_), column
                        in model.columns.items() if kind == "S" and t == first and training.home[i] == i},  # not extras
                       solution.status)
-
-
-def relaxed_holds(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 5.0) -> dict[str, float] | None:
-    """For each forward value, how much of it the LP relaxation of the MILP under
-    ``budget_bytes`` holds from forward into backward (``S`` entering the first backward
-    stage, in ``[0, 1]``): Checkmate's rounding starts from it, and it solves in a fraction
-    of a second where the MILP takes seconds. ``None`` when the relaxation is infeasible
-    or not solved in ``time_limit`` (:func:`relaxation` tells which); :class:`ValueError`
-    above :data:`MAX_OPS` op nodes."""
-    return relaxation(graph, budget_bytes, time_limit=time_limit).holds
 
 
 def checkmate_schedule(graph: nx.DiGraph, budget_bytes: float, *, time_limit: float = 30.0,

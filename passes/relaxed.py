@@ -8,7 +8,7 @@ executes such a set: it keeps the values named, remakes each group of the others
 backward first needs one, and lets every value go after its last use. Which set is the
 question; the MILP answers it in seconds on 40 ops, its LP relaxation in a fraction of one.
 
-:func:`relaxed_plan` rounds the relaxation's holds (:func:`passes.checkmate.relaxed_holds`)
+:func:`relaxed_plan` rounds the relaxation's holds (:func:`passes.checkmate.relaxation`)
 at a few thresholds, brings each rounded plan to the budget by giving up or adding kept
 values (:func:`passes.keeps.without_keeps`, :func:`passes.keeps.with_keeps`) and returns the
 cheapest that fits. On the 40-op random DAGs of ``scripts/planner_gap.py`` at 0.7 of eager
@@ -36,6 +36,7 @@ from passes.kept_values import keepable, keeping, whole_graph
 from passes.peak_queries import peak_within
 from passes.plan import Plan, plan_of_segments
 from passes.recompute import cost_key
+from passes.refusal import lowest_between
 from passes.segments import Segment
 
 RELAXED_MAX_OPS = MAX_OPS
@@ -202,7 +203,7 @@ def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -
     """The relaxed plan of least peak found under ``high`` (a refused budget's smallest plan
     in hand) and not under ``low`` (what is known unreachable: the budget, the exact
     solver's proven floor), by bisecting the budget :func:`relaxed_plans` rounds for over
-    ``steps`` solves; ``None`` when none is found.
+    ``steps`` solves (:func:`passes.refusal.lowest_between`); ``None`` when none is found.
 
     A refusal names the smallest peak a plan reaches. The floor solves of
     :func:`passes.exact.floors_below` may stop at their time limit with none below the
@@ -215,17 +216,12 @@ def lowest_relaxed(graph: nx.DiGraph, low: float, high: float, steps: int = 4) -
     solves none in its 3 s). Each step takes the first rounded plan under its middle, and
     values are held once made (:func:`with_held`) only in the plan found last, under its own
     peak: what a rounding spends its time on lowers recompute, not the peak."""
-    best: Plan | None = None
-    for _ in range(steps):
-        if high - low < 0.01 * high:
-            break
-        middle = (low + high) / 2
-        fits, timed_out = fitting_roundings(graph, middle)
+    def probe(budget: float) -> tuple[Plan | None, bool] | None:
+        fits, timed_out = fitting_roundings(graph, budget)
         if timed_out:
-            break
-        found = next(fits, None)  # any plan under the middle halves the range
-        if found is None:
-            low = middle
-        else:
-            best, high = found, found.peak_bytes
+            return None
+        found = next(fits, None)  # any plan under the budget halves the range
+        return found, found is not None
+
+    best = lowest_between(low, high, steps, probe)
     return None if best is None else _noted(with_held(graph, best, best.peak_bytes))

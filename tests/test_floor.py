@@ -39,7 +39,7 @@ def test_budget_error_names_both_floors(monkeypatch: pytest.MonkeyPatch) -> None
     # refusal tried relaxed plans below the others (passes.relaxed.lowest_relaxed); seed 10's
     # has one to the plans of every strategy but the exact solver's for the refused budget
     # alone, whose schedules reach it (as do the plans for budgets just above it, which a
-    # refusal plans for too, passes.budget_search.lower_refusal: left out for the first part).
+    # refusal plans for too, passes.refusal.lower_refusal: left out for the first part).
     import passes.budget_search as budget_search
 
     graph = random_cost_graph(random.Random(10), 10)
@@ -47,7 +47,7 @@ def test_budget_error_names_both_floors(monkeypatch: pytest.MonkeyPatch) -> None
     floor = true_floor(graph, time_limit=20)
     assert floor is not None and floor.peak_bytes < smallest  # this graph has a gap to show
     with monkeypatch.context() as patched, pytest.raises(BudgetError) as raised:
-        patched.setattr(budget_search, "lower_refusal", lambda graph, refused: refused)
+        patched.setattr(budget_search, "lower_refusal", lambda graph, refused, plan_for: refused)
         fit_budget(graph, int(floor.peak_bytes) - 1, exact_seconds=0)
     error = raised.value
     assert error.true_floor_bytes is not None and error.true_floor_bytes < error.smallest_peak_bytes
@@ -277,13 +277,13 @@ def test_a_refusal_names_the_least_peak_of_the_plans_for_budgets_above_it_too(
     """A 100-op random DAG refused at 0.1 of eager: the plans for that budget alone peaked
     above what plans for budgets between it and their peak reach (0.36 / 0.33x of eager
     against 0.29 / 0.25x on the machine this was written on), so the refusal plans for those
-    too (passes.budget_search.lower_refusal) and names the lower peak; a budget there is met."""
+    too (passes.refusal.lower_refusal) and names the lower peak; a budget there is met."""
     import passes.budget_search as budget_search
 
     graph = random_cost_graph(random.Random(seed), 100)
     budget = int(0.1 * eager_peak(graph))
     with monkeypatch.context() as patched, pytest.raises(BudgetError) as alone:
-        patched.setattr(budget_search, "lower_refusal", lambda graph, refused: refused)
+        patched.setattr(budget_search, "lower_refusal", lambda graph, refused, plan_for: refused)
         fit_budget(graph.copy(), budget)
     with pytest.raises(BudgetError) as raised:
         fit_budget(graph.copy(), budget)

@@ -13,7 +13,7 @@ from graphckpt.codegen import generate
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from graphckpt.tools.random_dags import random_cost_graph
-from passes.checkmate import checkmate_schedule, relaxed_holds
+from passes.checkmate import checkmate_schedule, relaxation
 from passes.flat_plans import candidate_plans
 from passes.floor import true_floor
 from passes.graph_facts import op_nodes
@@ -39,7 +39,7 @@ def test_relaxed_holds_are_shares_and_keep_what_must_be_kept() -> None:
     """Every share lies in [0, 1]; with eager's own peak as the budget nothing need be made
     again, and the relaxation's optimum holds the values backward reads."""
     graph = _graphs(12, 1)[0]
-    holds = relaxed_holds(graph, eager_peak(graph))
+    holds = relaxation(graph, eager_peak(graph)).holds
     assert holds and all(-1e-9 <= share <= 1 + 1e-9 for share in holds.values())
     saved = {v for name in graph for v in graph.nodes[name]["saved"] if graph.nodes[v]["kind"] == "op"}
     assert all(holds.get(v, 0) > 0.99 for v in saved)
@@ -181,7 +181,7 @@ def test_a_value_the_relaxation_holds_may_be_made_again_and_held_instead() -> No
     graphs = [random_cost_graph(rng, 16) for _ in range(9)]
     graph = graphs[8]
     budget = int(0.7 * eager_peak(graph))
-    sets = relaxed.rounded_keeps(graph, relaxed_holds(graph, budget))
+    sets = relaxed.rounded_keeps(graph, relaxation(graph, budget).holds)
     widened = relaxed.with_one_less(sets)
     smallest = min(sets, key=len)
     assert widened[: len(sets)] == sets

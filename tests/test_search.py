@@ -154,4 +154,4 @@ def test_a_budget_below_every_plan_in_hand_tries_more_seeds_where_no_floor_is_so
         with pytest.raises(BudgetError):
             fit_budget(graph, below, exact_seconds=exact_seconds)
         assert asked[0] == seeds  # the plans for the budget; a refusal then plans for budgets above it
-        # without the exact solver (passes.budget_search.lower_refusal), each with SEEDS_BELOW_FLOOR
+        # without the exact solver (passes.refusal.lower_refusal), each with SEEDS_BELOW_FLOOR
