@@ -53,12 +53,13 @@ class PlanMakes(NamedTuple):
 
 class _MakesRecorder(LiveMemory):
     """The simulator's live memory noting the live set when forward ends and, after, each
-    storage or extra made and each op's backward, in the order the replay runs them."""
+    storage or extra made and each op's backward (with a gradient or not), in the order the
+    replay runs them."""
 
     def __init__(self, graph: nx.DiGraph) -> None:
         super().__init__(graph)
         self.entering: frozenset | None = None  # the live keys when forward ended
-        self.events: list[tuple[int, int]] = []  # (slot kind, node id); kind -1: the node's gradient let go
+        self.events: list[tuple[int, int]] = []  # (slot kind, node id); kind -1: the node's backward
 
     def allocate(self, key: int | tuple, nbytes: int) -> None:
         if self.entering is None and key == FORWARD_ENDS:
@@ -68,16 +69,17 @@ class _MakesRecorder(LiveMemory):
                 self.events.append((key % SLOT_KINDS, (key // SLOT_KINDS) % self.size))
         super().allocate(key, nbytes)
 
-    def free_gradient(self, value: int) -> None:
+    def backward_begins(self, node: int) -> None:
         if self.entering is not None:
-            self.events.append((-1, value))
-        super().free_gradient(value)
+            self.events.append((-1, node))
 
 
 def plan_makes(graph: nx.DiGraph, segments: Sequence[Segment]) -> PlanMakes:
     """Replay ``segments``' step (:func:`passes.simulate.step_peak`) and read off
-    :class:`PlanMakes`. An op's backward is where its gradient is let go for the last time
-    (an input's buffer replaced by an out-of-place sum is let go before its own backward)."""
+    :class:`PlanMakes`. Each value made is made before the next op's backward, that op's gradient
+    or not: an op taking no gradient still holds what it saved until its backward (a random
+    graph's ``requires_grad=False`` op saving a recomputed value, read as made before the next
+    op taking one, was made twice in the reading)."""
     memory = _MakesRecorder(graph)
     step_peak(graph, segments, memory=memory)
     names, index, entering = memory.index.names, memory.index, memory.entering or frozenset()

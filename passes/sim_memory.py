@@ -243,6 +243,10 @@ class LiveMemory:
         buffer = self.grad_buffer.get(value)
         return buffer is not None and self.views_of[buffer] > 1
 
+    def backward_begins(self, node: int) -> None:
+        """``node``'s backward starts (every op's, gradient or not). Nothing to do here; a
+        memory that notes where each op's backward runs (:mod:`passes.plan_start`) overrides it."""
+
     def free_gradient(self, value: int) -> None:
         """Drop ``value``'s gradient; a shared buffer goes when its last view does."""
         own = value * SLOT_KINDS + GRAD

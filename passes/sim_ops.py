@@ -96,6 +96,7 @@ def run_backward(memory: LiveMemory, nodes: Sequence[int], grads: set[int]) -> N
     index = memory.index
     keys = None if memory.fresh else index.value_keys  # as in :func:`run_forward`
     for node in reversed(nodes):
+        memory.backward_begins(node)
         early = index.released_early[node] if node in grads else ()  # let go by its first functions
         returned = _gradients_of(memory, node, grads) if node in grads else None
         grads.discard(node)

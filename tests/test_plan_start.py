@@ -7,7 +7,7 @@ import math
 
 import networkx as nx
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from passes.budget import BudgetError
@@ -19,7 +19,7 @@ from passes.plan_start import plan_makes, start_columns, start_schedule
 from passes.simulate import eager_peak, simulate
 from passes.strategies import choose_plan
 from passes.training_graph import stage_peaks, training_graph
-from tests.cost_graph_draws import SETTINGS, cost_graphs
+from tests.cost_graph_draws import SETTINGS, CostGraph, cost_graphs
 from tests.milp_graphs import UNIT, chain
 
 
@@ -51,7 +51,37 @@ def test_a_chain_plan_reads_as_the_schedule_it_runs(strategy: str) -> None:
     schedule_of(graph, training, R, S)  # raises ScheduleError where it could not run
 
 
+def no_grad_op_saving_a_recomputed_value() -> CostGraph:
+    """Found by the property test below in CI: ``op10`` takes no gradient but saves ``op8``,
+    which the plan at 0.8 of eager recomputes before ``op10``'s backward; read as made before
+    the next op taking a gradient (``op9``), the reading made ``op8`` twice (2074 FLOPs for
+    the plan's 1454)."""
+    graph = CostGraph(measured=True)
+    add_value(graph, "x0", kind="input", order=0, bytes=0, saves_from="nothing")
+    add_value(graph, "x1", kind="input", order=1, bytes=19, saves_from="nothing")
+    x0, x1, outputs, inputs = ["x0"], ["x0", "x1"], "outputs", "inputs"
+    for order, name, reads, attributes in (
+            (2, "op0", x1, dict(alias_of="x0", flops=256, saved=("x0",), saves_from=inputs)),
+            (3, "op1", x0, dict(alias_of="x0", saved=("op1",), saves_from=outputs)),
+            (4, "op2", x1, dict(alias_of="x0", saves_from="nothing")),
+            (5, "op3", x0, dict(alias_of="x0", saves_from="nothing")),
+            (6, "op4", x0, dict(alias_of="x0", saved=("op4",), saves_from=outputs)),
+            (7, "op5", x0, dict(alias_of="x0", flops=903, saved=("x0",), saves_from=inputs)),
+            (8, "op6", [*x1, "op0"], dict(flops=938, saved=("x0", "x1", "op0"), saves_from=inputs)),
+            (9, "op7", x0, dict(flops=640, saved=("x0", "op7"), saves_from=outputs)),
+            (10, "op8", x1, dict(bytes=51, flops=620, saved=("op8",), saves_from=outputs)),
+            (11, "op9", x0, dict(alias_of="x0", flops=699, saved=("x0", "op9"), saved_extra_bytes=41,
+                                 saves_from=outputs)),
+            (12, "op10", ["x0", "op8"], dict(flops=510, saved=("op8",), requires_grad=False, saves_from=inputs)),
+            (13, "op11", x0, dict(bytes=80, flops=135, saved=("x0",), saved_extra_bytes=44, saves_from=outputs))):
+        add_value(graph, name, kind="op", order=order, reads=reads, **{"bytes": 0, **attributes})
+    add_value(graph, "output", kind="output", order=14, bytes=0, saves_from="nothing",
+              reads=["op1", "op2", "op3", "op4", "op5", "op6", "op7", "op9", "op10", "op11"])
+    return graph
+
+
 @given(graph=cost_graphs(max_ops=14), fraction=st.sampled_from([0.4, 0.6, 0.8]))
+@example(graph=no_grad_op_saving_a_recomputed_value(), fraction=0.8)
 @SETTINGS
 def test_a_budget_plan_reads_as_a_schedule_no_dearer_and_no_higher(graph, fraction: float) -> None:
     """A budget plan on a random cost graph, read as a schedule, recomputes at most what the
