@@ -11,6 +11,7 @@ the exact solver (:func:`lower_refusal`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import networkx as nx
 
@@ -19,6 +20,7 @@ from passes.checkmate import MAX_OPS
 from passes.floor import Floor
 from passes.graph_facts import op_nodes
 from passes.plan import Plan
+from passes.units import format_bytes, unit_of
 
 Probe = Callable[[float], "tuple[Plan | None, bool] | None"]
 """Plans for a budget: the plan of least peak found (``None``: none) and whether it meets
@@ -85,7 +87,17 @@ def lower_refusal(graph: nx.DiGraph, refused: BudgetError, plan_for: Callable[[i
     if best is None:
         return refused
     if best.peak_bytes <= budget_bytes:
-        return best
+        return _fits_after_all(best, budget_bytes)
     floor = (None if refused.true_floor_bytes is None
              else Floor(refused.true_floor_bytes, refused.floor_bound_bytes or 0).below(best.peak_bytes))
     return unreachable(graph, budget_bytes, [best], *((floor.peak_bytes, floor.lower_bound_bytes) if floor else ()))
+
+
+def _fits_after_all(plan: Plan, budget_bytes: int) -> Plan:
+    """``plan``, found while planning for a budget above the refused ``budget_bytes``, which it
+    fits after all: its first note says so (the notes after it say why it won where it was
+    planned)."""
+    unit = unit_of(plan.eager_peak_bytes)
+    note = (f"{plan.strategy}: planned for {format_bytes(budget_bytes, unit)}, no plan fitted; this one, planned "
+            f"while looking below that refusal, peaks at {format_bytes(plan.peak_bytes, unit)}")
+    return replace(plan, notes=(note, *plan.notes))

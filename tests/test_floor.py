@@ -280,3 +280,18 @@ def test_a_refusal_names_the_least_peak_of_the_plans_for_budgets_above_it_too(
     named = raised.value.smallest_peak_bytes
     assert named < alone.value.smallest_peak_bytes
     assert fit_budget(graph.copy(), named).peak_bytes <= named
+
+
+def test_a_plan_found_below_a_refusal_that_fits_it_says_so() -> None:
+    """Planning for a budget between the refused one and the least peak named may find a plan
+    fitting the refused budget after all (what a plan family reaches depends on the budget
+    it is asked for): it is the answer, and its first note says how it was found."""
+    from passes.refusal import lower_refusal
+
+    graph = random_cost_graph(random.Random(0), 30)
+    roomy = fit_budget(graph.copy(), eager_peak(graph), exact_seconds=0)
+    tight = fit_budget(graph.copy(), int(0.6 * eager_peak(graph)), exact_seconds=0)
+    refused = unreachable(graph, tight.peak_bytes, [roomy])  # as if only the roomy plan had been found
+    answer = lower_refusal(graph, refused, lambda budget: tight, steps=2)
+    assert answer.segments == tight.segments
+    assert "looking below that refusal" in answer.notes[0] and answer.notes[1:] == tight.notes
