@@ -59,7 +59,8 @@ def fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None =
     try:
         return _fit_budget(graph, budget_bytes, progress, exact_seconds, floors=True)
     except BudgetError as refused:
-        lower = lower_refusal(graph, refused, lambda budget: _fit_budget(graph, budget, None, 0, floors=False))
+        lower = lower_refusal(graph, refused, lambda budget: _fit_budget(graph, budget, None, 0, floors=False),
+                              progress=progress)
         if isinstance(lower, Plan):
             return lower
         raise lower from None

@@ -19,7 +19,7 @@ from passes.budget import BudgetError, unreachable
 from passes.checkmate import MAX_OPS
 from passes.floor import Floor
 from passes.graph_facts import op_nodes
-from passes.plan import Plan
+from passes.plan import Plan, Progress
 from passes.units import format_bytes, unit_of
 
 Probe = Callable[[float], "tuple[Plan | None, bool] | None"]
@@ -61,7 +61,7 @@ REFUSAL_STEPS = (2, 4)  # budgets a refusal plans for between the refused one an
 
 
 def lower_refusal(graph: nx.DiGraph, refused: BudgetError, plan_for: Callable[[int], Plan],
-                  steps: int | None = None) -> BudgetError | Plan:
+                  steps: int | None = None, progress: Progress | None = None) -> BudgetError | Plan:
     """``refused`` naming the least peak a plan reaches, looked for with ``plan_for`` (the
     planner without the exact solver, raising :class:`BudgetError` as it does) at budgets
     bisected between the refused budget (or the solver's proven bound) and the least peak it
@@ -70,19 +70,29 @@ def lower_refusal(graph: nx.DiGraph, refused: BudgetError, plan_for: Callable[[i
 
     On random DAGs of 100 and 200 ops refused at 0.1 of eager, the plans for the budget
     peaked at 0.25-0.36x of eager, but budgets 15% below that were met (by dropping values
-    on top of a flat plan). A budget at the peak named is met, as before."""
+    on top of a flat plan). A budget at the peak named is met, as before. ``progress`` is told
+    each planning done, of ``steps`` (a refusal of a 60-op graph plans for up to 20 s more)."""
     budget_bytes = refused.budget_bytes
     if refused.smallest_plan is None or budget_bytes is None:
         return refused
     if steps is None:
         steps = REFUSAL_STEPS[len(op_nodes(graph)) > MAX_OPS]
 
+    done = 0
+
     def probe(budget: float) -> tuple[Plan | None, bool]:
+        nonlocal done
         try:
             return plan_for(int(budget)), True
         except BudgetError as nested:  # its plans, made for a lower budget, may still reach lower
             return nested.smallest_plan, False
+        finally:
+            done += 1
+            if progress is not None:
+                progress(done, steps)
 
+    if progress is not None:
+        progress(0, steps)
     best = lowest_between(max(budget_bytes, refused.floor_bound_bytes or 0), refused.smallest_peak_bytes, steps, probe)
     if best is None:
         return refused

@@ -47,7 +47,7 @@ def test_budget_error_names_both_floors(monkeypatch: pytest.MonkeyPatch) -> None
     floor = true_floor(graph, time_limit=20)
     assert floor is not None and floor.peak_bytes < smallest  # this graph has a gap to show
     with monkeypatch.context() as patched, pytest.raises(BudgetError) as raised:
-        patched.setattr(budget_search, "lower_refusal", lambda graph, refused, plan_for: refused)
+        patched.setattr(budget_search, "lower_refusal", lambda graph, refused, plan_for, **_: refused)
         fit_budget(graph, int(floor.peak_bytes) - 1, exact_seconds=0)
     error = raised.value
     assert error.true_floor_bytes is not None and error.true_floor_bytes < error.smallest_peak_bytes
@@ -273,7 +273,7 @@ def test_a_refusal_names_the_least_peak_of_the_plans_for_budgets_above_it_too(
     graph = random_cost_graph(random.Random(seed), 100)
     budget = int(0.1 * eager_peak(graph))
     with monkeypatch.context() as patched, pytest.raises(BudgetError) as alone:
-        patched.setattr(budget_search, "lower_refusal", lambda graph, refused, plan_for: refused)
+        patched.setattr(budget_search, "lower_refusal", lambda graph, refused, plan_for, **_: refused)
         fit_budget(graph.copy(), budget)
     with pytest.raises(BudgetError) as raised:
         fit_budget(graph.copy(), budget)
@@ -285,13 +285,16 @@ def test_a_refusal_names_the_least_peak_of_the_plans_for_budgets_above_it_too(
 def test_a_plan_found_below_a_refusal_that_fits_it_says_so() -> None:
     """Planning for a budget between the refused one and the least peak named may find a plan
     fitting the refused budget after all (what a plan family reaches depends on the budget
-    it is asked for): it is the answer, and its first note says how it was found."""
+    it is asked for): it is the answer, and its first note says how it was found; the user's
+    progress is told of each planning."""
     from passes.refusal import lower_refusal
 
     graph = random_cost_graph(random.Random(0), 30)
     roomy = fit_budget(graph.copy(), eager_peak(graph), exact_seconds=0)
     tight = fit_budget(graph.copy(), int(0.6 * eager_peak(graph)), exact_seconds=0)
     refused = unreachable(graph, tight.peak_bytes, [roomy])  # as if only the roomy plan had been found
-    answer = lower_refusal(graph, refused, lambda budget: tight, steps=2)
+    told: list[tuple[int, int]] = []
+    answer = lower_refusal(graph, refused, lambda budget: tight, steps=2, progress=lambda *report: told.append(report))
     assert answer.segments == tight.segments
+    assert told == [(0, 2), (1, 2)]  # each planning reported (the second bisection step is not needed)
     assert "looking below that refusal" in answer.notes[0] and answer.notes[1:] == tight.notes
