@@ -296,7 +296,7 @@ def demo(
     target: Annotated[str, typer.Option(help="the model to demonstrate on")] = DEMO_TARGET,
 ) -> None:
     """Plan a zoo transformer at per-block checkpointing's memory (what
-    ``gradient_checkpointing_enable()`` gives) and at 0.5 and 0.3 of eager's, measure each
+    'gradient_checkpointing_enable()' gives) and at 0.5 and 0.3 of eager's, measure each
     beside eager and per-block in interleaved rounds, and show the cut of the best trade-off."""
     from graphckpt.tools import zoo
     from graphckpt.tools.demo import best_trade_off, demo_variants, trade_off_line, versus_per_block
