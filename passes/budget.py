@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import networkx as nx
 
+from passes.graph_facts import storage_root
+from passes.kept_bytes import storage_bytes
 from passes.plan import Plan
 from passes.schedule import plan_schedule
 from passes.sim_peak import PeakBreakdown, peak_breakdown
@@ -175,13 +177,18 @@ def _proven_below(true_floor_bytes: float | None, floor_bound_bytes: float | Non
 
 
 def _heaviest_held(graph: nx.DiGraph, plan: Plan) -> list[str]:
-    """The five largest values ``plan`` keeps from forward, of those alive at its peak when a
-    schedule runs it (:mod:`passes.exact`: it lets some go in backward, before its peak)."""
+    """The five largest storages of the values ``plan`` keeps from forward, each named once
+    (a kept view by the value owning its storage), of those alive at its peak when a
+    schedule runs it (:mod:`passes.exact`: it lets some go in backward, before its peak).
+    What holds no activation memory (a ``size`` an op returned, a view of an input) is
+    not named: a refusal of the zoo GPT listed ``size`` beside ``ln_f``."""
     kept = plan.checkpoints
     if plan_schedule(plan.segments) is not None:
         alive = {storage.name for storage in peak_breakdown(graph, plan.segments).storages}
         kept = [value for value in kept if value in alive]
-    return sorted(kept, key=lambda v: -graph.nodes[v]["bytes"])[:5]
+    held = {storage_root(graph, value) for value in kept}
+    weighed = [(storage_bytes(graph, [root]), root) for root in sorted(held, key=lambda r: graph.nodes[r]["order"])]
+    return [root for nbytes, root in sorted(weighed, key=lambda pair: -pair[0]) if nbytes][:5]
 
 
 def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:

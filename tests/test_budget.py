@@ -14,7 +14,8 @@ from passes.budget import BudgetError, parse_budget
 from passes.budget_search import fit_budget
 from passes.costgraph import add_value
 from passes.flat_plans import candidate_plans, candidates, cheapest_fitting
-from passes.graph_facts import op_nodes
+from passes.graph_facts import op_nodes, storage_root
+from passes.kept_bytes import storage_bytes
 from passes.peak_queries import forward_floor
 from passes.plan import Plan, simulated
 from passes.simulate import eager_peak
@@ -133,6 +134,18 @@ def test_infeasible_budget_names_the_smallest_peak() -> None:
     assert error.reason in str(error) and "kept values" not in error.reason
     assert error.at_peak is not None and error.at_peak.peak_bytes == error.smallest_peak_bytes
     assert set(error.kept_values) <= {s.name for s in error.at_peak.storages}  # what it keeps is alive there
+
+
+def test_a_refusal_names_only_kept_values_holding_activation_memory() -> None:
+    """The zoo GPT's smallest plan keeps ``size`` (an int ``x.size()`` returned, no bytes)
+    beside the LM head's output; the refusal names the head alone (it named ``size`` too)."""
+    model, inputs = zoo.make("gpt", layers=1, d=16, seq=16, heads=2, batch=2)
+    with pytest.raises(BudgetError) as caught:
+        graphckpt.rewrite(model, inputs, budget=0.05)
+    error, graph = caught.value, caught.value.cost_graph
+    assert any(not graph.nodes[value]["bytes"] for value in error.smallest_plan.checkpoints)
+    assert error.kept_values and all(storage_bytes(graph, [value]) for value in error.kept_values)
+    assert len({storage_root(graph, value) for value in error.kept_values}) == len(error.kept_values)
 
 
 def test_budget_with_a_strategy_is_refused() -> None:
