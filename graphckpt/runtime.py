@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from graphckpt.dropping import autocast_uncached
 from graphckpt.segment_calls import RunningBody, SegmentCall, innermost_running, refill_contexts
 from graphckpt.state import StateInput, frozen_running_stats, running_stat_norms, scratch_state, unwrap_state
-from graphckpt.torch_compat import NormBase, clear_selective_cache, profiled_range
+from graphckpt.torch_compat import NormBase, clear_selective_cache, profiled_range, selective_cache_missed
 
 
 class _Dropped:
@@ -216,6 +216,8 @@ class _Recomputing(RunningBody):
 
     def __enter__(self) -> None:
         self.segment.recomputations += 1
+        self.again = self.call.recomputes > 0
+        self.call.recomputes += 1
         self.nested_seen = 0
         super().__enter__()
         self.stack.enter_context(profiled_range(self.segment.label, "recompute"))
@@ -231,5 +233,14 @@ class _Recomputing(RunningBody):
         # Outputs kept for ops the recompute never reached (checkpoint stops once it has
         # what backward needs) would otherwise live until the segment's backward ends.
         clear_selective_cache(self.call.cached)
+        if self.again and selective_cache_missed(exc_info[1]):
+            raise RuntimeError(SECOND_BACKWARD.format(label=self.segment.label)) from exc_info[1]
+
+
+SECOND_BACKWARD = (
+    "graphckpt: backward ran through segment {label} a second time (loss.backward(retain_graph=True) and "
+    "again, or a second torch.autograd.grad), but it is a selective segment: torch's selective checkpointing "
+    "hands the matmul outputs it kept to one backward only. For a loop that backpropagates twice through one "
+    "forward, rewrite with strategy='sqrt', 'mincut' or 'articulation', whose segments recompute everything.")
 
 

@@ -42,6 +42,7 @@ class SegmentCall:
         self.state = tuple(state)  # what its recompute gets scratch copies of
         self.remake: functools.partial | None = None  # makes its rematerialized inputs again
         self.filled = False
+        self.recomputes = 0  # recomputes begun: a second is a second backward through this call
         self.caching: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.cached: contextlib.AbstractContextManager = contextlib.nullcontext()
         if saved_inside:

@@ -326,3 +326,22 @@ def test_an_inplace_flag_passed_by_position_is_a_write() -> None:
     calls = [node for node in graph_module.graph.nodes if node.op == "call_function" and node.target is not operator.mul]
     h = next(node for node in graph_module.graph.nodes if node.name == "mul")
     assert [mutated_arguments(graph_module, node) for node in calls] == [[h], [h], [h], []]
+
+
+def test_a_second_backward_through_a_selective_segment_says_what_to_do() -> None:
+    """torch's selective checkpointing hands the outputs it kept to one backward only; a
+    second backward through the same forward failed with torch's "aten.empty_like.default
+    encountered during backward but not found in storage". It now names the segment, the
+    cause and the strategies that support it, whose plan then backpropagates twice."""
+    from graphckpt.tools import zoo
+    from tests.equivalence import assert_backpropagates_twice
+
+    model, inputs = zoo.make("gpt", layers=2, d=32, seq=16, heads=2, batch=2)
+    rewritten = graphckpt.rewrite(model, inputs, strategy="optimal")
+    assert any(s.recompute and s.saved_inside for s in rewritten.meta["graphckpt_plan"].segments)
+    loss = zoo.scalar_loss(rewritten(*inputs))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"segment_\d+ a second time .*strategy='sqrt'") as raised:
+        loss.backward()
+    assert "not found in storage" in str(raised.value.__cause__)
+    assert_backpropagates_twice(graphckpt.rewrite(model, inputs, strategy="sqrt"), model, inputs)

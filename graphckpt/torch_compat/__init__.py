@@ -97,6 +97,7 @@ __all__ = [
     "profiler_enabled",
     "quiet_profile",
     "real_output_dtypes",
+    "selective_cache_missed",
     "stderr_without",
     "storage_alive",
     "storage_key",
@@ -345,6 +346,14 @@ def clear_selective_cache(context: Any) -> None:
     Its ``storage`` dict (``_CachedTorchDispatchMode.storage``). Checked on 2.5, 2.6, 2.13.
     """
     getattr(context, "storage", {}).clear()
+
+
+def selective_cache_missed(error: object) -> bool:
+    """Whether ``error`` is torch's selective checkpointing finding, in a recompute, no kept
+    output for an op its policy keeps (``_CachedTorchDispatchMode``: "... encountered during
+    backward but not found in storage"), as after the one backward it keeps them for.
+    Checked on 2.5, 2.13."""
+    return isinstance(error, RuntimeError) and "not found in storage" in str(error)
 
 
 @contextlib.contextmanager
