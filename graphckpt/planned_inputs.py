@@ -1,5 +1,6 @@
 """A rewritten module's checks that a call runs as its plan was simulated: inputs the plan
-was made for without gradients, and the autocast state it was made under.
+was made for without gradients, the autocast state it was made under, and the input shapes
+an export-captured graph is fixed to.
 
 What an op saves for backward depends on whether what it reads needs a gradient: ``x * x``
 on an input needing none saves nothing, on one needing it saves ``x`` twice. The cost graph
@@ -27,11 +28,16 @@ kernel's scratch (:meth:`graphckpt.backward_record.Recorder.backward_peak`), and
 16-bit kernels allocate inside themselves measured: forward calls on 16-bit floats replayed
 (:meth:`graphckpt.op_kinds.OpKinds._note_for_replay`), BatchNorm's backward replayed with the
 float32 statistics its kernel gets. The corpus planned under bf16: docs/corpus_autocast.md.
+
+A module captured by ``torch.export`` (Hugging Face models through :func:`graphckpt.rewrite`)
+is fixed to its example inputs' shapes: :func:`refuse_if_shape_differs` says so at a call with
+other shapes, before export's own guard fails deep inside the first segment.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -72,6 +78,18 @@ def refuse_if_needs_grad(value: Any, name: str, planned_peak_bytes: int) -> None
             "(graphckpt.rewrite(..., exact=False))")
 
 
+def refuse_if_shape_differs(value: Any, name: str, shape: tuple[int, ...]) -> None:
+    """Raise when ``value``, an input of a module captured by ``torch.export``, has another
+    shape than the example input it was captured with: export fixes the graph to those shapes,
+    and its own guard, deep in the first segment, only said ``Guard failed: ids.size()[1] == 16``."""
+    if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+        raise ValueError(
+            f"graphckpt: input {name!r} has shape {list(value.shape)}, but this module was captured by "
+            f"torch.export for shape {list(shape)}, and export fixes a graph to its example shapes. Rewrite with "
+            "example inputs of this shape (one rewritten module per shape), or checkpoint the model in place "
+            "with graphckpt.enable(model, example_inputs), which runs its own forward at any shape")
+
+
 def autocast_state() -> str:
     """The autocast state in force now, as ``"device:dtype"`` (``"cpu:bfloat16"``), ``""`` when off.
 
@@ -99,20 +117,36 @@ def warn_if_autocast_differs(planned: str, planned_peak_bytes: int) -> None:
                       stacklevel=2)
 
 
-for _check in (warn_if_needs_grad, refuse_if_needs_grad, warn_if_autocast_differs):
+for _check in (warn_if_needs_grad, refuse_if_needs_grad, warn_if_autocast_differs, refuse_if_shape_differs):
     getattr(fx.node, "has_side_effect", lambda function: function)(_check)  # fx's dead-code elimination
     # keeps them though they return nothing (torch releases without the registry never drop calls)
 
 
 def emit_call_checks(graph: fx.Graph, inputs: dict[str, fx.Node], names: tuple[str, ...],
-                     planned_peak_bytes: int, planned_autocast: str, *, exact: bool = False) -> None:
+                     planned_peak_bytes: int, planned_autocast: str, *, exact: bool = False,
+                     fixed_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
     """Append to ``graph`` (codegen's top graph, just after its placeholders ``inputs`` by
-    name) a :func:`warn_if_autocast_differs` call and, for each input of ``names``, a
-    :func:`warn_if_needs_grad` call (:func:`refuse_if_needs_grad` for a plan run by an
-    ``exact`` schedule)."""
+    name) a :func:`refuse_if_shape_differs` call for each input of ``fixed_shapes`` (an
+    export-captured graph's), a :func:`warn_if_autocast_differs` call and, for each input of
+    ``names``, a :func:`warn_if_needs_grad` call (:func:`refuse_if_needs_grad` for a plan run
+    by an ``exact`` schedule)."""
+    for name, shape in (fixed_shapes or {}).items():
+        graph.create_node("call_function", refuse_if_shape_differs, (inputs[name], name, shape),
+                          name=f"captured_shape_{name}")
     graph.create_node("call_function", warn_if_autocast_differs, (planned_autocast, planned_peak_bytes),
                       name="planned_autocast")
     check = refuse_if_needs_grad if exact else warn_if_needs_grad
     for name in names:
         graph.create_node("call_function", check, (inputs[name], name, planned_peak_bytes),
                           name=f"planned_without_grad_{name}")
+
+
+def example_shapes(source: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``source``'s tensor inputs as captured (their placeholders' example
+    values), for those whose every size is fixed (no symbolic size)."""
+    shapes = {}
+    for node in source.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and all(isinstance(size, int) for size in value.shape):
+            shapes[node.name] = tuple(value.shape)
+    return shapes

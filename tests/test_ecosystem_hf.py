@@ -131,6 +131,22 @@ def test_save_pretrained_after_training_the_rewritten_gpt2(tmp_path) -> None:
         torch.testing.assert_close(loaded(**inputs).logits, rewritten(**inputs).logits, rtol=1e-5, atol=1e-6)
 
 
+def test_an_export_captured_model_called_at_another_shape_says_what_to_do() -> None:
+    """torch.export fixes a graph to its example shapes; a call at another sequence length
+    failed deep in the first segment with export's "Guard failed: input_ids.size()[1] == 16".
+    The rewritten module checks each input's shape first (shown in its code) and says what
+    to do; graphckpt.enable takes the other length."""
+    model = build("gpt2")
+    inputs = batch()
+    rewritten = graphckpt.rewrite(model, (), example_kwargs=inputs)
+    assert "refuse_if_shape_differs(input_ids, 'input_ids'" in rewritten.code
+    longer = {name: torch.cat([value, value], dim=1) for name, value in inputs.items()}
+    with pytest.raises(ValueError, match=r"'input_ids' has shape \[\d+, \d+\].*graphckpt.enable"):
+        rewritten(**longer)
+    graphckpt.enable(model, (), example_kwargs=inputs)
+    model(**longer).loss.backward()
+
+
 @pytest.mark.slow
 def test_hf_gpt2_under_the_compile_backend() -> None:
     """No export needed: dynamo captures the model (any sequence length) and each of its
