@@ -4,7 +4,8 @@ graphckpt needs a few things torch offers only privately: fake tensors and dispa
 (to cost a graph without running it), the profiler's allocation events and memory timeline
 (to measure peaks on CPU), a storage's identity, the registries behind ``nn.Module``'s
 attributes, an fx graph's code generator, a ``SymInt``'s example value. Each is reached
-here (the profiler's in :mod:`graphckpt.torch_compat.profiler`, re-exported here), and only
+here (the profiler's in :mod:`graphckpt.torch_compat.profiler`, selective checkpointing's and
+torch.compile's budget in :mod:`graphckpt.torch_compat.checkpointing`, re-exported here), and only
 here (``tests/test_torch_compat.py`` fails naming the file and line of any other module that
 touches a private torch name), so a torch release that moves one breaks
 this package alone, and the fix is a shim here.
@@ -51,6 +52,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from graphckpt.torch_compat.checkpointing import (
+    activation_memory_budget,
+    clear_selective_cache,
+    selective_cache_missed,
+)
 from graphckpt.torch_compat.profiler import (
     RANGE_PREFIX,
     allocations_under,
@@ -336,37 +342,6 @@ def rename_node(node: fx.Node, candidate: str) -> None:
     rename = getattr(node, "_rename", None)
     if rename is not None:
         rename(candidate)
-
-
-def clear_selective_cache(context: Any) -> None:
-    """Drop what a selective-checkpoint recompute context kept (the ``cached`` half returned
-    by ``torch.utils.checkpoint.create_selective_checkpoint_contexts``); nothing if the
-    context keeps nothing.
-
-    Its ``storage`` dict (``_CachedTorchDispatchMode.storage``). Checked on 2.5, 2.6, 2.13.
-    """
-    getattr(context, "storage", {}).clear()
-
-
-def selective_cache_missed(error: object) -> bool:
-    """Whether ``error`` is torch's selective checkpointing finding, in a recompute, no kept
-    output for an op its policy keeps (``_CachedTorchDispatchMode``: "... encountered during
-    backward but not found in storage"), as after the one backward it keeps them for.
-    Checked on 2.5, 2.13."""
-    return isinstance(error, RuntimeError) and "not found in storage" in str(error)
-
-
-@contextlib.contextmanager
-def activation_memory_budget(budget: float) -> Iterator[None]:
-    """``torch.compile``'s min-cut partitioner keeps activations within ``budget`` (a
-    fraction of what it would save by default) for graphs compiled inside the block.
-
-    ``torch._functorch.config.activation_memory_budget``. Checked on 2.5, 2.6, 2.13.
-    """
-    from torch._functorch import config
-
-    with config.patch(activation_memory_budget=budget):
-        yield
 
 
 # ---------------------------------------------------------------- shims for older releases
