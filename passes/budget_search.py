@@ -297,7 +297,8 @@ def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
     every = blocks_candidate(graph)
     if every is None:
         raise PlanError("no blocks to checkpoint in place: the model has no repeated child modules "
-                        "(a ModuleList or Sequential of same-class layers); name them with blocks=[...]")
+                        "(a ModuleList or Sequential of same-class layers); name them with blocks=[...], or "
+                        "checkpoint the whole graph with graphckpt.rewrite(model, example_inputs)")
     if budget_bytes is None:
         return simulated(graph, every)
     if eager_peak(graph) <= budget_bytes:
