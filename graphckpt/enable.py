@@ -9,7 +9,7 @@ plans a module tree can carry out itself: recompute blocks (the repeated layers 
 ``ModuleList``/``Sequential``, or the modules named in ``blocks=``), all of them or, to fit a
 budget, the mix that recomputes least: some blocks whole, some selectively (their matmul and
 convolution outputs kept from forward, as torch's selective checkpointing does), the rest not
-at all (:func:`passes.budget_search.block_plan`). Each recomputed block's ``forward`` is then
+at all (:func:`passes.block_plan.block_plan`). Each recomputed block's ``forward`` is then
 wrapped in ``torch.utils.checkpoint`` on the instance, so
 
 * the model is still an instance of its class (``generate``, ``save_pretrained``, Trainer);
@@ -46,9 +46,9 @@ from graphckpt.dropping import autocast_uncached
 from graphckpt.planned_inputs import warn_if_autocast_differs
 from graphckpt.segment_calls import keep_matmul_outputs
 from graphckpt.state import frozen_running_stats, running_stat_norms
+from passes.block_plan import block_plan
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
-from passes.budget_search import block_plan
 from passes.plan import Plan
 from passes.simulate import eager_peak
 

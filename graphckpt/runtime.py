@@ -216,7 +216,6 @@ class _Recomputing(RunningBody):
 
     def __enter__(self) -> None:
         self.segment.recomputations += 1
-        self.again = self.call.recomputes > 0
         self.call.recomputes += 1
         self.nested_seen = 0
         super().__enter__()
@@ -233,7 +232,7 @@ class _Recomputing(RunningBody):
         # Outputs kept for ops the recompute never reached (checkpoint stops once it has
         # what backward needs) would otherwise live until the segment's backward ends.
         clear_selective_cache(self.call.cached)
-        if self.again and selective_cache_missed(exc_info[1]):
+        if self.call.recomputes > 1 and selective_cache_missed(exc_info[1]):
             raise RuntimeError(SECOND_BACKWARD.format(label=self.segment.label)) from exc_info[1]
 
 

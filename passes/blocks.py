@@ -57,7 +57,7 @@ def block_segments(graph: nx.DiGraph) -> tuple[Segment, ...] | None:
 
 def recomputed_blocks(graph: nx.DiGraph, segments: tuple[Segment, ...]) -> tuple[str, ...]:
     """The blocks whose runs ``segments`` recompute, in execution order (a block-aligned
-    plan such as :func:`passes.budget_search.block_plan`'s); ops outside every block are never among them."""
+    plan such as :func:`passes.block_plan.block_plan`'s); ops outside every block are never among them."""
     return _blocks_of(graph, (s for s in segments if s.recompute))
 
 

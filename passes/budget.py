@@ -186,9 +186,8 @@ def _heaviest_held(graph: nx.DiGraph, plan: Plan) -> list[str]:
     if plan_schedule(plan.segments) is not None:
         alive = {storage.name for storage in peak_breakdown(graph, plan.segments).storages}
         kept = [value for value in kept if value in alive]
-    held = {storage_root(graph, value) for value in kept}
-    weighed = [(storage_bytes(graph, [root]), root) for root in sorted(held, key=lambda r: graph.nodes[r]["order"])]
-    return [root for nbytes, root in sorted(weighed, key=lambda pair: -pair[0]) if nbytes][:5]
+    weight = {root: storage_bytes(graph, [root]) for root in {storage_root(graph, value) for value in kept}}
+    return sorted((r for r, nbytes in weight.items() if nbytes), key=lambda r: (-weight[r], graph.nodes[r]["order"]))[:5]
 
 
 def _floor_note(floor: int | None, plan_floor: int, eager_peak_bytes: int, budget_bytes: int) -> str:

@@ -1,6 +1,7 @@
 """The cheapest plan that fits a memory budget (:func:`fit_budget`, what ``budget=`` and
-the ``optimal`` strategy run), and per-block checkpointing at a budget (:func:`block_plan`).
-How a budget is read and what a refusal says are :mod:`passes.budget`.
+the ``optimal`` strategy run). How a budget is read and what a refusal says are
+:mod:`passes.budget`; per-block checkpointing at a budget, for ``graphckpt.enable``, is
+:mod:`passes.block_plan`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from dataclasses import replace
 
 import networkx as nx
 
-from passes.blocks import block_mixes
 from passes.budget import BudgetError, unreachable
 from passes.drop_scan import DROPS_MAX_OPS, drop_bases, drops_on_top
 from passes.drops import drop_plan
 from passes.exact import EXACT_TIME_LIMIT, exact_plan, exact_solvable, floors_below
-from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments, partially_recomputed
+from passes.flat_plans import THOROUGH_UP_TO, candidates, cheapest, cheapest_fitting, more_segments
 from passes.graph_facts import op_nodes
 from passes.heuristics import auto_plan, blocks_candidate
 from passes.keeps import MANY_STARTS_UP_TO, best_with_keeps, best_without_keeps, filled_again, selective_start
@@ -27,12 +27,12 @@ from passes.recompute import cost_key
 from passes.refusal import lower_refusal
 from passes.relaxed import Rounded, lowest_relaxed, relaxed_plans, remakes_of
 from passes.search import SEARCH_MAX_OPS, SEEDS_BELOW_FLOOR, search, search_seeds
-from passes.segments import PlanError, Segment
+from passes.segments import Segment
 from passes.simulate import eager_peak, forward_flops
 from passes.units import format_bytes, unit_of
 
 
-def _eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
+def eager_fits(graph: nx.DiGraph, strategy: str, budget_bytes: int) -> Plan:
     """The plan that recomputes nothing, for a budget eager's peak already fits."""
     note = f"{strategy}: eager fits {format_bytes(budget_bytes, unit_of(eager_peak(graph)))}; nothing is recomputed"
     return build_plan(graph, strategy, [(op_nodes(graph), False)], [note])
@@ -72,7 +72,7 @@ def _fit_budget(graph: nx.DiGraph, budget_bytes: int, progress: Progress | None,
     that budget, and with ``floors`` of what the exact solver and the relaxation find below
     them (:func:`passes.exact.floors_below`, :func:`passes.relaxed.lowest_relaxed`)."""
     if eager_peak(graph) <= budget_bytes:  # nothing to plan: eager fits and recomputes nothing
-        return _eager_fits(graph, "optimal", budget_bytes)
+        return eager_fits(graph, "optimal", budget_bytes)
     program = DynamicPrograms(graph, progress=progress, within_bytes=budget_bytes)
     found = program.plan_for_budget(budget_bytes)
     flat = candidates(graph)
@@ -282,32 +282,6 @@ def _with_keeps_origin(plan: Plan, start: str) -> str:
 
 def _kept_count(plan: Plan) -> int:
     return sum(len(segment.saved_inside) for _, segment in leaf_segments(plan.segments))
-
-
-def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
-    """Per-block checkpointing that a module tree can carry out in place: every block
-    recomputed, or for ``budget_bytes`` the plan of least recompute that fits it among
-    recomputing the first r blocks whole and the next s selectively
-    (:func:`passes.blocks.block_mixes`; eager when eager fits). Each recomputed segment is
-    one block's run, so ``graphckpt.enable`` can checkpoint the block's own ``forward``.
-
-    Raises :class:`passes.segments.PlanError` when the graph names no blocks, and
-    :class:`BudgetError` naming the smallest peak when no such plan fits.
-    """
-    every = blocks_candidate(graph)
-    if every is None:
-        raise PlanError("no blocks to checkpoint in place: the model has no repeated child modules "
-                        "(a ModuleList or Sequential of same-class layers); name them with blocks=[...], or "
-                        "checkpoint the whole graph with graphckpt.rewrite(model, example_inputs)")
-    if budget_bytes is None:
-        return simulated(graph, every)
-    if eager_peak(graph) <= budget_bytes:
-        return _eager_fits(graph, "blocks", budget_bytes)
-    flat = [every, *partially_recomputed(graph, every), *block_mixes(graph, every)]
-    chosen, tried = cheapest_fitting(graph, flat, budget_bytes, None)
-    if chosen is None:
-        raise unreachable(graph, budget_bytes, tried)
-    return chosen
 
 
 def optimal_plan(graph: nx.DiGraph, *, segments: int | None = None, progress: Progress | None = None,

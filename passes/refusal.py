@@ -78,21 +78,20 @@ def lower_refusal(graph: nx.DiGraph, refused: BudgetError, plan_for: Callable[[i
     if steps is None:
         steps = REFUSAL_STEPS[len(op_nodes(graph)) > MAX_OPS]
 
-    done = 0
+    report = progress or (lambda done, total: None)
+    planned = 0
 
     def probe(budget: float) -> tuple[Plan | None, bool]:
-        nonlocal done
+        nonlocal planned
         try:
             return plan_for(int(budget)), True
         except BudgetError as nested:  # its plans, made for a lower budget, may still reach lower
             return nested.smallest_plan, False
         finally:
-            done += 1
-            if progress is not None:
-                progress(done, steps)
+            planned += 1
+            report(planned, steps)
 
-    if progress is not None:
-        progress(0, steps)
+    report(0, steps)
     best = lowest_between(max(budget_bytes, refused.floor_bound_bytes or 0), refused.smallest_peak_bytes, steps, probe)
     if best is None:
         return refused

@@ -123,9 +123,9 @@ def test_a_plan_rated_within_the_margin_gives_way_to_per_block() -> None:
 
 
 def test_block_plans_recompute_whole_blocks_and_as_few_as_a_budget_needs() -> None:
+    from passes.block_plan import block_plan
     from passes.blocks import recomputed_blocks
     from passes.budget import BudgetError
-    from passes.budget_search import block_plan
     from passes.simulate import eager_peak
 
     model, inputs = zoo.make("gpt", layers=6, batch=4)
