@@ -17,6 +17,7 @@ from graphckpt.capture import Captured, CaptureError, block_paths, capture, node
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import COSTS, build_cost_graph, prepare
 from graphckpt.inplace import mutated_arguments
+from graphckpt.module_hooks import inputs_forward_receives
 from graphckpt.progress import paused_gc, planning_progress, stage_progress
 from passes.budget import Budget
 from passes.exact import EXACT_TIME_LIMIT
@@ -108,6 +109,8 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
         args = ()  # keyword inputs alone are example inputs too
     with stage_progress(f"graphckpt: capturing {type(model).__name__}"):
         captured = capture(model, args, example_kwargs)
+    if captured.method == "fx":  # export traced the model's own pre-hooks in; fx leaves them to the call
+        args, example_kwargs = inputs_forward_receives(model, args, example_kwargs)
     paths = block_paths(model, blocks)  # a misspelt block name is refused before costing
     if args is None:
         _require_costs_for_inplace(captured.graph_module)

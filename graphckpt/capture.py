@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from graphckpt.blocks import find_blocks, join_path
 from graphckpt.functions import functions_kept_whole
+from graphckpt.module_hooks import trace_keeping_hooks, warn_global_hooks, warn_hooks_traced_in
 from graphckpt.progress import paused_gc
 from graphckpt.stamping import export_stamped
 from graphckpt.torch_compat import export_training_graph
@@ -78,9 +79,10 @@ def unused_defaults(model: nn.Module, args: tuple | None,
 
 def trace_fx(model: nn.Module, args: tuple | None = None,
              kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` sharing the model's modules and parameters; arguments
-    the example call does not pass are fixed at their defaults."""
-    return fx.symbolic_trace(model, concrete_args=unused_defaults(model, args, kwargs) or None)
+    """``torch.fx.symbolic_trace`` sharing the model's modules and parameters, keeping each
+    module with hooks whole (:mod:`graphckpt.module_hooks`); arguments the example call
+    does not pass are fixed at their defaults."""
+    return trace_keeping_hooks(model, unused_defaults(model, args, kwargs) or None)
 
 
 def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:
@@ -118,6 +120,7 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    warn_global_hooks()
     traced = None
     try:
         with functions_kept_whole() as seen, paused_gc():  # a 50k-node trace: 4.2 s -> 3.4 s
@@ -136,7 +139,9 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
             ) from fx_error
     try:
         with paused_gc():  # an 80-layer HF LLaMA's export: 8.3-9.2 s -> 7.9-8.0 s
-            return Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
+            exported = Captured(trace_export(model, example_inputs, example_kwargs or {}), "export", model)
+        warn_hooks_traced_in(model)
+        return exported
     except Exception as export_error:
         if traced is not None:  # fx's trace, with the Functions inlined, is still a capture
             return Captured(traced, "fx", model)

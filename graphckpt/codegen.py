@@ -43,12 +43,19 @@ from graphckpt.bodies import (
 from graphckpt.dropping import DropModule
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
+from graphckpt.module_hooks import hooked_calls
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks, example_shapes
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule
 from graphckpt.segment_calls import keep_begin, keep_end
-from graphckpt.torch_compat import copy_graph_codegen, module_registries, non_persistent_buffers
+from graphckpt.torch_compat import (
+    call_hook_kinds,
+    copy_graph_codegen,
+    module_registries,
+    non_persistent_buffers,
+    share_call_hooks,
+)
 from passes.plan import Plan
 from passes.remat import remat_sources
 from passes.schedule import plan_schedule
@@ -261,6 +268,16 @@ def _header(plan: Plan, method: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _hooks_note(source: fx.GraphModule, model: nn.Module, method: str) -> str:
+    """Header lines naming the modules whose hooks the rewritten module runs as eager does."""
+    kept = sorted(set(hooked_calls(source).values()))
+    them = "it" if len(kept) == 1 else "them"
+    lines = [f"#   calls {', '.join(kept)} whole and never recomputes {them}: module hooks run once a step"] if kept else []
+    if method == "fx" and call_hook_kinds(model):
+        lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(call_hook_kinds(model))}) around forward")
+    return "".join(line + "\n" for line in lines)
+
+
 @paused_gc()
 def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str = "fx") -> RewrittenModule:
     """The rewritten module for ``plan`` over the captured ``source`` of ``model``. Everything
@@ -297,7 +314,9 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
             _attach(staging, node, resolve(source, node.target))
     top.lint()
     rewritten = RewrittenModule(staging, top, type(model).__name__ + "Checkpointed")
-    rewritten.meta["graphckpt_header"] = _header(plan, method)
+    if method == "fx":  # export traced the model's own hooks in
+        share_call_hooks(model, rewritten)
+    rewritten.meta["graphckpt_header"] = _header(plan, method) + _hooks_note(source, model, method)
     rewritten.meta["graphckpt_plan"] = plan
     return rewritten
 

@@ -20,6 +20,9 @@ wrapped in ``torch.utils.checkpoint`` on the instance, so
 * ``eval()`` and ``torch.no_grad()`` run the original forward, with no checkpointing at all;
 * a recompute replays the random draws of forward and does not update BatchNorm's running
   statistics a second time;
+* a block holding a module with hooks of its own (a forward hook collecting its output,
+  ``spectral_norm``'s power iteration) is not recomputed: a recompute would run the hooks a
+  second time (:mod:`graphckpt.module_hooks`);
 * a block called under another autocast state than the plan was made under warns
   (:func:`graphckpt.planned_inputs.warn_if_autocast_differs`): plan under the autocast you
   train with. Measured on CPU (zoo GPT and ResNet, bf16 around forward): planned and run
@@ -42,10 +45,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from graphckpt.api import cost_model
+from graphckpt.capture import block_paths
 from graphckpt.dropping import autocast_uncached
 from graphckpt.planned_inputs import warn_if_autocast_differs
 from graphckpt.segment_calls import keep_matmul_outputs
 from graphckpt.state import frozen_running_stats, running_stat_norms
+from graphckpt.torch_compat import call_hooks_set_aside
 from passes.block_plan import block_plan
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
@@ -70,7 +75,9 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     if getattr(model, "is_gradient_checkpointing", False):  # Hugging Face's own, switched on
         warnings.warn("the model already checkpoints its layers (gradient_checkpointing_enable()); layers would be "
                       "recomputed twice: call model.gradient_checkpointing_disable() first", stacklevel=2)
-    _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
+    with call_hooks_set_aside(model.get_submodule(path) for path in block_paths(model, blocks)):
+        # a block's own hooks run outside its checkpoint: recomputing it does not rerun them
+        _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
     graph.graph["hooks"] = False  # a block's forward runs under torch's (selective) checkpoint
     plan = block_plan(graph, None if budget is None else parse_budget(budget, eager_peak(graph)))
     shapes = _shapes(example_inputs, example_kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from passes.blocks import block_mixes
+from passes.blocks import block_mixes, block_names, block_runs
 from passes.budget import unreachable
 from passes.budget_search import eager_fits
 from passes.flat_plans import cheapest_fitting, partially_recomputed
@@ -29,6 +29,11 @@ def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
     :class:`BudgetError` naming the smallest peak when no such plan fits.
     """
     every = blocks_candidate(graph)
+    if every is None and block_names(graph):
+        raise PlanError(f"no block can be recomputed whole: {_ops_run_once(graph)} must not run twice (a module "
+                        "whose hooks run once a step, an in-place write something reads), and per-block "
+                        "checkpointing reruns a block whole. graphckpt.rewrite(model, example_inputs) "
+                        "recomputes around such ops.")
     if every is None:
         raise PlanError("no blocks to checkpoint in place: the model has no repeated child modules "
                         "(a ModuleList or Sequential of same-class layers); name them with blocks=[...], or "
@@ -42,3 +47,14 @@ def block_plan(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
     if chosen is None:
         raise unreachable(graph, budget_bytes, tried)
     return chosen
+
+
+def _ops_run_once(graph: nx.DiGraph, shown: int = 3) -> str:
+    """The first ops, one per block, that may not be recomputed, as ``label (in block)``."""
+    found = {}
+    for block, ops in block_runs(graph):
+        first = next((n for n in ops if not graph.nodes[n]["recomputable"]), None)
+        if block and first is not None:
+            found.setdefault(block, graph.nodes[first].get("label") or first)
+    named = [f"{label} (in {block})" for block, label in list(found.items())[:shown]]
+    return ", ".join(named) + (f" and ops in {len(found) - shown} more blocks" if len(found) > shown else "")

@@ -45,11 +45,13 @@ def block_segments(graph: nx.DiGraph) -> tuple[Segment, ...] | None:
     """Segments recomputing every block run, the rest kept; ``None`` when the graph names no
     blocks or no block can be recomputed (a boundary value written in place later, ...).
     A block that ends the forward is kept: its backward runs right after forward, so
-    recomputing it would save nothing."""
+    recomputing it would save nothing. So is a block with an op that must not run twice
+    (``recomputable=False``: a module whose hooks run once a step, an in-place write that
+    something reads): per-block checkpointing reruns a block whole."""
     runs = block_runs(graph)
     if not any(block for block, _ in runs):
         return None
-    groups = [(ops, bool(block)) for block, ops in runs]
+    groups = [(ops, bool(block) and all(graph.nodes[n]["recomputable"] for n in ops)) for block, ops in runs]
     groups[-1] = (groups[-1][0], False)
     segments = make_segments(graph, groups)
     return segments if any(s.recompute for s in segments) else None

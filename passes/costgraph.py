@@ -79,7 +79,8 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     unknown), or nanoseconds when ``graph.graph["cost_unit"] == "ns"``.
 ``recomputable``: ``bool``
     ``False`` when running the node again would change results or state we do not replay
-    exactly (e.g. an in-place write to a buffer that something reads). Such nodes never sit
+    exactly (e.g. an in-place write to a buffer that something reads), or would run a
+    module's hooks twice in a step (a module with hooks, called whole). Such nodes never sit
     in a recomputed segment. Updates of ``state`` values stay recomputable.
 ``cuttable``: ``bool``
     ``False`` when the value may not be kept at a segment boundary: its storage is written

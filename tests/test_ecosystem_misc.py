@@ -194,7 +194,7 @@ def test_docs_have_every_snippet() -> None:
     assert list(snippets()) == SNIPPETS
 
 
-SNIPPETS = ["Hugging Face transformers", "Hugging Face Trainer", "torch.compile", "DDP and FSDP2"]
+SNIPPETS = ["Hugging Face transformers", "Hugging Face Trainer", "torch.compile", "DDP and FSDP2", "Module hooks"]
 
 
 @pytest.mark.parametrize("title", SNIPPETS)

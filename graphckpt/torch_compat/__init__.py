@@ -57,6 +57,14 @@ from graphckpt.torch_compat.checkpointing import (
     clear_selective_cache,
     selective_cache_missed,
 )
+from graphckpt.torch_compat.module_hooks import (
+    call_hook_kinds,
+    call_hooks_set_aside,
+    global_call_hook_kinds,
+    has_module_hooks,
+    run_forward_pre_hooks,
+    share_call_hooks,
+)
 from graphckpt.torch_compat.profiler import (
     RANGE_PREFIX,
     allocations_under,
@@ -70,15 +78,15 @@ from graphckpt.torch_compat.profiler import (
 from graphckpt.torch_compat.real_dtypes import RealOutputDtypes, real_output_dtypes
 
 __all__ = [
-    "RANGE_PREFIX", "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "RealOutputDtypes",
-    "TorchDispatchMode", "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under",
-    "argument_names", "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved",
-    "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter", "has_module_hooks",
-    "is_accumulate_grad", "is_cast", "memory_timeline_allocations", "module_registries", "module_tree_copy",
-    "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
-    "quiet_profile", "real_output_dtypes", "selective_cache_missed", "stderr_without", "storage_alive",
-    "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map",
-    "tree_unflatten",
+    "RANGE_PREFIX", "FakeTensor", "FakeTensorMode", "NormBase", "OpOverload", "RealOutputDtypes", "TorchDispatchMode",
+    "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under", "argument_names",
+    "call_hook_kinds", "call_hooks_set_aside", "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers",
+    "dropout_and_saved", "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter",
+    "global_call_hook_kinds", "has_module_hooks", "is_accumulate_grad", "is_cast", "memory_timeline_allocations",
+    "module_registries", "module_tree_copy", "non_persistent_buffers", "op_schema", "profiled_event_tree",
+    "profiled_range", "profiler_enabled", "quiet_profile", "real_output_dtypes", "run_forward_pre_hooks",
+    "selective_cache_missed", "share_call_hooks", "stderr_without", "storage_alive", "storage_key",
+    "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
 ]
 
 
@@ -249,19 +257,6 @@ def module_registries(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]
     ``nn.Module._modules``, ``._parameters``, ``._buffers``. Checked on 2.5, 2.6, 2.13.
     """
     return module._modules, module._parameters, module._buffers
-
-
-def has_module_hooks(module: nn.Module) -> bool:
-    """Whether a forward hook (``module``'s own, or a global one) can change what calling
-    ``module`` does: such a call is never profiled once for several nodes.
-
-    ``nn.Module._forward_hooks`` / ``_forward_pre_hooks`` and ``torch.nn.modules.module``'s
-    global hook dicts. Checked on 2.13.
-    """
-    from torch.nn.modules import module as module_module
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module_module._global_forward_hooks
-                or module_module._global_forward_pre_hooks)
 
 
 def module_tree_copy(module: Module) -> Module:

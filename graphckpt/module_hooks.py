@@ -1,0 +1,108 @@
+"""A model's module hooks in its rewritten module: they run as they run in eager.
+
+torch.fx traces a module through its ``forward``, which skips what ``__call__`` adds: the
+module's forward, forward pre- and backward hooks. Left so, a rewritten module would drop
+them without a word: a hook collecting activations would see nothing, and
+``torch.nn.utils.spectral_norm``'s weight would stop being normalised. graphckpt keeps them:
+
+- a submodule with such hooks is traced as one ``call_module`` node
+  (:class:`HookKeepingTracer`), so running the node calls the module, hooks and all;
+- such a node is never recomputed (:func:`hooked_calls` are ``recomputable=False`` in the
+  cost graph): its hooks run once a step, as in eager, and a hook that moves state (the
+  power iteration of ``spectral_norm``) moves it once. What the module saves for backward
+  is kept; the plan saves memory around it, not inside it.
+- the model's own hooks are the rewritten module's (:func:`graphckpt.torch_compat.share_call_hooks`),
+  and the plan is made for what ``forward`` receives after the model's forward pre-hooks.
+
+Hooks also run while graphckpt profiles the graph at rewrite time, on the example inputs.
+torch.export calls modules as it traces, so what their hooks compute is in its graph, but
+their Python side effects ran once, at capture (:func:`warn_hooks_traced_in`). Hooks
+registered for every module (``register_module_forward_hook``) run only for the modules a
+capture keeps whole (:func:`warn_global_hooks`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from torch import fx, nn
+
+from graphckpt.torch_compat import call_hook_kinds, global_call_hook_kinds, run_forward_pre_hooks
+
+
+def hooked_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The modules of ``model`` (``""`` for the model itself) with hooks that run when the
+    module is called, and the kinds of those hooks.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> handle = model[1].register_forward_pre_hook(lambda module, args: None)
+    >>> hooked_modules(model)
+    {'1': ('forward_pre',)}
+    """
+    return {path: kinds for path, module in model.named_modules() if (kinds := call_hook_kinds(module))}
+
+
+class HookKeepingTracer(fx.Tracer):
+    """fx's tracer, keeping every module with call hooks whole (a ``call_module`` node), so
+    that the traced graph runs its hooks where the model does."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return super().is_leaf_module(module, qualified_name) or bool(call_hook_kinds(module))
+
+
+def trace_keeping_hooks(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model, concrete_args)`` by :class:`HookKeepingTracer`."""
+    tracer = HookKeepingTracer()
+    graph = tracer.trace(model, concrete_args)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def hooked_calls(graph_module: fx.GraphModule) -> dict[str, str]:
+    """The ``call_module`` nodes of ``graph_module`` whose module has call hooks, by node
+    name, with the module's path: each must run once a step, so none is recomputed."""
+    return {node.name: node.target for node in graph_module.graph.nodes
+            if node.op == "call_module" and call_hook_kinds(graph_module.get_submodule(node.target))}
+
+
+def inputs_forward_receives(model: nn.Module, args: tuple | None,
+                            kwargs: Mapping[str, Any] | None) -> tuple[tuple | None, Mapping[str, Any] | None]:
+    """The example inputs as ``model.forward`` receives them when ``model`` is called with
+    them: after the model's own forward pre-hooks, which an fx capture (a trace of
+    ``forward``) leaves to the rewritten module's call."""
+    if args is None or "forward_pre" not in call_hook_kinds(model):
+        return args, kwargs
+    return run_forward_pre_hooks(model, args, kwargs or {})
+
+
+def _listing(hooked: dict[str, tuple[str, ...]]) -> str:
+    shown = [f"{path or '(the model)'} ({', '.join(kinds)})" for path, kinds in list(hooked.items())[:6]]
+    more = f" and {len(hooked) - 6} more" if len(hooked) > 6 else ""
+    return ", ".join(shown) + more
+
+
+def warn_hooks_traced_in(model: nn.Module) -> None:
+    """Warn that torch.export ran ``model``'s module hooks once, while tracing: what they
+    compute is in the graph, their other effects do not happen again."""
+    hooked = hooked_modules(model)
+    if hooked:
+        warnings.warn(
+            f"graphckpt captured {type(model).__name__} with torch.export, which ran the hooks of "
+            f"{_listing(hooked)} once, while tracing: what they compute is part of the rewritten module, but "
+            "their Python side effects (collecting outputs, logging, updating state) will not happen on its "
+            "calls. Register such hooks on the rewritten module's submodules instead, or use "
+            "graphckpt.enable(model), which keeps the model and its hooks.", stacklevel=3)
+
+
+def warn_global_hooks() -> None:
+    """Warn that hooks registered for every module run, in a rewritten module, only for the
+    modules the capture kept whole."""
+    kinds = global_call_hook_kinds()
+    if kinds:
+        warnings.warn(
+            f"global module hooks ({', '.join(kinds)}, from torch.nn.modules.module.register_module_*_hook) "
+            "run in a rewritten module only for the modules it calls whole (torch's layers, and modules "
+            "with hooks of their own); the other modules are traced into its graph. Register the hooks "
+            "on the modules that need them, or use graphckpt.enable(model), which keeps the model.",
+            stacklevel=3)
