@@ -41,6 +41,7 @@ from graphckpt.bodies import (
     scheduled_module,
 )
 from graphckpt.dropping import DropModule
+from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
 from graphckpt.module_hooks import hooked_calls
@@ -52,6 +53,7 @@ from graphckpt.segment_calls import keep_begin, keep_end
 from graphckpt.torch_compat import (
     call_hook_kinds,
     copy_graph_codegen,
+    keep_on_copies,
     module_registries,
     non_persistent_buffers,
     share_call_hooks,
@@ -72,6 +74,13 @@ class RewrittenModule(fx.GraphModule):
         super().__init__(root, graph, class_name)
         if isinstance(root, nn.Module):
             adopt_structure(self, root)
+
+    def recompile(self) -> Any:
+        """Generate ``forward`` from the graph, run in eval mode by the model itself when the
+        module holds it (:mod:`graphckpt.eval_forward`)."""
+        python_code = super().recompile()
+        type(self).forward = dispatching_forward(type(self).forward)
+        return python_code
 
     @property
     def segments(self) -> list[tuple[str, SegmentModule]]:
@@ -315,8 +324,10 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     top.lint()
     rewritten = RewrittenModule(staging, top, type(model).__name__ + "Checkpointed")
     if method == "fx":  # export traced the model's own hooks in
-        share_call_hooks(model, rewritten)
-    rewritten.meta["graphckpt_header"] = _header(plan, method) + _hooks_note(source, model, method)
+        share_call_hooks(model, rewritten, keep_on_copies)
+    keep_on_copies(rewritten, EVAL_FORWARD, ModelForward(model, hooks_ran=method == "fx"))
+    rewritten.meta["graphckpt_header"] = (_header(plan, method) + _hooks_note(source, model, method)
+                                          + f"#   eval() runs {type(model).__name__}'s own forward\n")
     rewritten.meta["graphckpt_plan"] = plan
     return rewritten
 

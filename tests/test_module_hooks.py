@@ -3,6 +3,8 @@ values eager gives them (:mod:`graphckpt.module_hooks`)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -179,3 +181,15 @@ def test_enable_says_why_no_block_can_be_recomputed() -> None:
         block[0].register_forward_hook(lambda module, args, output: None)
     with pytest.raises(PlanError, match=r"no block can be recomputed whole: 0.0 \(in 0\).*graphckpt.rewrite"):
         graphckpt.enable(model, _inputs())
+
+
+def test_a_deep_copy_keeps_the_models_own_hooks() -> None:
+    calls: list[str] = []
+    model = _chain()
+    model.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    clone = copy.deepcopy(graphckpt.rewrite(model, _inputs(), strategy="sqrt"))
+    calls.clear()
+    for training in (True, False):
+        clone.train(training)
+        clone(*_inputs())
+    assert calls == ["pre", "pre"]

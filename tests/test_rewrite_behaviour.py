@@ -345,3 +345,36 @@ def test_a_second_backward_through_a_selective_segment_says_what_to_do() -> None
         loss.backward()
     assert "not found in storage" in str(raised.value.__cause__)
     assert_backpropagates_twice(graphckpt.rewrite(model, inputs, strategy="sqrt"), model, inputs)
+
+
+class TrainingBranches(nn.Module):
+    """Python reading ``self.training``, which a trace freezes in its training branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = nn.functional.dropout(torch.tanh(layer(x)), 0.3, training=self.training)
+        return x * 2 if self.training else x
+
+
+def test_eval_runs_the_models_own_forward() -> None:
+    """A traced ``training=self.training`` stays True: eval output was dropped out and
+    doubled. In eval mode the rewritten module runs the model's forward (its code says
+    so), also on its deep copies, and goes back to its graph for training."""
+    reference, model = fresh_pair(TrainingBranches())
+    x = torch.randn(8, 16)
+    rewritten = graphckpt.rewrite(model, (x,), strategy="sqrt")
+    assert "eval() runs TrainingBranches's own forward" in rewritten.code
+    for module in (rewritten, copy.deepcopy(rewritten)):
+        module.eval()
+        reference.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), reference(x))
+        torch.testing.assert_close(module(torch.randn(3, 16)).shape, torch.Size([3, 16]))
+        module.train()
+        reference.train()
+    assert model.training, "eval() of the rewritten module left the model's root in eval mode"
+    assert_trains_like(reference, model, rewritten, (x,), seed=3)

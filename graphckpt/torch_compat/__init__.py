@@ -82,11 +82,12 @@ __all__ = [
     "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under", "argument_names",
     "call_hook_kinds", "call_hooks_set_aside", "clear_selective_cache", "copy_graph_codegen", "draws_random_numbers",
     "dropout_and_saved", "export_training_graph", "fake_empty", "fake_module_copy", "flop_counter",
-    "global_call_hook_kinds", "has_module_hooks", "is_accumulate_grad", "is_cast", "memory_timeline_allocations",
-    "module_registries", "module_tree_copy", "non_persistent_buffers", "op_schema", "profiled_event_tree",
-    "profiled_range", "profiler_enabled", "quiet_profile", "real_output_dtypes", "run_forward_pre_hooks",
-    "selective_cache_missed", "share_call_hooks", "stderr_without", "storage_alive", "storage_key",
-    "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
+    "global_call_hook_kinds", "has_module_hooks", "is_accumulate_grad", "is_cast", "keep_on_copies",
+    "memory_timeline_allocations", "module_registries", "module_tree_copy", "non_persistent_buffers", "op_schema",
+    "profiled_event_tree", "profiled_range", "profiler_enabled", "quiet_profile", "real_output_dtypes",
+    "run_forward_pre_hooks", "selective_cache_missed", "share_call_hooks", "stderr_without", "storage_alive",
+    "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map",
+    "tree_unflatten",
 ]
 
 
@@ -295,6 +296,19 @@ def copy_graph_codegen(source: fx.Graph, target: fx.Graph) -> None:
     ``fx.Graph._codegen`` (read; ``set_codegen`` is public). Checked on 2.5, 2.6, 2.13.
     """
     target.set_codegen(copy.deepcopy(source._codegen))
+
+
+def keep_on_copies(graph_module: fx.GraphModule, name: str, value: Any) -> None:
+    """Set ``graph_module.<name>`` to ``value``, also on its ``copy.deepcopy`` copies (a
+    GraphModule's copy keeps only the attributes its graph reads).
+
+    ``GraphModule.meta[torch.fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY]``, set on a copy
+    after its init. Checked on 2.13; a torch without it sets the attribute alone.
+    """
+    setattr(graph_module, name, value)
+    key = getattr(torch.fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", None)
+    if key is not None:
+        graph_module.meta.setdefault(key, {})[name] = value
 
 
 def rename_node(node: fx.Node, candidate: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch.nn.modules.module as module_internals
@@ -61,12 +61,14 @@ def run_forward_pre_hooks(module: nn.Module, args: tuple,
     return tuple(args), dict(kwargs)
 
 
-def share_call_hooks(source: nn.Module, target: nn.Module) -> None:
+def share_call_hooks(source: nn.Module, target: nn.Module,
+                     keep: Callable[[nn.Module, str, Any], None] = setattr) -> None:
     """Let ``target``'s ``__call__`` run ``source``'s hooks: the same registries, so a hook
-    added to or removed from one (its handle's ``remove()``) is so for both."""
+    added to or removed from one (its handle's ``remove()``) is so for both. ``keep`` sets
+    each registry on ``target`` (``keep_on_copies`` for a GraphModule's copies to keep them)."""
     for name in _HOOK_STATE:
         if hasattr(source, name):
-            setattr(target, name, getattr(source, name))
+            keep(target, name, getattr(source, name))
 
 
 def has_module_hooks(module: nn.Module) -> bool:
