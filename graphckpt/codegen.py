@@ -46,7 +46,7 @@ from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
 from graphckpt.module_hooks import hooked_calls
 from graphckpt.op_kinds import is_cast_node
-from graphckpt.planned_inputs import emit_call_checks, example_shapes
+from graphckpt.planned_inputs import emit_call_checks, emit_parameter_check, example_shapes
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule
 from graphckpt.segment_calls import keep_begin, keep_end
@@ -309,6 +309,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     emit_call_checks(top, dict(env), plan.inputs_without_grad, plan.peak_bytes, plan.autocast,
                      exact=plan_schedule(plan.segments) is not None,
                      fixed_shapes=example_shapes(source) if method == "export" else None)
+    emit_parameter_check(top, model, plan.peak_bytes, fixed=method == "export")
     segments = _emit_segments(top, captured, plan.segments, env,
                               lambda name: lookup(captured.nodes[name]), prefix="segment_")
     for node in source.graph.nodes:

@@ -31,7 +31,10 @@ float32 statistics its kernel gets. The corpus planned under bf16: docs/corpus_a
 
 A module captured by ``torch.export`` (Hugging Face models through :func:`graphckpt.rewrite`)
 is fixed to its example inputs' shapes: :func:`refuse_if_shape_differs` says so at a call with
-other shapes, before export's own guard fails deep inside the first segment.
+other shapes, before export's own guard fails deep inside the first segment. Export also fixes
+the dtypes and devices of its parameters: :func:`refuse_if_parameter_differs` says so when the
+model was cast or moved after rewriting; an fx capture runs so, but its plan was simulated for
+the old dtype, and :func:`warn_if_parameter_differs` warns.
 """
 
 from __future__ import annotations
@@ -90,6 +93,55 @@ def refuse_if_shape_differs(value: Any, name: str, shape: tuple[int, ...]) -> No
             "with graphckpt.enable(model, example_inputs), which runs its own forward at any shape")
 
 
+def _kind(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
+
+
+def warn_if_parameter_differs(value: torch.Tensor, name: str, planned: str, planned_peak_bytes: int) -> None:
+    """Warn when ``value``, the model's first floating-point parameter, is not of the dtype and
+    device ``planned`` (``"float32 on cpu"``) it had at rewrite time, with gradients enabled:
+    activations then take other sizes than simulated, so the step may hold more than
+    ``planned_peak_bytes``."""
+    if _kind(value) != planned and torch.is_grad_enabled():
+        warnings.warn(
+            f"graphckpt: parameter {name!r} is {_kind(value)}, but the plan was made with it {planned}: "
+            "activations take other sizes than simulated, so a step may hold more than its simulated peak of "
+            f"{format_bytes(planned_peak_bytes)}. Rewrite after casting or moving the model "
+            "(model.to(...), then graphckpt.rewrite(model, ...))", stacklevel=2)
+
+
+def refuse_if_parameter_differs(value: torch.Tensor, name: str, planned: str, planned_peak_bytes: int) -> None:
+    """Raise when ``value``, the first floating-point parameter of a model captured by
+    ``torch.export``, is not of the dtype and device ``planned`` it was captured with: export
+    fixes dtypes and devices in its graph, whose own check, deep in the first segment, only
+    said ``Tensor dtype mismatch! Expected: Float, Got: c10::BFloat16``. ``planned_peak_bytes``
+    is unused: the signature is :func:`warn_if_parameter_differs`'s, so codegen emits either."""
+    if _kind(value) != planned:
+        raise RuntimeError(
+            f"graphckpt: parameter {name!r} is {_kind(value)}, but this module was captured by torch.export with "
+            f"it {planned}, and export fixes dtypes and devices in its graph. Rewrite after casting or moving "
+            "the model (model.to(...), then graphckpt.rewrite(model, ...)), or checkpoint it in place with "
+            "graphckpt.enable(model, ...), which follows the model wherever it goes")
+
+
+def first_floating_parameter(model: torch.nn.Module) -> tuple[str, torch.Tensor] | None:
+    """The name and value of ``model``'s first floating-point parameter: a whole-model
+    ``.to(dtype)``, ``.half()`` or ``.cuda()`` after rewriting changes it."""
+    return next(((name, p) for name, p in model.named_parameters() if p.is_floating_point()), None)
+
+
+def emit_parameter_check(graph: fx.Graph, model: torch.nn.Module, planned_peak_bytes: int, *, fixed: bool) -> None:
+    """Append to ``graph`` a check that the model's first floating-point parameter is of the
+    dtype and device it has now: :func:`refuse_if_parameter_differs` for a graph that
+    ``fixed`` them (export's), :func:`warn_if_parameter_differs` otherwise."""
+    found = first_floating_parameter(model)
+    if found is not None:
+        name, value = found
+        check = refuse_if_parameter_differs if fixed else warn_if_parameter_differs
+        graph.create_node("call_function", check, (graph.get_attr(name), name, _kind(value), planned_peak_bytes),
+                          name="planned_parameters")
+
+
 def autocast_state() -> str:
     """The autocast state in force now, as ``"device:dtype"`` (``"cpu:bfloat16"``), ``""`` when off.
 
@@ -117,7 +169,8 @@ def warn_if_autocast_differs(planned: str, planned_peak_bytes: int) -> None:
                       stacklevel=2)
 
 
-for _check in (warn_if_needs_grad, refuse_if_needs_grad, warn_if_autocast_differs, refuse_if_shape_differs):
+for _check in (warn_if_needs_grad, refuse_if_needs_grad, warn_if_autocast_differs, refuse_if_shape_differs,
+               warn_if_parameter_differs, refuse_if_parameter_differs):
     getattr(fx.node, "has_side_effect", lambda function: function)(_check)  # fx's dead-code elimination
     # keeps them though they return nothing (torch releases without the registry never drop calls)
 

@@ -184,6 +184,23 @@ def test_eval_switches_dropout_off_in_an_export_captured_model() -> None:
         torch.testing.assert_close(rewritten(ids).logits, rewritten(ids).logits)
 
 
+def test_an_export_captured_model_cast_after_rewriting_says_what_to_do() -> None:
+    """Export fixes dtypes in its graph: a model cast after rewriting failed inside the first
+    segment with "Tensor dtype mismatch! Expected: Float, Got: c10::BFloat16". The rewritten
+    module checks the first parameter's dtype first (shown in its code); eval runs the model."""
+    model = build("gpt2")
+    inputs = batch()
+    rewritten = graphckpt.rewrite(model, (), example_kwargs=inputs)
+    assert "refuse_if_parameter_differs" in rewritten.code
+    rewritten.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"is bfloat16 on cpu, but this module was captured by torch.export "
+                                            r"with it float32 on cpu.*model.to\(...\), then graphckpt.rewrite"):
+        rewritten(**inputs)
+    rewritten.eval()
+    with torch.no_grad():
+        assert rewritten(**inputs).logits.dtype == torch.bfloat16
+
+
 @pytest.mark.slow
 def test_rewritten_hf_gpt2_peak_is_below_eager() -> None:
     """6 layers, d=64, seq 128, batch 4: measured 0.20x eager on a 2-core CPU (articulation

@@ -378,3 +378,15 @@ def test_eval_runs_the_models_own_forward() -> None:
         reference.train()
     assert model.training, "eval() of the rewritten module left the model's root in eval mode"
     assert_trains_like(reference, model, rewritten, (x,), seed=3)
+
+
+def test_a_model_cast_after_rewriting_warns_that_its_plan_was_for_another_dtype() -> None:
+    model = InPlaceChain()
+    rewritten = graphckpt.rewrite(model, (torch.randn(4, 16),), segments=3)
+    reference = copy.deepcopy(model).double()
+    rewritten.double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="is float64 on cpu, but the plan was made with it float32 on cpu"):
+        output = rewritten(x)
+    torch.testing.assert_close(output, reference(x))
+
