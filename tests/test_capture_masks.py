@@ -1,5 +1,5 @@
 """Attention masks that tracing materialises are folded back to what the model calls eagerly
-(``graphckpt.capture.fold_constant_masks``): Hugging Face passes no mask, or ``is_causal``, in
+(``graphckpt.masks.fold_constant_masks``): Hugging Face passes no mask, or ``is_causal``, in
 eager mode but a mask tensor when traced, which on a GPU picks another fused kernel."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphckpt.capture import mask_meaning, trace_export
+from graphckpt.capture import trace_export
+from graphckpt.masks import mask_meaning
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 

@@ -390,3 +390,35 @@ def test_a_model_cast_after_rewriting_warns_that_its_plan_was_for_another_dtype(
         output = rewritten(x)
     torch.testing.assert_close(output, reference(x))
 
+
+class GradModeAndAutocastInside(nn.Module):
+    """A target computed without gradients and a layer run under bf16 autocast, inside forward:
+    fx runs both switches while tracing but cannot put them in its graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layers[0](x))
+        with torch.no_grad():
+            target = self.layers[1](h)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.layers[2](h)
+        return torch.tanh(self.layers[3](h.float())) + target
+
+
+@pytest.mark.parametrize("strategy", ["sqrt", "optimal"])
+def test_grad_mode_and_autocast_switched_in_forward_are_captured_by_export(strategy: str) -> None:
+    """fx's graph ran both regions with gradients and in float32: the target's layer and the
+    layers before it got gradients they must not get, and the autocast layer's output
+    differed from eager by 0.3%. The switches send the capture to torch.export, which records
+    them; without example inputs the error names the line."""
+    reference, model = fresh_pair(GradModeAndAutocastInside())
+    x = torch.randn(8, 16, requires_grad=True)
+    rewritten = graphckpt.rewrite(model, (x,), strategy=strategy)
+    assert "captured with export" in rewritten.code
+    assert_trains_like(reference, model, rewritten, (x,))
+    with pytest.raises(CaptureError, match=r"fx cannot record switching grad mode \(at .*test_rewrite_behaviour.py:\d+: "
+                                           r"`with torch.no_grad\(\):`\); autocast \(at .*Pass example_inputs"):
+        graphckpt.rewrite(GradModeAndAutocastInside())

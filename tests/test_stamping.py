@@ -242,7 +242,7 @@ def test_a_stamped_capture_has_its_constant_masks_folded_in_every_layer() -> Non
     """Masks are folded before stamping (the copies inherit it): without padding, every
     attention call of a 7-layer LLaMA is causal with no mask tensor, stamped layers too."""
     pytest.importorskip("transformers")
-    from graphckpt.capture import SDPA
+    from graphckpt.masks import SDPA
     from tests.test_ecosystem_hf import batch, build
 
     inputs = {key: value for key, value in batch().items() if key != "attention_mask"}
