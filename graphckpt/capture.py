@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import random
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,16 +123,43 @@ def _export_whole(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule
     return graph_module
 
 
+def _python_random_states() -> tuple:
+    """The states of Python's ``random`` and of ``numpy.random`` (when numpy is installed)."""
+    try:
+        import numpy
+    except ImportError:
+        return (random.getstate(),)
+    _, keys, position, *_ = numpy.random.get_state()
+    return random.getstate(), keys.tobytes(), position
+
+
 def capture(model: nn.Module, example_inputs: tuple | None = None,
             example_kwargs: Mapping[str, Any] | None = None) -> Captured:
     """Trace ``model`` with fx, falling back to ``torch.export`` when inputs are given, and
     preferring it for a model with its own autograd Functions, which export keeps whole
     (:mod:`graphckpt.functions`) where fx traces through them.
 
-    Raises :class:`CaptureError` naming the construct fx choked on and what to try.
+    Raises :class:`CaptureError` naming the construct fx choked on and what to try, and
+    when forward draws from Python's ``random`` or ``numpy.random`` while it is captured: a
+    graph keeps what was drawn as constants, so every step would reuse the same draws.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    states = _python_random_states()
+    captured = _capture(model, example_inputs, example_kwargs)
+    if _python_random_states() != states:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward drew random numbers from Python's random or numpy.random while "
+            "it was captured: a graph keeps those draws as constants, so every training step would reuse them "
+            "(Hugging Face speech models draw SpecAugment's masks so: mask_time_prob, mask_feature_prob). Draw "
+            "them with torch (torch.rand, torch.randint), switch them off, or checkpoint the model in place with "
+            "graphckpt.enable(model, example_inputs), which runs its own forward.")
+    return captured
+
+
+def _capture(model: nn.Module, example_inputs: tuple | None,
+             example_kwargs: Mapping[str, Any] | None) -> Captured:
+    """:func:`capture`'s choice of fx or export."""
     warn_global_hooks()
     traced = switches = None
     try:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import graphckpt
+from graphckpt.capture import CaptureError
 from graphckpt.tools.measure import measure_step, peak_memory
 from tests.equivalence import assert_trains_like, fresh_pair
 
@@ -199,6 +200,19 @@ def test_an_export_captured_model_cast_after_rewriting_says_what_to_do() -> None
     rewritten.eval()
     with torch.no_grad():
         assert rewritten(**inputs).logits.dtype == torch.bfloat16
+
+
+def test_numpy_drawn_spec_augment_is_refused_not_frozen() -> None:
+    """Wav2Vec2 at its default ``mask_time_prob`` draws SpecAugment's masks with numpy: a
+    captured graph kept the capture's mask as a constant, the same time steps masked at every
+    step. The capture sees numpy's generator move and refuses, saying what to do."""
+    from tests.corpus import hf, hf_vision
+
+    config = transformers.Wav2Vec2Config(**{**hf_vision._SPEECH, "mask_time_prob": 0.05, "mask_time_length": 2})
+    model = transformers.Wav2Vec2ForSequenceClassification(config).train()
+    with pytest.raises(CaptureError, match=r"drew random numbers from Python's random or numpy.random"
+                                     r".*mask_time_prob.*graphckpt.enable"):
+        graphckpt.rewrite(model, (), example_kwargs=hf.audio())
 
 
 @pytest.mark.slow

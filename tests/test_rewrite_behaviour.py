@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import random
 import re
 
 import pytest
@@ -422,3 +423,22 @@ def test_grad_mode_and_autocast_switched_in_forward_are_captured_by_export(strat
     with pytest.raises(CaptureError, match=r"fx cannot record switching grad mode \(at .*test_rewrite_behaviour.py:\d+: "
                                            r"`with torch.no_grad\(\):`\); autocast \(at .*Pass example_inputs"):
         graphckpt.rewrite(GradModeAndAutocastInside())
+
+
+class PythonLayerDrop(nn.Module):
+    """LayerDrop decided by Python's ``random``: a trace keeps the capture's draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if not (self.training and random.random() < 0.5):
+                x = layer(x)
+        return x
+
+
+def test_python_random_draws_in_forward_are_refused() -> None:
+    with pytest.raises(CaptureError, match="PythonLayerDrop's forward drew random numbers from Python's random"):
+        graphckpt.rewrite(PythonLayerDrop(), (torch.randn(4, 8),))
