@@ -44,14 +44,13 @@ from graphckpt.dropping import DropModule
 from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
-from graphckpt.module_hooks import hooked_calls
+from graphckpt.module_hooks import hook_kinds, hooked_calls
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks, emit_parameter_check, example_shapes
 from graphckpt.progress import paused_gc
 from graphckpt.runtime import SegmentModule
 from graphckpt.segment_calls import keep_begin, keep_end
 from graphckpt.torch_compat import (
-    call_hook_kinds,
     copy_graph_codegen,
     keep_on_copies,
     module_registries,
@@ -282,8 +281,8 @@ def _hooks_note(source: fx.GraphModule, model: nn.Module, method: str) -> str:
     kept = sorted(set(hooked_calls(source).values()))
     them = "it" if len(kept) == 1 else "them"
     lines = [f"#   calls {', '.join(kept)} whole and never recomputes {them}: module hooks run once a step"] if kept else []
-    if method == "fx" and call_hook_kinds(model):
-        lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(call_hook_kinds(model))}) around forward")
+    if method == "fx" and hook_kinds(model):
+        lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(hook_kinds(model))}) around forward")
     return "".join(line + "\n" for line in lines)
 
 

@@ -24,12 +24,27 @@ capture keeps whole (:func:`warn_global_hooks`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx, nn
 
 from graphckpt.torch_compat import call_hook_kinds, global_call_hook_kinds, run_forward_pre_hooks
+
+INACTIVE_HOOK_MODULES = ("transformers.utils.output_capturing",)
+"""Where the hooks a library installs on the models it builds, which do nothing unless asked,
+are defined: Hugging Face's output recorders (installed at a model's first call, active
+only while ``output_hidden_states`` or ``output_attentions`` is requested)."""
+
+
+def _may_act(hook: Callable[..., Any]) -> bool:
+    return getattr(hook, "__module__", None) not in INACTIVE_HOOK_MODULES
+
+
+def hook_kinds(module: nn.Module) -> tuple[str, ...]:
+    """The kinds of call hooks of ``module`` that may act in training (:data:`INACTIVE_HOOK_MODULES`
+    left out): ``"forward"``, ``"forward_pre"``, ``"backward"``, ``"backward_pre"``."""
+    return call_hook_kinds(module, _may_act)
 
 
 def hooked_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -41,7 +56,7 @@ def hooked_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
     >>> hooked_modules(model)
     {'1': ('forward_pre',)}
     """
-    return {path: kinds for path, module in model.named_modules() if (kinds := call_hook_kinds(module))}
+    return {path: kinds for path, module in model.named_modules() if (kinds := hook_kinds(module))}
 
 
 class HookKeepingTracer(fx.Tracer):
@@ -49,7 +64,7 @@ class HookKeepingTracer(fx.Tracer):
     that the traced graph runs its hooks where the model does."""
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return super().is_leaf_module(module, qualified_name) or bool(call_hook_kinds(module))
+        return super().is_leaf_module(module, qualified_name) or bool(hook_kinds(module))
 
 
 def trace_keeping_hooks(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
@@ -63,7 +78,7 @@ def hooked_calls(graph_module: fx.GraphModule) -> dict[str, str]:
     """The ``call_module`` nodes of ``graph_module`` whose module has call hooks, by node
     name, with the module's path: each must run once a step, so none is recomputed."""
     return {node.name: node.target for node in graph_module.graph.nodes
-            if node.op == "call_module" and call_hook_kinds(graph_module.get_submodule(node.target))}
+            if node.op == "call_module" and hook_kinds(graph_module.get_submodule(node.target))}
 
 
 def inputs_forward_receives(model: nn.Module, args: tuple | None,
@@ -71,7 +86,7 @@ def inputs_forward_receives(model: nn.Module, args: tuple | None,
     """The example inputs as ``model.forward`` receives them when ``model`` is called with
     them: after the model's own forward pre-hooks, which an fx capture (a trace of
     ``forward``) leaves to the rewritten module's call."""
-    if args is None or "forward_pre" not in call_hook_kinds(model):
+    if args is None or "forward_pre" not in hook_kinds(model):
         return args, kwargs
     return run_forward_pre_hooks(model, args, kwargs or {})
 

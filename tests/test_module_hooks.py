@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import graphckpt
+from graphckpt.module_hooks import INACTIVE_HOOK_MODULES, hooked_modules
 from graphckpt.tools import zoo
 from graphckpt.tools.measure import measure_step
 from passes.segments import PlanError
@@ -193,3 +194,19 @@ def test_a_deep_copy_keeps_the_models_own_hooks() -> None:
         clone.train(training)
         clone(*_inputs())
     assert calls == ["pre", "pre"]
+
+
+def test_hugging_face_output_recorders_do_not_count_as_hooks() -> None:
+    """Hugging Face installs an output recorder on the layers of many models at their first
+    call (Wav2Vec2, HuBERT); it does nothing unless hidden states are asked for, so it keeps
+    no module whole and draws no warning."""
+    def recorder(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        return None
+
+    recorder.__module__ = INACTIVE_HOOK_MODULES[0]
+    model = _chain(depth=4)
+    for block in model:
+        block.register_forward_hook(recorder)
+    assert hooked_modules(model) == {}
+    rewritten = graphckpt.rewrite(model, _inputs(), strategy="sqrt")
+    assert "whole and never recomputes" not in rewritten.code

@@ -25,16 +25,18 @@ _GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_gl
                       "_global_backward_pre_hooks")
 
 
-def call_hook_kinds(module: nn.Module) -> tuple[str, ...]:
+def call_hook_kinds(module: nn.Module, counted: Callable[[Callable[..., Any]], bool] = bool) -> tuple[str, ...]:
     """The kinds of hooks ``module`` has that run only when it is called, not when its
-    ``forward`` is: ``"forward"``, ``"forward_pre"``, ``"backward"``, ``"backward_pre"``.
+    ``forward`` is: ``"forward"``, ``"forward_pre"``, ``"backward"``, ``"backward_pre"``;
+    only hooks ``counted`` accepts count.
 
     >>> layer = nn.Linear(2, 2)
     >>> handle = layer.register_forward_hook(lambda module, args, output: None)
     >>> call_hook_kinds(layer)
     ('forward',)
     """
-    return tuple(name[1:-len("_hooks")] for name in _CALL_HOOKS if getattr(module, name, None))
+    return tuple(name[1:-len("_hooks")] for name in _CALL_HOOKS
+                 if any(counted(hook) for hook in getattr(module, name, {}).values()))
 
 
 def global_call_hook_kinds() -> tuple[str, ...]:
