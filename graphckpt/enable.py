@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from graphckpt.api import cost_model
 from graphckpt.capture import block_paths
 from graphckpt.dropping import autocast_uncached
+from graphckpt.module_hooks import hook_kinds
 from graphckpt.planned_inputs import warn_if_autocast_differs
 from graphckpt.segment_calls import keep_matmul_outputs
 from graphckpt.state import frozen_running_stats, running_stat_norms
@@ -55,6 +56,7 @@ from passes.block_plan import block_plan
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
 from passes.plan import Plan
+from passes.segments import PlanError
 from passes.simulate import eager_peak
 
 PLAN_ATTRIBUTE = "graphckpt_plan"
@@ -75,9 +77,14 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     if getattr(model, "is_gradient_checkpointing", False):  # Hugging Face's own, switched on
         warnings.warn("the model already checkpoints its layers (gradient_checkpointing_enable()); layers would be "
                       "recomputed twice: call model.gradient_checkpointing_disable() first", stacklevel=2)
-    with call_hooks_set_aside(model.get_submodule(path) for path in block_paths(model, blocks)):
+    paths = block_paths(model, blocks)
+    hooked = _hooks_inside(model, paths)
+    with call_hooks_set_aside(model.get_submodule(path) for path in paths):
         # a block's own hooks run outside its checkpoint: recomputing it does not rerun them
         _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
+    for node in graph.nodes:  # a block holding hooked modules runs as outside every block: never recomputed
+        if graph.nodes[node].get("block") in hooked:
+            graph.nodes[node]["block"] = ""
     graph.graph["hooks"] = False  # a block's forward runs under torch's (selective) checkpoint
     plan = block_plan(graph, None if budget is None else parse_budget(budget, eager_peak(graph)))
     shapes = _shapes(example_inputs, example_kwargs)
@@ -89,6 +96,25 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
         checkpoint_forward(model.get_submodule(name), selective=name in selective, planned=plan)
     object.__setattr__(model, PLAN_ATTRIBUTE, plan)
     return model
+
+
+def _hooks_inside(model: nn.Module, paths: Sequence[str]) -> dict[str, list[str]]:
+    """The blocks of ``paths`` holding modules with hooks of their own (the block's own run
+    outside its checkpoint), with those modules: a recompute of the block would run their
+    hooks a second time in the step. Raises :class:`PlanError` naming them when every block
+    holds some."""
+    hooked = {}
+    for path in paths:
+        inside = [f"{path}.{name}" for name, module in model.get_submodule(path).named_modules()
+                  if name and hook_kinds(module)]
+        if inside:
+            hooked[path] = inside
+    if paths and len(hooked) == len(paths):
+        named = [name for inside in hooked.values() for name in inside]
+        raise PlanError(f"no block can be recomputed whole: modules inside them have hooks ({', '.join(named[:3])}"
+                        f"{', ...' if len(named) > 3 else ''}), which a recompute would run a second time. "
+                        "graphckpt.rewrite(model, example_inputs) recomputes around such modules.")
+    return hooked
 
 
 def disable(model: nn.Module) -> nn.Module:
