@@ -44,7 +44,7 @@ from graphckpt.dropping import DropModule
 from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
-from graphckpt.module_hooks import hook_kinds, hooked_calls
+from graphckpt.module_hooks import InlinedModules, hook_kinds, hooked_calls, warn_once_if_hooks_added
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks, emit_parameter_check, example_shapes
 from graphckpt.progress import paused_gc
@@ -309,6 +309,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
                      exact=plan_schedule(plan.segments) is not None,
                      fixed_shapes=example_shapes(source) if method == "export" else None)
     emit_parameter_check(top, model, plan.peak_bytes, fixed=method == "export")
+    top.create_node("call_function", warn_once_if_hooks_added, (top.get_attr(INLINED_MODULES),), name="hooks_added")
     segments = _emit_segments(top, captured, plan.segments, env,
                               lambda name: lookup(captured.nodes[name]), prefix="segment_")
     for node in source.graph.nodes:
@@ -316,6 +317,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
             lookup(node)
     staging = nn.Module()
     adopt_structure(staging, model)
+    setattr(staging, INLINED_MODULES, InlinedModules.of(model, source, method))
     for target, segment in segments.items():
         staging.add_module(target, segment)
     for node in top.nodes:
@@ -330,6 +332,10 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
                                           + f"#   eval() runs {type(model).__name__}'s own forward\n")
     rewritten.meta["graphckpt_plan"] = plan
     return rewritten
+
+
+INLINED_MODULES = "graphckpt_inlined_modules"
+"""The rewritten module's attribute holding its :class:`graphckpt.module_hooks.InlinedModules`."""
 
 
 def _has_attribute(root: nn.Module, target: str) -> bool:

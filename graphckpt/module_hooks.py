@@ -14,7 +14,9 @@ them without a word: a hook collecting activations would see nothing, and
 - the model's own hooks are the rewritten module's (:func:`graphckpt.torch_compat.share_call_hooks`),
   and the plan is made for what ``forward`` receives after the model's forward pre-hooks.
 
-Hooks also run while graphckpt profiles the graph at rewrite time, on the example inputs.
+Hooks also run while graphckpt profiles the graph at rewrite time, on the example inputs. A
+hook registered after rewriting on a module the graph traced through never runs in a training
+step: the first call warns naming it (:class:`InlinedModules`).
 torch.export calls modules as it traces, so what their hooks compute is in its graph, but
 their Python side effects ran once, at capture (:func:`warn_hooks_traced_in`). Hooks
 registered for every module (``register_module_forward_hook``) run only for the modules a
@@ -29,7 +31,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from graphckpt.torch_compat import call_hook_kinds, global_call_hook_kinds, run_forward_pre_hooks
+from graphckpt.torch_compat import call_hook_ids, call_hook_kinds, global_call_hook_kinds, run_forward_pre_hooks
 
 INACTIVE_HOOK_MODULES = ("transformers.utils.output_capturing",)
 """Where the hooks a library installs on the models it builds, which do nothing unless asked,
@@ -121,3 +123,53 @@ def warn_global_hooks() -> None:
             "with hooks of their own); the other modules are traced into its graph. Register the hooks "
             "on the modules that need them, or use graphckpt.enable(model), which keeps the model.",
             stacklevel=3)
+
+
+class InlinedModules:
+    """The modules of a model that its rewritten module's graph traced through rather than
+    called (the model itself too, after an export capture): a hook registered on one of them
+    after rewriting would never run in a training step. The first call checks them, once,
+    and warns (:func:`warn_once_if_hooks_added`): later calls cost one attribute test."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.modules = modules
+        self.registered = {path: call_hook_ids(module) for path, module in modules.items()}  # at rewrite
+        self.checked = False
+
+    def hooked_since(self) -> dict[str, tuple[str, ...]]:
+        """The modules with hooks registered since rewriting (that may act), and their kinds."""
+        return {path: kinds for path, module in self.modules.items()
+                if call_hook_ids(module) - self.registered[path] and (kinds := hook_kinds(module))}
+
+    @classmethod
+    def of(cls, model: nn.Module, graph_module: fx.GraphModule, method: str) -> InlinedModules:
+        """The modules of ``model`` outside every ``call_module`` node of ``graph_module``
+        (a module called whole runs the hooks of those inside it); the model itself only
+        after an export capture (an fx capture's rewritten module shares its hooks)."""
+        whole = {node.target for node in graph_module.graph.nodes if node.op == "call_module"}
+
+        def inside_whole(path: str) -> bool:
+            parts = path.split(".")
+            return any(".".join(parts[:end]) in whole for end in range(1, len(parts) + 1))
+
+        return cls({path: module for path, module in model.named_modules()
+                    if (path or method == "export") and not inside_whole(path)})
+
+
+def warn_once_if_hooks_added(inlined: InlinedModules) -> None:
+    """At the first call, warn naming the inlined modules that have hooks now: registered
+    after rewriting, they do not run in the rewritten module."""
+    if inlined.checked:
+        return
+    inlined.checked = True
+    hooked = inlined.hooked_since()
+    if hooked:
+        warnings.warn(
+            f"graphckpt: hooks were registered on {_listing(hooked)} after the model was rewritten, and the "
+            "rewritten module's graph runs those modules' code, not their calls: the hooks will not run in "
+            "training steps (eval() runs the model's own forward, hooks included). Register hooks before "
+            "graphckpt.rewrite, or use graphckpt.enable(model), which keeps the model.", stacklevel=2)
+
+
+getattr(fx.node, "has_side_effect", lambda function: function)(warn_once_if_hooks_added)  # kept by fx's dead-code
+# elimination though it returns nothing

@@ -4,6 +4,7 @@ values eager gives them (:mod:`graphckpt.module_hooks`)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -211,3 +212,26 @@ def test_hugging_face_output_recorders_do_not_count_as_hooks() -> None:
     assert hooked_modules(model) == {}
     rewritten = graphckpt.rewrite(model, _inputs(), strategy="sqrt")
     assert "whole and never recomputes" not in rewritten.code
+
+
+def test_a_hook_registered_after_rewriting_on_an_inlined_module_is_named_at_the_first_call() -> None:
+    """The graph runs a container's code, not its call: a hook added to it afterwards never
+    runs in training, and the first call says so, once. A hook on a module called whole
+    runs and is not named; an export capture's hooks from before rewriting are not named."""
+    model = _chain()
+    rewritten = graphckpt.rewrite(model, _inputs(), strategy="sqrt")
+    model[4].register_forward_hook(lambda module, args, output: None)
+    model[5][0].register_forward_hook(lambda module, args, output: None)
+    with pytest.warns(UserWarning, match=r"hooks were registered on 4 \(forward\) after the model was rewritten"):
+        _step(rewritten, _inputs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(rewritten, _inputs())
+
+    exported = _ShapeBranch()
+    exported.layers[1].register_forward_hook(lambda module, args, output: None)
+    with pytest.warns(UserWarning, match="which ran the hooks of layers.1"):
+        rewritten = graphckpt.rewrite(exported, _inputs(), strategy="sqrt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(rewritten, _inputs())

@@ -59,6 +59,7 @@ from graphckpt.torch_compat.checkpointing import (
 )
 from graphckpt.torch_compat.mode_switches import ModeSwitch, mode_switches
 from graphckpt.torch_compat.module_hooks import (
+    call_hook_ids,
     call_hook_kinds,
     call_hooks_set_aside,
     global_call_hook_kinds,
@@ -81,14 +82,14 @@ from graphckpt.torch_compat.real_dtypes import RealOutputDtypes, real_output_dty
 __all__ = [
     "RANGE_PREFIX", "FakeTensor", "FakeTensorMode", "ModeSwitch", "NormBase", "OpOverload", "RealOutputDtypes",
     "TorchDispatchMode", "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under",
-    "argument_names", "call_hook_kinds", "call_hooks_set_aside", "clear_selective_cache", "copy_graph_codegen",
-    "draws_random_numbers", "dropout_and_saved", "export_training_graph", "fake_empty", "fake_module_copy",
-    "flop_counter", "global_call_hook_kinds", "has_module_hooks", "is_accumulate_grad", "is_cast", "keep_on_copies",
-    "memory_timeline_allocations", "mode_switches", "module_registries", "module_tree_copy", "non_persistent_buffers",
-    "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled", "quiet_profile", "real_output_dtypes",
-    "run_forward_pre_hooks", "selective_cache_missed", "share_call_hooks", "stderr_without", "storage_alive",
-    "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map",
-    "tree_unflatten",
+    "argument_names", "call_hook_ids", "call_hook_kinds", "call_hooks_set_aside", "clear_selective_cache",
+    "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved", "export_training_graph", "fake_empty",
+    "fake_module_copy", "flop_counter", "global_call_hook_kinds", "has_module_hooks", "is_accumulate_grad", "is_cast",
+    "keep_on_copies", "memory_timeline_allocations", "mode_switches", "module_registries", "module_tree_copy",
+    "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
+    "quiet_profile", "real_output_dtypes", "run_forward_pre_hooks", "selective_cache_missed", "share_call_hooks",
+    "stderr_without", "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten",
+    "tree_leaves", "tree_map", "tree_unflatten",
 ]
 
 

@@ -39,6 +39,11 @@ def call_hook_kinds(module: nn.Module, counted: Callable[[Callable[..., Any]], b
                  if any(counted(hook) for hook in getattr(module, name, {}).values()))
 
 
+def call_hook_ids(module: nn.Module) -> frozenset[int]:
+    """The ids of ``module``'s call hooks (their handles' ``id``): those registered later are new ids."""
+    return frozenset(key for name in _CALL_HOOKS for key in getattr(module, name, {}))
+
+
 def global_call_hook_kinds() -> tuple[str, ...]:
     """The kinds of module hooks registered for every module
     (``torch.nn.modules.module.register_module_forward_hook`` and its siblings)."""
