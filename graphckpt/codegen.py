@@ -44,7 +44,7 @@ from graphckpt.dropping import DropModule
 from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
-from graphckpt.module_hooks import InlinedModules, hook_kinds, hooked_calls, warn_once_if_hooks_added
+from graphckpt.module_hooks import HookWatch, hook_kinds, hooked_calls, warn_once_if_hooks_added
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks, emit_parameter_check, example_shapes
 from graphckpt.progress import paused_gc
@@ -309,7 +309,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
                      exact=plan_schedule(plan.segments) is not None,
                      fixed_shapes=example_shapes(source) if method == "export" else None)
     emit_parameter_check(top, model, plan.peak_bytes, fixed=method == "export")
-    top.create_node("call_function", warn_once_if_hooks_added, (top.get_attr(INLINED_MODULES),), name="hooks_added")
+    top.create_node("call_function", warn_once_if_hooks_added, (top.get_attr(HOOK_WATCH),), name="hooks_added")
     segments = _emit_segments(top, captured, plan.segments, env,
                               lambda name: lookup(captured.nodes[name]), prefix="segment_")
     for node in source.graph.nodes:
@@ -317,7 +317,7 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
             lookup(node)
     staging = nn.Module()
     adopt_structure(staging, model)
-    setattr(staging, INLINED_MODULES, InlinedModules.of(model, source, method))
+    setattr(staging, HOOK_WATCH, HookWatch.of(model, source, method, _rerun_modules(captured, plan)))
     for target, segment in segments.items():
         staging.add_module(target, segment)
     for node in top.nodes:
@@ -334,8 +334,20 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     return rewritten
 
 
-INLINED_MODULES = "graphckpt_inlined_modules"
-"""The rewritten module's attribute holding its :class:`graphckpt.module_hooks.InlinedModules`."""
+HOOK_WATCH = "graphckpt_hook_watch"
+"""The rewritten module's attribute holding its :class:`graphckpt.module_hooks.HookWatch`."""
+
+
+def _rerun_modules(captured: Source, plan: Plan) -> set[str]:
+    """The paths of the modules called whole that the plan's recomputes run again (what a
+    segment's recompute runs, and what a segment run by hooks makes again)."""
+    names = set()
+    for segment in plan.recomputed_segments:
+        facts = segment.facts
+        names.update(segment.nodes if facts is None else facts.reruns)
+        names.update(name for ops in (facts.remake_ops if facts is not None else ()) for name in ops)
+    nodes = (captured.nodes[name] for name in names if name in captured.nodes)
+    return {node.target for node in nodes if node.op == "call_module"}
 
 
 def _has_attribute(root: nn.Module, target: str) -> bool:

@@ -16,7 +16,8 @@ them without a word: a hook collecting activations would see nothing, and
 
 Hooks also run while graphckpt profiles the graph at rewrite time, on the example inputs. A
 hook registered after rewriting on a module the graph traced through never runs in a training
-step: the first call warns naming it (:class:`InlinedModules`).
+step: the first call warns naming it (:class:`HookWatch`), as it does for a hook that a
+recompute would run twice.
 torch.export calls modules as it traces, so what their hooks compute is in its graph, but
 their Python side effects ran once, at capture (:func:`warn_hooks_traced_in`). Hooks
 registered for every module (``register_module_forward_hook``) run only for the modules a
@@ -125,50 +126,60 @@ def warn_global_hooks() -> None:
             stacklevel=3)
 
 
-class InlinedModules:
-    """The modules of a model that its rewritten module's graph traced through rather than
-    called (the model itself too, after an export capture): a hook registered on one of them
-    after rewriting would never run in a training step. The first call checks them, once,
-    and warns (:func:`warn_once_if_hooks_added`): later calls cost one attribute test."""
+class HookWatch:
+    """The modules of a model on which a hook registered after rewriting would not run as in
+    eager: those the rewritten module's graph traced through rather than called (the model
+    itself too, after an export capture), where it never runs in a training step, and those
+    it calls whole inside a recomputed segment, where it runs again in backward. The first
+    call checks them, once, and warns (:func:`warn_once_if_hooks_added`): later calls cost
+    one attribute test."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.modules = modules
-        self.registered = {path: call_hook_ids(module) for path, module in modules.items()}  # at rewrite
+    def __init__(self, inlined: dict[str, nn.Module], rerun: dict[str, nn.Module]) -> None:
+        self.inlined, self.rerun = inlined, rerun
+        self.registered = {path: call_hook_ids(module) for path, module in {**inlined, **rerun}.items()}  # at rewrite
         self.checked = False
 
-    def hooked_since(self) -> dict[str, tuple[str, ...]]:
-        """The modules with hooks registered since rewriting (that may act), and their kinds."""
-        return {path: kinds for path, module in self.modules.items()
+    def added_since(self, modules: dict[str, nn.Module]) -> dict[str, tuple[str, ...]]:
+        """Those of ``modules`` with hooks registered since rewriting (that may act), and their kinds."""
+        return {path: kinds for path, module in modules.items()
                 if call_hook_ids(module) - self.registered[path] and (kinds := hook_kinds(module))}
 
     @classmethod
-    def of(cls, model: nn.Module, graph_module: fx.GraphModule, method: str) -> InlinedModules:
-        """The modules of ``model`` outside every ``call_module`` node of ``graph_module``
-        (a module called whole runs the hooks of those inside it); the model itself only
-        after an export capture (an fx capture's rewritten module shares its hooks)."""
+    def of(cls, model: nn.Module, graph_module: fx.GraphModule, method: str, rerun: set[str]) -> HookWatch:
+        """The watch over ``model`` rewritten from ``graph_module``: its modules outside every
+        ``call_module`` node (a module called whole runs the hooks of those inside it; the
+        model itself only after an export capture, since an fx capture's rewritten module
+        shares its hooks), and the modules called whole at the paths ``rerun``."""
         whole = {node.target for node in graph_module.graph.nodes if node.op == "call_module"}
 
         def inside_whole(path: str) -> bool:
             parts = path.split(".")
             return any(".".join(parts[:end]) in whole for end in range(1, len(parts) + 1))
 
-        return cls({path: module for path, module in model.named_modules()
-                    if (path or method == "export") and not inside_whole(path)})
+        modules = dict(model.named_modules())
+        inlined = {path: module for path, module in modules.items()
+                   if (path or method == "export") and not inside_whole(path)}
+        return cls(inlined, {path: modules[path] for path in sorted(rerun) if path in modules})
 
 
-def warn_once_if_hooks_added(inlined: InlinedModules) -> None:
-    """At the first call, warn naming the inlined modules that have hooks now: registered
-    after rewriting, they do not run in the rewritten module."""
-    if inlined.checked:
+def warn_once_if_hooks_added(watch: HookWatch) -> None:
+    """At the first call, warn naming the modules of ``watch`` with hooks registered since
+    rewriting: they do not run in training steps, or run twice."""
+    if watch.checked:
         return
-    inlined.checked = True
-    hooked = inlined.hooked_since()
-    if hooked:
+    watch.checked = True
+    never, twice = watch.added_since(watch.inlined), watch.added_since(watch.rerun)
+    if never:
         warnings.warn(
-            f"graphckpt: hooks were registered on {_listing(hooked)} after the model was rewritten, and the "
+            f"graphckpt: hooks were registered on {_listing(never)} after the model was rewritten, and the "
             "rewritten module's graph runs those modules' code, not their calls: the hooks will not run in "
             "training steps (eval() runs the model's own forward, hooks included). Register hooks before "
             "graphckpt.rewrite, or use graphckpt.enable(model), which keeps the model.", stacklevel=2)
+    if twice:
+        warnings.warn(
+            f"graphckpt: hooks were registered on {_listing(twice)} after the model was rewritten, and the plan "
+            "recomputes those modules in backward: the hooks will run twice a training step. Register hooks "
+            "before graphckpt.rewrite: a module with hooks is never recomputed.", stacklevel=2)
 
 
 getattr(fx.node, "has_side_effect", lambda function: function)(warn_once_if_hooks_added)  # kept by fx's dead-code

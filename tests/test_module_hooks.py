@@ -216,14 +216,25 @@ def test_hugging_face_output_recorders_do_not_count_as_hooks() -> None:
 
 def test_a_hook_registered_after_rewriting_on_an_inlined_module_is_named_at_the_first_call() -> None:
     """The graph runs a container's code, not its call: a hook added to it afterwards never
-    runs in training, and the first call says so, once. A hook on a module called whole
-    runs and is not named; an export capture's hooks from before rewriting are not named."""
+    runs in training, and the first call says so, once. A hook added to a module called
+    whole inside a recomputed segment runs twice a step, and is named too; one on a module
+    called whole that is not recomputed runs once and is not named. An export capture's
+    hooks from before rewriting are not named."""
+    calls: list[str] = []
     model = _chain()
     rewritten = graphckpt.rewrite(model, _inputs(), strategy="sqrt")
-    model[4].register_forward_hook(lambda module, args, output: None)
-    model[5][0].register_forward_hook(lambda module, args, output: None)
-    with pytest.warns(UserWarning, match=r"hooks were registered on 4 \(forward\) after the model was rewritten"):
+    recomputed = sorted(rewritten.graphckpt_hook_watch.rerun)
+    assert "3.0" in recomputed and "7.0" not in recomputed
+    model[4].register_forward_hook(lambda module, args, output: calls.append("4"))
+    model[3][0].register_forward_hook(lambda module, args, output: calls.append("3.0"))
+    model[7][0].register_forward_hook(lambda module, args, output: calls.append("7.0"))
+    with pytest.warns(UserWarning) as warned:
         _step(rewritten, _inputs())
+    messages = [str(w.message) for w in warned if "after the model was rewritten" in str(w.message)]
+    assert len(messages) == 2, messages
+    assert "registered on 4 (forward)" in messages[0] and "will not run in training steps" in messages[0]
+    assert "registered on 3.0 (forward)" in messages[1] and "will run twice a training step" in messages[1]
+    assert sorted(calls) == ["3.0", "3.0", "7.0"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step(rewritten, _inputs())
