@@ -5,7 +5,7 @@ Both run the pipeline capture -> costs -> pass (and simulate); :func:`rewrite` a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,11 +95,14 @@ def plan_cost_graph(cost_graph: nx.DiGraph, strategy: str = "auto", segments: in
 
 def cost_model(model: nn.Module, example_inputs: Any = None, *,
                example_kwargs: Mapping[str, Any] | None = None, cost: str = "flops",
-               blocks: Sequence[str] | None = None) -> tuple[Captured, nx.DiGraph]:
+               blocks: Sequence[str] | None = None,
+               blocks_left_whole: Collection[str] = ()) -> tuple[Captured, nx.DiGraph]:
     """Capture ``model`` and build its cost graph: everything a plan is chosen from, so several
     plans (strategies, budgets) can share one capture. ``blocks`` names the modules
     per-block checkpointing wraps (default: the repeated layers of the model's
-    ``ModuleList``/``Sequential`` containers, :func:`graphckpt.capture.find_blocks`)."""
+    ``ModuleList``/``Sequential`` containers, :func:`graphckpt.capture.find_blocks`);
+    the blocks of ``blocks_left_whole`` are not among them (their ops count as outside
+    every block, so per-block checkpointing never recomputes them)."""
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {list(COSTS)}")
     if cost == "time" and example_inputs is None and not example_kwargs:
@@ -111,7 +114,8 @@ def cost_model(model: nn.Module, example_inputs: Any = None, *,
         captured = capture(model, args, example_kwargs)
     if captured.method == "fx":  # export traced the model's own pre-hooks in; fx leaves them to the call
         args, example_kwargs = inputs_forward_receives(model, args, example_kwargs)
-    paths = block_paths(model, blocks)  # a misspelt block name is refused before costing
+    paths = [path for path in block_paths(model, blocks) if path not in blocks_left_whole]  # a misspelt
+    # block name is refused before costing
     if args is None:
         _require_costs_for_inplace(captured.graph_module)
     with stage_progress(f"graphckpt: costing {len(captured.graph_module.graph.nodes)} nodes"):

@@ -44,7 +44,7 @@ from graphckpt.dropping import DropModule
 from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
-from graphckpt.module_hooks import HookWatch, hook_kinds, hooked_calls, warn_once_if_hooks_added
+from graphckpt.module_hooks import HOOK_WATCH, HookWatch, hook_kinds, hooked_calls, warn_once_if_hooks_added
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks, emit_parameter_check, example_shapes
 from graphckpt.progress import paused_gc
@@ -281,8 +281,9 @@ def _hooks_note(source: fx.GraphModule, model: nn.Module, method: str) -> str:
     kept = sorted(set(hooked_calls(source).values()))
     them = "it" if len(kept) == 1 else "them"
     lines = [f"#   calls {', '.join(kept)} whole and never recomputes {them}: module hooks run once a step"] if kept else []
-    if method == "fx" and hook_kinds(model):
-        lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(hook_kinds(model))}) around forward")
+    own = hook_kinds(model) if method == "fx" else ()  # export traced the model's own hooks in
+    if own:
+        lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(own)}) around forward")
     return "".join(line + "\n" for line in lines)
 
 
@@ -334,18 +335,15 @@ def generate(source: fx.GraphModule, model: nn.Module, plan: Plan, method: str =
     return rewritten
 
 
-HOOK_WATCH = "graphckpt_hook_watch"
-"""The rewritten module's attribute holding its :class:`graphckpt.module_hooks.HookWatch`."""
-
-
 def _rerun_modules(captured: Source, plan: Plan) -> set[str]:
     """The paths of the modules called whole that the plan's recomputes run again (what a
     segment's recompute runs, and what a segment run by hooks makes again)."""
     names = set()
     for segment in plan.recomputed_segments:
-        facts = segment.facts
-        names.update(segment.nodes if facts is None else facts.reruns)
-        names.update(name for ops in (facts.remake_ops if facts is not None else ()) for name in ops)
+        if segment.facts is None:
+            names.update(segment.nodes)
+        else:
+            names.update(segment.facts.reruns, *segment.facts.remake_ops)
     nodes = (captured.nodes[name] for name in names if name in captured.nodes)
     return {node.target for node in nodes if node.op == "call_module"}
 

@@ -81,10 +81,8 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     hooked = _hooks_inside(model, paths)
     with call_hooks_set_aside(model.get_submodule(path) for path in paths):
         # a block's own hooks run outside its checkpoint: recomputing it does not rerun them
-        _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks)
-    for node in graph.nodes:  # a block holding hooked modules runs as outside every block: never recomputed
-        if graph.nodes[node].get("block") in hooked:
-            graph.nodes[node]["block"] = ""
+        _, graph = cost_model(model, example_inputs, example_kwargs=example_kwargs, cost=cost, blocks=blocks,
+                              blocks_left_whole=hooked)
     graph.graph["hooks"] = False  # a block's forward runs under torch's (selective) checkpoint
     plan = block_plan(graph, None if budget is None else parse_budget(budget, eager_peak(graph)))
     shapes = _shapes(example_inputs, example_kwargs)

@@ -32,7 +32,13 @@ from typing import Any
 
 from torch import fx, nn
 
-from graphckpt.torch_compat import call_hook_ids, call_hook_kinds, global_call_hook_kinds, run_forward_pre_hooks
+from graphckpt.torch_compat import (
+    call_hook_ids,
+    call_hook_kinds,
+    global_call_hook_kinds,
+    has_side_effect,
+    run_forward_pre_hooks,
+)
 
 INACTIVE_HOOK_MODULES = ("transformers.utils.output_capturing",)
 """Where the hooks a library installs on the models it builds, which do nothing unless asked,
@@ -109,8 +115,8 @@ def warn_hooks_traced_in(model: nn.Module) -> None:
             f"graphckpt captured {type(model).__name__} with torch.export, which ran the hooks of "
             f"{_listing(hooked)} once, while tracing: what they compute is part of the rewritten module, but "
             "their Python side effects (collecting outputs, logging, updating state) will not happen on its "
-            "calls. Register such hooks on the rewritten module's submodules instead, or use "
-            "graphckpt.enable(model), which keeps the model and its hooks.", stacklevel=3)
+            "calls, and its graph calls none of the model's modules. Use graphckpt.enable(model), which keeps "
+            "the model and its hooks.", stacklevel=3)
 
 
 def warn_global_hooks() -> None:
@@ -124,6 +130,10 @@ def warn_global_hooks() -> None:
             "with hooks of their own); the other modules are traced into its graph. Register the hooks "
             "on the modules that need them, or use graphckpt.enable(model), which keeps the model.",
             stacklevel=3)
+
+
+HOOK_WATCH = "graphckpt_hook_watch"
+"""The rewritten module's attribute holding its :class:`HookWatch`."""
 
 
 class HookWatch:
@@ -182,5 +192,4 @@ def warn_once_if_hooks_added(watch: HookWatch) -> None:
             "before graphckpt.rewrite: a module with hooks is never recomputed.", stacklevel=2)
 
 
-getattr(fx.node, "has_side_effect", lambda function: function)(warn_once_if_hooks_added)  # kept by fx's dead-code
-# elimination though it returns nothing
+has_side_effect(warn_once_if_hooks_added)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from graphckpt.torch_compat import has_side_effect
 from passes.units import format_bytes
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -93,7 +94,7 @@ def refuse_if_shape_differs(value: Any, name: str, shape: tuple[int, ...]) -> No
             "with graphckpt.enable(model, example_inputs), which runs its own forward at any shape")
 
 
-def _kind(tensor: torch.Tensor) -> str:
+def _dtype_device(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
 
 
@@ -102,9 +103,9 @@ def warn_if_parameter_differs(value: torch.Tensor, name: str, planned: str, plan
     device ``planned`` (``"float32 on cpu"``) it had at rewrite time, with gradients enabled:
     activations then take other sizes than simulated, so the step may hold more than
     ``planned_peak_bytes``."""
-    if _kind(value) != planned and torch.is_grad_enabled():
+    if _dtype_device(value) != planned and torch.is_grad_enabled():
         warnings.warn(
-            f"graphckpt: parameter {name!r} is {_kind(value)}, but the plan was made with it {planned}: "
+            f"graphckpt: parameter {name!r} is {_dtype_device(value)}, but the plan was made with it {planned}: "
             "activations take other sizes than simulated, so a step may hold more than its simulated peak of "
             f"{format_bytes(planned_peak_bytes)}. Rewrite after casting or moving the model "
             "(model.to(...), then graphckpt.rewrite(model, ...))", stacklevel=2)
@@ -116,9 +117,9 @@ def refuse_if_parameter_differs(value: torch.Tensor, name: str, planned: str, pl
     fixes dtypes and devices in its graph, whose own check, deep in the first segment, only
     said ``Tensor dtype mismatch! Expected: Float, Got: c10::BFloat16``. ``planned_peak_bytes``
     is unused: the signature is :func:`warn_if_parameter_differs`'s, so codegen emits either."""
-    if _kind(value) != planned:
+    if _dtype_device(value) != planned:
         raise RuntimeError(
-            f"graphckpt: parameter {name!r} is {_kind(value)}, but this module was captured by torch.export with "
+            f"graphckpt: parameter {name!r} is {_dtype_device(value)}, but this module was captured by torch.export with "
             f"it {planned}, and export fixes dtypes and devices in its graph. Rewrite after casting or moving "
             "the model (model.to(...), then graphckpt.rewrite(model, ...)), or checkpoint it in place with "
             "graphckpt.enable(model, ...), which follows the model wherever it goes")
@@ -138,7 +139,7 @@ def emit_parameter_check(graph: fx.Graph, model: torch.nn.Module, planned_peak_b
     if found is not None:
         name, value = found
         check = refuse_if_parameter_differs if fixed else warn_if_parameter_differs
-        graph.create_node("call_function", check, (graph.get_attr(name), name, _kind(value), planned_peak_bytes),
+        graph.create_node("call_function", check, (graph.get_attr(name), name, _dtype_device(value), planned_peak_bytes),
                           name="planned_parameters")
 
 
@@ -171,8 +172,7 @@ def warn_if_autocast_differs(planned: str, planned_peak_bytes: int) -> None:
 
 for _check in (warn_if_needs_grad, refuse_if_needs_grad, warn_if_autocast_differs, refuse_if_shape_differs,
                warn_if_parameter_differs, refuse_if_parameter_differs):
-    getattr(fx.node, "has_side_effect", lambda function: function)(_check)  # fx's dead-code elimination
-    # keeps them though they return nothing (torch releases without the registry never drop calls)
+    has_side_effect(_check)  # fx's dead-code elimination keeps their calls though they return nothing
 
 
 def emit_call_checks(graph: fx.Graph, inputs: dict[str, fx.Node], names: tuple[str, ...],

@@ -240,7 +240,8 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 Optional display attributes: ``shape`` and ``dtype`` (strings).
 
 A cost graph does not change once planning starts: the passes read its attributes into
-flat maps and sets once per graph (:func:`per_graph_value`, :func:`node_attribute`). To try
+flat maps and sets once per graph (:func:`passes.graph_facts.per_graph_value`,
+:func:`passes.graph_facts.node_attribute`). To try
 other costs, change a ``graph.copy()``.
 
 Without example inputs the torch side costs every op 1 byte and 1 flop (``measured`` false:

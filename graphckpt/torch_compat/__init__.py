@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -84,12 +84,12 @@ __all__ = [
     "TorchDispatchMode", "activation_memory_budget", "allocated_bytes", "allocation_size", "allocations_under",
     "argument_names", "call_hook_ids", "call_hook_kinds", "call_hooks_set_aside", "clear_selective_cache",
     "copy_graph_codegen", "draws_random_numbers", "dropout_and_saved", "export_training_graph", "fake_empty",
-    "fake_module_copy", "flop_counter", "global_call_hook_kinds", "has_module_hooks", "is_accumulate_grad", "is_cast",
-    "keep_on_copies", "memory_timeline_allocations", "mode_switches", "module_registries", "module_tree_copy",
-    "non_persistent_buffers", "op_schema", "profiled_event_tree", "profiled_range", "profiler_enabled",
-    "quiet_profile", "real_output_dtypes", "run_forward_pre_hooks", "selective_cache_missed", "share_call_hooks",
-    "stderr_without", "storage_alive", "storage_key", "storage_key_and_ref", "symbolic_hint", "tree_flatten",
-    "tree_leaves", "tree_map", "tree_unflatten",
+    "fake_module_copy", "flop_counter", "global_call_hook_kinds", "has_module_hooks", "has_side_effect",
+    "is_accumulate_grad", "is_cast", "keep_on_copies", "memory_timeline_allocations", "mode_switches",
+    "module_registries", "module_tree_copy", "non_persistent_buffers", "op_schema", "profiled_event_tree",
+    "profiled_range", "profiler_enabled", "quiet_profile", "real_output_dtypes", "run_forward_pre_hooks",
+    "selective_cache_missed", "share_call_hooks", "stderr_without", "storage_alive", "storage_key",
+    "storage_key_and_ref", "symbolic_hint", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
 ]
 
 
@@ -311,6 +311,16 @@ def keep_on_copies(graph_module: fx.GraphModule, name: str, value: Any) -> None:
     key = getattr(torch.fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", None)
     if key is not None:
         graph_module.meta.setdefault(key, {})[name] = value
+
+
+def has_side_effect(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Register ``function`` with fx as having side effects, so dead-code elimination keeps
+    its calls though they return nothing (a call check emitted into a rewritten graph).
+
+    ``torch.fx.node.has_side_effect``; a torch without the registry never drops such calls,
+    and ``function`` is returned as it is. Checked on 2.13.
+    """
+    return getattr(fx.node, "has_side_effect", lambda same: same)(function)
 
 
 def rename_node(node: fx.Node, candidate: str) -> None:
