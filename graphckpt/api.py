@@ -16,9 +16,9 @@ from torch import fx, nn
 from graphckpt.capture import Captured, CaptureError, block_paths, capture, node_blocks
 from graphckpt.codegen import RewrittenModule, generate
 from graphckpt.costs import COSTS, build_cost_graph, prepare
-from graphckpt.inplace import mutated_arguments
 from graphckpt.module_hooks import inputs_forward_receives
 from graphckpt.progress import paused_gc, planning_progress, stage_progress
+from graphckpt.written import mutated_arguments
 from passes.budget import Budget
 from passes.exact import EXACT_TIME_LIMIT
 from passes.plan import Plan

@@ -23,8 +23,9 @@ from torch import fx, nn
 
 from graphckpt.blocks import find_blocks, join_path
 from graphckpt.functions import functions_kept_whole
+from graphckpt.leaf_modules import trace_model
 from graphckpt.masks import fold_constant_masks
-from graphckpt.module_hooks import trace_keeping_hooks, warn_global_hooks, warn_hooks_traced_in
+from graphckpt.module_hooks import warn_global_hooks, warn_hooks_traced_in
 from graphckpt.progress import paused_gc
 from graphckpt.stamping import export_stamped
 from graphckpt.torch_compat import ModeSwitch, export_training_graph, mode_switches
@@ -93,9 +94,10 @@ def unused_defaults(model: nn.Module, args: tuple | None,
 def trace_fx(model: nn.Module, args: tuple | None = None,
              kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` sharing the model's modules and parameters, keeping each
-    module with hooks whole (:mod:`graphckpt.module_hooks`); arguments the example call
-    does not pass are fixed at their defaults."""
-    return trace_keeping_hooks(model, unused_defaults(model, args, kwargs) or None)
+    module with hooks whole and tracing into PyTorch's transformer layers
+    (:mod:`graphckpt.leaf_modules`); arguments the example call does not pass are fixed at
+    their defaults."""
+    return trace_model(model, unused_defaults(model, args, kwargs) or None)
 
 
 def trace_export(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> fx.GraphModule:

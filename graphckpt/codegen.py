@@ -44,6 +44,7 @@ from graphckpt.dropping import DropModule
 from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
+from graphckpt.leaf_modules import stateful_calls
 from graphckpt.module_hooks import HOOK_WATCH, HookWatch, hook_kinds, hooked_calls, warn_once_if_hooks_added
 from graphckpt.op_kinds import is_cast_node
 from graphckpt.planned_inputs import emit_call_checks, emit_parameter_check, example_shapes
@@ -277,10 +278,15 @@ def _header(plan: Plan, method: str) -> str:
 
 
 def _hooks_note(source: fx.GraphModule, model: nn.Module, method: str) -> str:
-    """Header lines naming the modules whose hooks the rewritten module runs as eager does."""
-    kept = sorted(set(hooked_calls(source).values()))
-    them = "it" if len(kept) == 1 else "them"
-    lines = [f"#   calls {', '.join(kept)} whole and never recomputes {them}: module hooks run once a step"] if kept else []
+    """Header lines naming the modules whose hooks the rewritten module runs as eager does,
+    and the torch modules it never recomputes because they update their own buffers."""
+    lines = []
+    for calls, why in ((hooked_calls(source), "module hooks run once a step"),
+                       (stateful_calls(source), "torch modules updating their own buffers run once a step")):
+        kept = sorted(set(calls.values()))
+        them = "it" if len(kept) == 1 else "them"
+        if kept:
+            lines.append(f"#   calls {', '.join(kept)} whole and never recomputes {them}: {why}")
     own = hook_kinds(model) if method == "fx" else ()  # export traced the model's own hooks in
     if own:
         lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(own)}) around forward")

@@ -17,6 +17,7 @@ from torch import fx
 
 from graphckpt.dropout import dropout_call
 from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents, writes_activations
+from graphckpt.leaf_modules import stateful_calls
 from graphckpt.module_hooks import hooked_calls
 from graphckpt.node_cost import NodeCost
 from graphckpt.op_dedup import forward_costs, profile_costs
@@ -150,7 +151,8 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
     blocks = blocks or {}
     lifted = lifted_params or {}
     not_recomputable, not_cuttable, ordered, state = mutation_constraints(graph_module, profile.parents)
-    not_recomputable = not_recomputable | set(hooked_calls(graph_module))  # hooks run once a step
+    # hooks run once a step; so do torch modules that update their own buffers
+    not_recomputable = not_recomputable | set(hooked_calls(graph_module)) | set(stateful_calls(graph_module))
     state_bytes = state_buffer_bytes(graph_module, state)
     graph = nx.DiGraph(name=type(graph_module).__name__, measured=profile.measured, cost_unit=profile.cost_unit,
                        rng_state_bytes=profile.rng_state_bytes, scalar_bytes=profile.scalar_bytes,

@@ -17,7 +17,6 @@ from torch import fx, nn
 
 from graphckpt.ghosts import Ghost, GhostCall, Template, ViewTemplate, first_slots
 from graphckpt.gradient_watch import GradientWatch
-from graphckpt.inplace import mutated_arguments
 from graphckpt.lazy_fake import LazyFake, empty_like_layout, strided_bytes
 from graphckpt.node_cost import with_plain_forward
 from graphckpt.node_gradients import gradients_made, param_grad_bytes, param_grads
@@ -34,6 +33,7 @@ from graphckpt.torch_compat import (
     tree_leaves,
     tree_unflatten,
 )
+from graphckpt.written import mutated_arguments
 
 CALLS = ("call_function", "call_method", "call_module")
 _MISSING = object()

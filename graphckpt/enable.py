@@ -21,8 +21,9 @@ wrapped in ``torch.utils.checkpoint`` on the instance, so
 * a recompute replays the random draws of forward and does not update BatchNorm's running
   statistics a second time;
 * a block holding a module with hooks of its own (a forward hook collecting its output,
-  ``spectral_norm``'s power iteration) is not recomputed: a recompute would run the hooks a
-  second time (:mod:`graphckpt.module_hooks`);
+  ``spectral_norm``'s power iteration) or a torch module updating its own buffers
+  (``parametrizations.spectral_norm``) is not recomputed: a recompute would run the hooks,
+  or move the buffers, a second time (:mod:`graphckpt.module_hooks`, :mod:`graphckpt.leaf_modules`);
 * a block called under another autocast state than the plan was made under warns
   (:func:`graphckpt.planned_inputs.warn_if_autocast_differs`): plan under the autocast you
   train with. Measured on CPU (zoo GPT and ResNet, bf16 around forward): planned and run
@@ -47,6 +48,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from graphckpt.api import cost_model
 from graphckpt.capture import block_paths
 from graphckpt.dropping import autocast_uncached
+from graphckpt.leaf_modules import updates_own_buffers
 from graphckpt.module_hooks import hook_kinds
 from graphckpt.planned_inputs import warn_if_autocast_differs
 from graphckpt.segment_calls import keep_matmul_outputs
@@ -98,20 +100,23 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
 
 def _hooks_inside(model: nn.Module, paths: Sequence[str]) -> dict[str, list[str]]:
     """The blocks of ``paths`` holding modules with hooks of their own (the block's own run
-    outside its checkpoint), with those modules: a recompute of the block would run their
-    hooks a second time in the step. Raises :class:`PlanError` naming them when every block
-    holds some."""
+    outside its checkpoint) or torch modules that update their own buffers as they run
+    (:func:`graphckpt.leaf_modules.updates_own_buffers`: ``spectral_norm``'s parametrization),
+    with those modules: a recompute of the block would run their hooks, or move their
+    buffers, a second time in the step. Raises :class:`PlanError` naming them when every
+    block holds some."""
     hooked = {}
     for path in paths:
         inside = [f"{path}.{name}" for name, module in model.get_submodule(path).named_modules()
-                  if name and hook_kinds(module)]
+                  if name and (hook_kinds(module) or updates_own_buffers(module))]
         if inside:
             hooked[path] = inside
     if paths and len(hooked) == len(paths):
         named = [name for inside in hooked.values() for name in inside]
-        raise PlanError(f"no block can be recomputed whole: modules inside them have hooks ({', '.join(named[:3])}"
-                        f"{', ...' if len(named) > 3 else ''}), which a recompute would run a second time. "
-                        "graphckpt.rewrite(model, example_inputs) recomputes around such modules.")
+        raise PlanError(f"no block can be recomputed whole: modules inside them have hooks or update buffers of "
+                        f"their own ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}), which a recompute "
+                        "would run a second time. graphckpt.rewrite(model, example_inputs) recomputes around "
+                        "such modules.")
     return hooked
 
 

@@ -16,8 +16,6 @@ later wrote into one of them, the recompute would read the wrong data. Two defen
 
 from __future__ import annotations
 
-import functools
-import inspect
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -26,82 +24,9 @@ import torch
 from torch import fx
 
 from graphckpt.node_cost import NodeCost
-from graphckpt.state import FUNCTIONAL_NORMS, NORMS_WRITING_RUNNING_STATS, state_keys, state_roots
-from graphckpt.torch_compat import OpOverload, op_schema, rename_node
-
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                      operator.setitem}
-
-
-def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
-    """Arguments an ATen op writes: those its schema marks ``(a!)``, plus the running
-    statistics of a training-mode batch norm (which its schema does not mark)."""
-    schema = op_schema(node.target)
-    bound = {argument.name: node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-             for i, argument in enumerate(schema.arguments)}
-    written = [bound[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if schema.name.split("::")[-1] in NORMS_WRITING_RUNNING_STATS and bound.get("training", True):
-        written += [bound.get("running_mean"), bound.get("running_var")]
-    return [value for value in written if isinstance(value, fx.Node)]
-
-
-def _functional_norm_written(node: fx.Node) -> list[fx.Node]:
-    """Running statistics a ``torch.nn.functional.batch_norm``-style call updates (what
-    ``torch.compile`` graphs call, with the module's buffers as graph inputs): those it is
-    passed while in training mode (or ``use_input_stats``); a flag that is itself a value of
-    the graph counts as on."""
-    (mean, var), (flag, position, default) = FUNCTIONAL_NORMS[node.target]
-    names = ("running_mean", "running_var")
-    on = node.args[position] if position < len(node.args) else node.kwargs.get(flag, default)
-    if on is False:
-        return []
-    written = [node.args[i] if i < len(node.args) else node.kwargs.get(name)
-               for i, name in zip((mean, var), names, strict=True)]
-    return [value for value in written if isinstance(value, fx.Node)]
-
-
-def mutated_arguments(module: torch.nn.Module, node: fx.Node) -> list[fx.Node]:
-    """The values ``node`` writes into in place (empty if it writes nothing).
-
-    ``call_module`` norm layers are not listed: :class:`graphckpt.runtime.SegmentModule` keeps
-    their running statistics from being updated twice.
-    """
-    first = [node.args[0]] if node.args and isinstance(node.args[0], fx.Node) else []
-    if node.op == "call_module":
-        return first if getattr(module.get_submodule(node.target), "inplace", False) is True else []
-    if node.op == "call_method":
-        name = node.target
-        return first if name.endswith("_") and not name.endswith("__") else []
-    if node.op != "call_function":
-        return []
-    if isinstance(node.target, OpOverload):
-        return _schema_written_arguments(node)
-    if node.target in FUNCTIONAL_NORMS:
-        return _functional_norm_written(node)
-    if node.target in _INPLACE_OPERATORS or _inplace_flag(node):
-        return first
-    name = getattr(node.target, "__name__", "")
-    return first if name.endswith("_") and not name.startswith("_") else []
-
-
-def _inplace_flag(node: fx.Node) -> bool:
-    """Whether a call passes ``inplace=True``, by keyword or by position (``F.relu(x, True)``)."""
-    if node.kwargs.get("inplace") is True:
-        return True
-    position = _inplace_position(node.target)
-    return position is not None and position < len(node.args) and node.args[position] is True
-
-
-@functools.cache
-def _inplace_position(function: Any) -> int | None:
-    """Where a function takes ``inplace`` among its positional parameters; ``None`` if it does not."""
-    try:
-        names = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature
-        return None
-    return names.index("inplace") if "inplace" in names else None
+from graphckpt.state import state_keys, state_roots
+from graphckpt.torch_compat import rename_node
+from graphckpt.written import inplace_flag, mutated_arguments
 
 
 def view_parents(graph_module: fx.GraphModule, costs: Mapping[str, NodeCost]) -> dict[fx.Node, fx.Node]:
@@ -216,7 +141,7 @@ def _function_twin(node: fx.Node, costs: Mapping[str, NodeCost] | None) -> tuple
     (``x += 2``) as :func:`_arithmetic_twin` says."""
     if node.target in _ARITHMETIC_TWINS:
         return _arithmetic_twin(node, costs)
-    inplace = _inplace_flag(node)
+    inplace = inplace_flag(node)
     if len(node.args) + len(node.kwargs) != 1 + inplace:  # the value, and the flag if it is one
         return None
     if node.target in _TWIN_FUNCTIONS:

@@ -6,7 +6,7 @@ them without a word: a hook collecting activations would see nothing, and
 ``torch.nn.utils.spectral_norm``'s weight would stop being normalised. graphckpt keeps them:
 
 - a submodule with such hooks is traced as one ``call_module`` node
-  (:class:`HookKeepingTracer`), so running the node calls the module, hooks and all;
+  (:class:`graphckpt.leaf_modules.CaptureTracer`), so running the node calls the module, hooks and all;
 - such a node is never recomputed (:func:`hooked_calls` are ``recomputable=False`` in the
   cost graph): its hooks run once a step, as in eager, and a hook that moves state (the
   power iteration of ``spectral_norm``) moves it once. What the module saves for backward
@@ -66,21 +66,6 @@ def hooked_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
     {'1': ('forward_pre',)}
     """
     return {path: kinds for path, module in model.named_modules() if (kinds := hook_kinds(module))}
-
-
-class HookKeepingTracer(fx.Tracer):
-    """fx's tracer, keeping every module with call hooks whole (a ``call_module`` node), so
-    that the traced graph runs its hooks where the model does."""
-
-    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return super().is_leaf_module(module, qualified_name) or bool(hook_kinds(module))
-
-
-def trace_keeping_hooks(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model, concrete_args)`` by :class:`HookKeepingTracer`."""
-    tracer = HookKeepingTracer()
-    graph = tracer.trace(model, concrete_args)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def hooked_calls(graph_module: fx.GraphModule) -> dict[str, str]:

@@ -20,11 +20,11 @@ import torch
 from torch import fx
 
 from graphckpt.dedup_interpreter import CALLS
-from graphckpt.inplace import mutated_arguments
 from graphckpt.op_dedup import dedup_enabled
 from graphckpt.op_keys import module_signature, node_key
 from graphckpt.profile import PARAM, positional_inputs
 from graphckpt.torch_compat import module_registries, module_tree_copy, storage_key, tree_leaves
+from graphckpt.written import mutated_arguments
 
 REPEATS = 5
 

@@ -317,7 +317,7 @@ def test_an_inplace_flag_passed_by_position_is_a_write() -> None:
     as writes (and run out of place); ``F.dropout(h, 0.1, True, True)`` too (it keeps a clone)."""
     import torch.nn.functional as F
 
-    from graphckpt.inplace import mutated_arguments
+    from graphckpt.written import mutated_arguments
 
     def forward(x):
         h = x * 3
