@@ -283,7 +283,7 @@ def _hooks_note(source: fx.GraphModule, model: nn.Module, method: str) -> str:
     lines = []
     for calls, why in ((hooked_calls(source), "module hooks run once a step"),
                        (stateful_calls(source), "torch modules updating their own buffers run once a step")):
-        kept = sorted(set(calls.values()))
+        kept = list(dict.fromkeys(calls.values()))  # in the order the graph calls them
         them = "it" if len(kept) == 1 else "them"
         if kept:
             lines.append(f"#   calls {', '.join(kept)} whole and never recomputes {them}: {why}")

@@ -42,6 +42,7 @@ class NodeCost:
     unpack_held_bytes: int = 0  # the cost graph's attribute: what its backward holds at its first unpack
     backward_allocates: bool = False  # the cost graph's attribute: its backward makes a new storage
     eval_alias_of: str | None = None  # owner of the input memory the node returns in eval mode (a Dropout's input)
+    writes_argument: bool = False  # an op of it writes one of its arguments: never recomputed (op_kinds.writes_an_argument)
 
 
 def describe_tensors(tensors: list[torch.Tensor]) -> tuple[str, str]:

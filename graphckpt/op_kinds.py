@@ -1,12 +1,14 @@
 """What kinds of ATen ops a node runs, seen from under it while the profile runs it
 (:class:`OpKinds`): random draws, matmuls and convolutions (what a selective segment keeps,
-:func:`kept_by_selective`), ops that are neither views nor pointwise, the temporaries
+:func:`kept_by_selective`), ops that are neither views nor pointwise, ops writing one of
+their arguments (:func:`writes_an_argument`), the temporaries
 its calls make and free inside the node (``forward_extra_bytes``), and the parameter casts
 autocast's cache keeps to the end of forward (``autocast_cache_bytes``). Split from
 :mod:`graphckpt.profile`, which runs the nodes and turns this into a ``NodeCost``."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +21,7 @@ from graphckpt.torch_compat import (
     allocated_bytes,
     draws_random_numbers,
     is_cast,
+    op_schema,
     storage_key,
     storage_key_and_ref,
     tree_leaves,
@@ -82,6 +85,29 @@ def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool
     return func.overloadpacket.__name__ in EXPENSIVE_OPS and not draws_random_numbers(func, args, kwargs)
 
 
+RUNNING_STATISTICS = frozenset({"running_mean", "running_var"})
+
+
+@functools.cache
+def writes_an_argument(func: Any) -> bool:
+    """Whether a functional ATen op (not an in-place or ``out=`` variant) writes one of its
+    arguments, a norm's running statistics aside. ``rrelu_with_noise`` saves ``noise`` for
+    backward, then writes RReLU's random slopes into it; torch's checkpoint ends a recompute
+    once every saved tensor is packed, before that write, so backward read a noise never
+    filled (``torch.utils.checkpoint(use_reentrant=False)`` gives RReLU wrong gradients so:
+    pytorch/pytorch#193671).
+    Such an op is never recomputed. Training backward does not read running statistics, and
+    a recompute updates scratch copies of them (:mod:`graphckpt.state`).
+
+    >>> writes_an_argument(torch.ops.aten.rrelu_with_noise.default), writes_an_argument(torch.ops.aten.relu_.default)
+    (True, False)
+    """
+    schema = op_schema(func)
+    return not schema.name.endswith("_") and any(
+        a.alias_info is not None and a.alias_info.is_write and not a.is_out and a.name not in RUNNING_STATISTICS
+        for a in schema.arguments)
+
+
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
 CAST_METHODS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
 CAST_OPS = frozenset({"to", "_to_copy", "type_as"})
@@ -138,6 +164,7 @@ class OpKinds(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.random = False
+        self.writes_argument = False  # an op wrote one of its arguments (:func:`writes_an_argument`)
         self.expensive = False
         self.opaque = False
         self.fused_attention = False  # a ``_scaled_dot_product_*`` kernel ran (:data:`ATTENTION_CALLS`)
@@ -244,6 +271,7 @@ class OpKinds(TorchDispatchMode):
             self.last = func.overloadpacket.__name__
             self.fused_attention = self.fused_attention or self.last.startswith("_scaled_dot_product_")
         self.random = self.random or draws_random_numbers(func, args, kwargs)
+        self.writes_argument = self.writes_argument or writes_an_argument(func)
         is_expensive = kept_by_selective(func, args, kwargs or {})
         self.expensive = self.expensive or is_expensive
         opaque = not (func.is_view or torch.Tag.pointwise in func.tags)

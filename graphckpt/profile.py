@@ -284,6 +284,7 @@ class _CostInterpreter(fx.Interpreter):
             saved_extra_bytes=sum(extra.values()),
             requires_grad=any(t.requires_grad for t in tensors),
             random=kinds.random,
+            writes_argument=kinds.writes_argument,
             expensive=kinds.expensive,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
             grad_bytes=gradient if alias_of is not None else None,  # a view's gradient has its own size

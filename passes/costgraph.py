@@ -79,9 +79,11 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     unknown), or nanoseconds when ``graph.graph["cost_unit"] == "ns"``.
 ``recomputable``: ``bool``
     ``False`` when running the node again would change results or state we do not replay
-    exactly (e.g. an in-place write to a buffer that something reads), or would run a
-    module's hooks twice in a step (a module with hooks, called whole). Such nodes never sit
-    in a recomputed segment. Updates of ``state`` values stay recomputable.
+    exactly (e.g. an in-place write to a buffer that something reads; a torch module that
+    updates buffers of its own, called whole; an op that writes one of its arguments after
+    saving it, as RReLU's noise), or would run a module's hooks twice in a step (a module
+    with hooks, called whole). Such nodes never sit in a recomputed segment. Updates of
+    ``state`` values stay recomputable.
 ``cuttable``: ``bool``
     ``False`` when the value may not be kept at a segment boundary: its storage is written
     in place later in the forward, so a recompute starting from it would read the wrong data.
