@@ -61,8 +61,9 @@ class GradientWatch:
                          or self.incoming.get(ghost) != self.incoming.get(representative)
                          or self.emitted.get(ghost, {}) != self.contributions.get(representative, {}))
 
-    def _arrived(self, name: str, index: int, grad: torch.Tensor) -> None:
-        self.incoming.setdefault(name, {})[index] = tensor_layout(grad)
+    def _arrived(self, name: str, index: int, grad: torch.Tensor | None) -> None:
+        # None: an output backward gives no gradient (an LSTM's final states, when only its outputs are used)
+        self.incoming.setdefault(name, {})[index] = None if grad is None else tensor_layout(grad)
 
     def _contributed(self, name: str, next_functions: tuple, claimed: frozenset[int], slot_of: dict, grad_inputs: Any,
                      grad_outputs: Any) -> None:

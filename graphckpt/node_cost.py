@@ -43,6 +43,7 @@ class NodeCost:
     backward_allocates: bool = False  # the cost graph's attribute: its backward makes a new storage
     eval_alias_of: str | None = None  # owner of the input memory the node returns in eval mode (a Dropout's input)
     writes_argument: bool = False  # an op of it writes one of its arguments: never recomputed (op_kinds.writes_an_argument)
+    kernels_written: bool = False  # the cost graph's attribute: an op of it writes into its own kernels' outputs
 
 
 def describe_tensors(tensors: list[torch.Tensor]) -> tuple[str, str]:

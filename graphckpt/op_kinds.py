@@ -108,6 +108,17 @@ def writes_an_argument(func: Any) -> bool:
         for a in schema.arguments)
 
 
+@functools.cache
+def written_positions(func: Any) -> tuple[int | str, ...]:
+    """Where an ATen op takes the arguments it writes: their positions, and names for keywords.
+
+    >>> written_positions(torch.ops.aten.sigmoid_.default), written_positions(torch.ops.aten.sigmoid.default)
+    ((0, 'self'), ())
+    """
+    return tuple(item for i, a in enumerate(op_schema(func).arguments)
+                 if a.alias_info is not None and a.alias_info.is_write for item in (i, a.name))
+
+
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
 CAST_METHODS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
 CAST_OPS = frozenset({"to", "_to_copy", "type_as"})
@@ -165,6 +176,7 @@ class OpKinds(TorchDispatchMode):
         super().__init__()
         self.random = False
         self.writes_argument = False  # an op wrote one of its arguments (:func:`writes_an_argument`)
+        self.kernel_output_written = False  # an op wrote in place into a kept_by_selective call's output
         self.expensive = False
         self.opaque = False
         self.fused_attention = False  # a ``_scaled_dot_product_*`` kernel ran (:data:`ATTENTION_CALLS`)
@@ -266,12 +278,22 @@ class OpKinds(TorchDispatchMode):
         running = self._running(served_from_cache)
         return max(running) - running[-1]
 
+    def _writes_kernel_output(self, func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call writes in place into a storage a matmul or convolution of this node
+        made (a GRU's ``sigmoid_`` on its gates): selective checkpointing keeps those outputs by
+        reference, so a recompute would be handed the written value, and apply the write again."""
+        kernels = {key for key, _, _ in self.expensive_outputs}
+        written = (args[p] if isinstance(p, int) and p < len(args) else kwargs.get(p) for p in written_positions(func))
+        return any(isinstance(t, torch.Tensor) and storage_key(t) in kernels for t in written)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":  # not prim::device and other metadata queries
             self.last = func.overloadpacket.__name__
             self.fused_attention = self.fused_attention or self.last.startswith("_scaled_dot_product_")
         self.random = self.random or draws_random_numbers(func, args, kwargs)
         self.writes_argument = self.writes_argument or writes_an_argument(func)
+        if self.expensive_outputs and not self.kernel_output_written:
+            self.kernel_output_written = self._writes_kernel_output(func, args, kwargs or {})
         is_expensive = kept_by_selective(func, args, kwargs or {})
         self.expensive = self.expensive or is_expensive
         opaque = not (func.is_view or torch.Tag.pointwise in func.tags)

@@ -285,7 +285,8 @@ class _CostInterpreter(fx.Interpreter):
             requires_grad=any(t.requires_grad for t in tensors),
             random=kinds.random,
             writes_argument=kinds.writes_argument,
-            expensive=kinds.expensive,
+            kernels_written=kinds.kernel_output_written,
+            expensive=kinds.expensive and not kinds.kernel_output_written,
             grad_views=kinds.last in GRADIENT_VIEW_OPS,
             grad_bytes=gradient if alias_of is not None else None,  # a view's gradient has its own size
             selective_extra_bytes=selective_extra(sum(inner.values()) + freed, remade),

@@ -288,6 +288,12 @@ def scratch_by_call(calls_by_node: Mapping[str, Sequence[Call]]) -> dict[str, li
     return {name: [KERNEL_EXTRA.get(key, 0) for key in node_keys] for name, node_keys in keys.items()}
 
 
+OPAQUE_STATE_KERNELS = frozenset({"mkldnn_rnn_layer_backward", "_cudnn_rnn_backward", "miopen_rnn_backward"})
+"""Backward kernels of recurrent layers that read a workspace their forward kernel wrote
+(oneDNN's, cuDNN's, MIOpen's): on stand-in values they read it as pointers and sizes, and an
+``nn.LSTM``'s replay crashed the process (a segmentation fault). Never replayed: 0 bytes."""
+
+
 def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     """Replay each ATen call (``call_key -> (func, args, kwargs)``) on real tensors laid out
     like its fake arguments and store in ``KERNEL_EXTRA`` the bytes it allocates for a
@@ -297,10 +303,13 @@ def measure_kernel_scratch(calls: Mapping[tuple, Call]) -> None:
     profiler session for all the calls, each call marked by a ``record_function``), on CUDA
     the allocator's peak. Each call runs once untimed first (oneDNN builds and caches its
     primitives then). A call that cannot be replayed (a kernel that rejects the stand-in
-    values, an unsupported device, a profiler already running) counts 0 and is not cached.
+    values, an unsupported device, a profiler already running, one of :data:`OPAQUE_STATE_KERNELS`)
+    counts 0 and is not cached.
     """
     cpu: dict[tuple, Call] = {}
     for key, (func, args, kwargs) in calls.items():
+        if func.overloadpacket.__name__ in OPAQUE_STATE_KERNELS:
+            continue
         device = _replay_device(args, kwargs)
         if device.type == "cpu":
             cpu[key] = (func, args, kwargs)

@@ -102,6 +102,8 @@ def _mixed(graph: nx.DiGraph, every: Candidate, whole: int, kept: int) -> Candid
     :func:`passes.flat_plans.partially_recomputed` does), the last ``kept`` of them selectively."""
     recomputed = [i for i, s in enumerate(every.segments) if s.recompute][:whole + kept]
     segments = make_segments(graph, [(s.nodes, i in recomputed) for i, s in enumerate(every.segments)])
-    selective = {every.segments[i].nodes for i in recomputed[whole:]}
+    # a block writing into its own kernels' outputs (``kernels_written``) is recomputed whole instead
+    selective = {every.segments[i].nodes for i in recomputed[whole:]
+                 if not any(graph.nodes[n]["kernels_written"] for n in every.segments[i].nodes)}
     segments = tuple(selective_segment(graph, s) if s.nodes in selective else s for s in segments)
     return Candidate(f"blocks ({whole} whole, {kept} selective)", segments, every.notes)

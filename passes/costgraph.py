@@ -124,6 +124,12 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
 ``expensive``: ``bool``
     The value comes out of a matmul or convolution: costly to recompute, so a selective
     plan keeps it from forward even inside a recomputed segment.
+``kernels_written``: ``bool``
+    An op of the node writes in place into the output of one of its own matmul or
+    convolution kernels (a GRU's ``sigmoid_`` on its gates). Selective checkpointing keeps
+    kernel outputs by reference, so a recompute would be handed the written value and write
+    it again (torch's own selective checkpoint gives such a GRU other gradients). Such a node
+    is never ``expensive``, and a block holding one is never recomputed selectively.
 ``selective_extra_bytes``: ``int``
     Bytes a selective segment keeps for an ``expensive`` node beyond its own value: the
     outputs of matmul/convolution kernels *inside* the node that are not its result (the
@@ -279,6 +285,7 @@ ATTRIBUTES: Mapping[str, tuple[type | tuple[type, ...], Any]] = {  # name -> (ty
     "grad_views": (bool, False),
     "grad_bytes": ((int, type(None)), None),
     "expensive": (bool, False),
+    "kernels_written": (bool, False),
     "block": (str, ""),
     "selective_extra_bytes": (int, 0),
     "param_grad_bytes": (int, 0),

@@ -63,3 +63,52 @@ def test_enable_does_not_checkpoint_a_block_with_an_rrelu() -> None:
     assert checkpointed_blocks(model) == ["0", "2"]
     for _ in range(2):
         assert_trains_like(reference, model, model, inputs, loss_fn=_loss)
+
+
+class _GRUChain(nn.Module):
+    """Linears and two-layer GRUs with dropout between their layers: on CPU a GRU runs
+    ``addmm`` per step and applies ``sigmoid_``/``tanh_`` in place to the gates it made."""
+
+    def __init__(self, depth: int = 6, width: int = 32) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.grus = nn.ModuleList([nn.GRU(width // 4, width // 4, num_layers=2, dropout=0.2, batch_first=True)
+                                   for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear, gru in zip(self.linears, self.grus, strict=True):
+            x = gru(linear(x).view(x.shape[0], 4, -1))[0].reshape(x.shape[0], -1)
+        return x
+
+
+@pytest.mark.parametrize("budget", [0.6, 0.8])
+def test_a_gru_is_never_recomputed_selectively(budget: float) -> None:
+    """A selective segment kept the GRU's ``addmm`` outputs by reference, which its
+    ``sigmoid_`` then overwrote: the recompute applied the gates' activations twice, and the
+    gradients of the layers before it differed from eager's, silently (torch's own selective
+    checkpoint does the same to a GRU). Such a node is recomputed whole, or kept."""
+    torch.manual_seed(0)
+    reference, model = fresh_pair(_GRUChain())
+    inputs = (torch.randn(16, 32, requires_grad=True),)
+    rewritten = graphckpt.rewrite(model, inputs, budget=budget)
+    for _ in range(2):
+        assert_trains_like(reference, model, rewritten, inputs, loss_fn=_loss)
+
+
+def test_enable_never_recomputes_a_gru_block_selectively() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+            self.gru = nn.GRU(8, 8, num_layers=2, dropout=0.2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.gru(self.linear(x).view(x.shape[0], 4, -1))[0].reshape(x.shape[0], -1)
+
+    torch.manual_seed(0)
+    reference, model = fresh_pair(nn.Sequential(*[Block() for _ in range(6)]))
+    inputs = (torch.randn(16, 32, requires_grad=True),)
+    graphckpt.enable(model, inputs, budget=0.6)  # a budget the old block plan met selectively
+    assert checkpointed_blocks(model)
+    for _ in range(2):
+        assert_trains_like(reference, model, model, inputs, loss_fn=_loss)
