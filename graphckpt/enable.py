@@ -183,7 +183,9 @@ class CheckpointedForward:
         if not self.selective:
             return contextlib.nullcontext(), self._recomputing()
         caching, cached = _selective_contexts()
-        return caching, _both(cached, self._recomputing())
+        # the scratch copies of running statistics are made before the selective mode is
+        # entered: it would take their clones for forward's ops and fail the recompute
+        return caching, _both(self._recomputing(), cached)
 
     @contextlib.contextmanager
     def _recomputing(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from graphckpt.state import with_fixed_momentum
 from graphckpt.torch_compat import FakeTensorMode, fake_empty, module_tree_copy
 
 
@@ -73,6 +74,7 @@ def lazy_fake_copy(graph_module: fx.GraphModule) -> LazyFake:
     copy's ``get_submodule`` is a dictionary lookup: the profile asks it several times a
     node, and walking a dotted path costs more than the rest of a ghost's bookkeeping."""
     module = module_tree_copy(graph_module)
+    with_fixed_momentum(module.modules())
     modules = {name: m for name, m in module.named_modules(remove_duplicate=False) if m is not module}
     root = weakref.ref(module)  # not the module itself: that would be a reference cycle through its own attribute
     module.get_submodule = lambda target: modules[target] if target in modules else nn.Module.get_submodule(root(), target)

@@ -32,6 +32,7 @@ from graphckpt.op_keys import eval_output_storage
 from graphckpt.op_kinds import ATTENTION_CALLS, GRADIENT_VIEW_OPS, OpKinds
 from graphckpt.pass_through import PassThroughWatch, returns_an_input
 from graphckpt.scratch import layouts_of, plain_forward_temporaries, scratch_by_call
+from graphckpt.state import with_fixed_momentum
 from graphckpt.torch_compat import (
     FakeTensorMode,
     RealOutputDtypes,
@@ -319,7 +320,9 @@ def fake_copy(graph_module: fx.GraphModule) -> tuple[FakeTensorMode, fx.GraphMod
     """A copy of ``graph_module`` on fake tensors, and its mode: what :func:`node_costs`
     runs, made once for several runs of the same graph (copying parameters is slow)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return mode, fake_module_copy(graph_module, mode)
+    copy = fake_module_copy(graph_module, mode)
+    with_fixed_momentum(copy.modules())
+    return mode, copy
 
 
 def node_costs(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None = None,

@@ -150,6 +150,20 @@ def running_stat_norms(modules: Iterable[nn.Module]) -> list[NormBase]:
     return [m for m in modules if isinstance(m, NormBase) and m.track_running_stats]
 
 
+PROFILED_MOMENTUM = 0.1
+
+
+def with_fixed_momentum(modules: Iterable[nn.Module]) -> None:
+    """Give the norm layers among ``modules`` that keep a cumulative average
+    (``momentum=None``) a fixed momentum: for a profile's copy of the model only. Their
+    forward reads the batch count as a Python number, which fake tensors cannot give (the
+    profile failed with ``DataDependentOutputException``); they run the same ops and hold the
+    same memory with either."""
+    for module in modules:
+        if isinstance(module, NormBase) and module.momentum is None:
+            module.momentum = PROFILED_MOMENTUM
+
+
 @contextlib.contextmanager
 def frozen_running_stats(norms: Sequence[NormBase]) -> Iterator[None]:
     """Norm layers run exactly as in forward, but their running statistics are updated on

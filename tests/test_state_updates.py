@@ -181,3 +181,46 @@ def test_export_captured_shared_norm_recomputes_and_updates_like_eager(monkeypat
         assert all(graph.nodes[n]["recomputable"] for n in graph if graph.nodes[n]["kind"] == "op")
         for _ in range(2):
             assert_trains_like(reference, model, rewritten, (x,))
+
+
+class _ConvNormChain(nn.Module):
+    def __init__(self, momentum: float | None = 0.1, depth: int = 4, channels: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(depth) for m in (
+            nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels, momentum=momentum), nn.ReLU())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _square(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+@pytest.mark.parametrize("options", [{"strategy": "sqrt"}, {"budget": 0.6}], ids=["sqrt", "budget-0.6"])
+def test_a_batch_norm_keeping_a_cumulative_average_is_rewritten(options: dict) -> None:
+    """``momentum=None`` reads the batch count as a Python number, which the fake-tensor
+    profile could not give: rewrite failed with ``DataDependentOutputException``. Profiled
+    with a fixed momentum, three steps update the running statistics (and the count) as
+    eager's do."""
+    torch.manual_seed(0)
+    reference, model = fresh_pair(_ConvNormChain(momentum=None))
+    inputs = (torch.randn(4, 8, 16, 16, requires_grad=True),)
+    rewritten = graphckpt.rewrite(model, inputs, **options)
+    for _ in range(3):
+        assert_trains_like(reference, model, rewritten, inputs, loss_fn=_square)
+    assert model.body[1].num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_enable_recomputes_a_block_with_batch_norms_selectively(momentum: float | None) -> None:
+    """A selective block's recompute made the scratch copies of its running statistics under
+    torch's selective mode, which took the clones for forward's ops and failed backward
+    ("aten.clone.default encountered during backward but not found in storage")."""
+    torch.manual_seed(0)
+    reference, model = fresh_pair(nn.Sequential(*[_ConvNormChain(momentum) for _ in range(4)]))
+    inputs = (torch.randn(4, 8, 16, 16, requires_grad=True),)
+    graphckpt.enable(model, inputs, budget=0.6)
+    assert any(getattr(m.__dict__.get("forward"), "selective", False) for m in model.modules())
+    for _ in range(3):
+        assert_trains_like(reference, model, model, inputs, loss_fn=_square)
