@@ -16,7 +16,13 @@ import torch
 from torch import fx
 
 from graphckpt.dropout import dropout_call
-from graphckpt.inplace import isolate_inplace, mutation_constraints, view_parents, writes_activations
+from graphckpt.inplace import (
+    isolate_inplace,
+    mutation_constraints,
+    view_parents,
+    writes_activations,
+    written_storage_roots,
+)
 from graphckpt.leaf_modules import stateful_calls
 from graphckpt.module_hooks import hooked_calls
 from graphckpt.node_cost import NodeCost
@@ -65,6 +71,7 @@ class Profile:
     dropped_value_cost: int = 0  # in cost_unit: each value an op run by hooks drops, beyond its remake
     hooked_op_cost: int = 0  # in cost_unit: each op of a segment run by saved-tensor hooks, its packs and report
     autocast: str = ""  # the autocast state it was profiled under ("cpu:bfloat16"; "" for none)
+    written_in_place: frozenset[str] = frozenset()  # values the model's own code writes in place (inplace.py)
 
 
 COSTS = ("flops", "time")
@@ -83,9 +90,11 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
     if args is None:
         return Profile({n.name: _unit_cost(n) for n in graph_module.graph.nodes},
                        view_parents(graph_module, {}), measured=False)
+    written: frozenset[str] = frozenset()
     if writes_activations(graph_module):  # decided on a forward's views and dtypes, then profiled once
         facts = forward_costs(graph_module, args, kwargs, dedup=dedup)
         parents = view_parents(graph_module, facts)
+        written = written_storage_roots(graph_module, parents)
         isolate_inplace(graph_module, parents, facts)
     costs = profile_costs(graph_module, args, kwargs, dedup=dedup)
     parents = view_parents(graph_module, costs)
@@ -99,8 +108,10 @@ def prepare(graph_module: fx.GraphModule, args: tuple | None,
         per_op = max(overheads.selective_op, selective_overhead_per_op(graph_module, args, kwargs))
         return Profile(costs, parents, cost_unit="ns", rng_state_bytes=rng, scalar_bytes=scalar,
                        autocast=autocast_state(), checkpoint_call_cost=overheads.call, selective_op_cost=per_op,
-                       dropped_value_cost=overheads.dropped_value, hooked_op_cost=overheads.hooked_op)
-    return Profile(costs, parents, rng_state_bytes=rng, scalar_bytes=scalar, autocast=autocast_state())
+                       dropped_value_cost=overheads.dropped_value, hooked_op_cost=overheads.hooked_op,
+                       written_in_place=written)
+    return Profile(costs, parents, rng_state_bytes=rng, scalar_bytes=scalar, autocast=autocast_state(),
+                   written_in_place=written)
 
 
 def rng_state_bytes(graph_module: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any] | None) -> int:
@@ -183,7 +194,7 @@ def build_cost_graph(graph_module: fx.GraphModule, profile: Profile, *,
             ordered=node.name in ordered,
             state=node.name in state,
             expensive=cost.expensive,
-            kernels_written=cost.kernels_written,
+            kernels_written=cost.kernels_written or (cost.expensive and node.name in profile.written_in_place),
             block=blocks.get(node.name, "") if node.op not in _KIND else "",
             param_grad_bytes=cost.param_grad_bytes,
             param_grad_cast_bytes=cost.param_grad_cast_bytes,

@@ -59,6 +59,16 @@ def _storage_roots(nodes: Sequence[fx.Node], parents: Mapping[fx.Node, fx.Node])
     return roots
 
 
+def written_storage_roots(graph_module: fx.GraphModule, parents: Mapping[fx.Node, fx.Node]) -> frozenset[str]:
+    """The values whose storage the captured code writes in place (the value itself or a view
+    of it), before :func:`isolate_inplace` gives those writes tensors of their own: what the
+    model's own forward, which ``graphckpt.enable`` runs, still writes (a ``ReLU(inplace=True)``
+    on a Linear's output)."""
+    nodes = list(graph_module.graph.nodes)
+    roots = _storage_roots(nodes, parents)
+    return frozenset(roots.get(target, target).name for node in nodes for target in mutated_arguments(graph_module, node))
+
+
 def _view_children(parents: Mapping[fx.Node, fx.Node]) -> dict[fx.Node, list[fx.Node]]:
     """``parents`` turned round: each node's direct views."""
     children: dict[fx.Node, list[fx.Node]] = {}

@@ -125,11 +125,14 @@ Node attributes (every node has all of them; :func:`check_cost_graph` verifies t
     The value comes out of a matmul or convolution: costly to recompute, so a selective
     plan keeps it from forward even inside a recomputed segment.
 ``kernels_written``: ``bool``
-    An op of the node writes in place into the output of one of its own matmul or
-    convolution kernels (a GRU's ``sigmoid_`` on its gates). Selective checkpointing keeps
-    kernel outputs by reference, so a recompute would be handed the written value and write
-    it again (torch's own selective checkpoint gives such a GRU other gradients). Such a node
-    is never ``expensive``, and a block holding one is never recomputed selectively.
+    The model's code writes in place into the output of one of the node's matmul or
+    convolution kernels: an op inside the node (a GRU's ``sigmoid_`` on its gates; then
+    the node is never ``expensive``), or a later op on the node's value (a
+    ``LeakyReLU(inplace=True)`` on a Linear's output, which the rewritten graph runs out of
+    place but the model's own forward does not). Selective checkpointing keeps kernel
+    outputs by reference, so a recompute would be handed the written value (torch's own
+    selective checkpoint gives such a GRU other gradients, and refuses the Linear's in
+    backward). A block holding one is never recomputed selectively (``graphckpt.enable``).
 ``selective_extra_bytes``: ``int``
     Bytes a selective segment keeps for an ``expensive`` node beyond its own value: the
     outputs of matmul/convolution kernels *inside* the node that are not its result (the

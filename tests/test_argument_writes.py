@@ -112,3 +112,28 @@ def test_enable_never_recomputes_a_gru_block_selectively() -> None:
     assert checkpointed_blocks(model)
     for _ in range(2):
         assert_trains_like(reference, model, model, inputs, loss_fn=_loss)
+
+
+def test_enable_never_recomputes_selectively_a_block_writing_a_matmul_output_in_place() -> None:
+    """``LeakyReLU(inplace=True)`` on a Linear's output: the rewritten graph runs it out of
+    place, but enable runs the model's own forward, where it writes the very tensor torch's
+    selective checkpoint keeps; every backward failed ("Tensor cached during selective
+    activation checkpoint has been mutated") at the budgets that chose selective blocks."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+            self.act = nn.LeakyReLU(0.1, inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.act(self.up(x))
+            return x + self.down(torch.tanh(h) * torch.sigmoid(h) + torch.sin(h))
+
+    for budget in (0.9, 0.6):
+        torch.manual_seed(0)
+        reference, model = fresh_pair(nn.Sequential(*[Block() for _ in range(6)]))
+        inputs = (torch.randn(64, 64, requires_grad=True),)
+        graphckpt.enable(model, inputs, budget=budget)
+        assert checkpointed_blocks(model)
+        for _ in range(2):
+            assert_trains_like(reference, model, model, inputs, loss_fn=_loss)
