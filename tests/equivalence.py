@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import graphckpt
 from graphckpt.tools import zoo
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -126,3 +127,16 @@ def assert_backpropagates_twice(rewritten: nn.Module, model: nn.Module, args: tu
     second = torch.autograd.grad(loss, list(model.parameters()))
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def assert_rewrite_trains_like(model: nn.Module, inputs: tuple, loss_fn: Callable, steps: int = 2,
+                               **options: Any) -> nn.Module:
+    """``graphckpt.rewrite(model, inputs, **options)``, checked to recompute something and to
+    train ``steps`` steps like a deep copy of ``model`` taken before (:func:`fresh_pair`);
+    returns the rewritten module."""
+    reference, model = fresh_pair(model)
+    rewritten = graphckpt.rewrite(model, inputs, **options)
+    assert "recomputed in backward" in rewritten.code and " 0 of " not in rewritten.code.splitlines()[0]
+    for _ in range(steps):
+        assert_trains_like(reference, model, rewritten, inputs, loss_fn=loss_fn)
+    return rewritten

@@ -12,7 +12,7 @@ import graphckpt
 from graphckpt.leaf_modules import stateful_modules
 from graphckpt.tools.measure import measure_step
 from passes.segments import PlanError
-from tests.equivalence import assert_trains_like, fresh_pair
+from tests.equivalence import assert_rewrite_trains_like, assert_trains_like, fresh_pair
 from tests.test_enable import _checkpointed as checkpointed_blocks
 
 
@@ -61,11 +61,7 @@ def test_an_nn_transformer_encoder_is_planned_inside_and_trains_like_eager(optio
 
 def test_an_nn_transformer_with_its_decoder_trains_like_eager() -> None:
     torch.manual_seed(0)
-    reference, model = fresh_pair(_Seq2Seq())
-    inputs = (torch.randn(4, 10, 32), torch.randn(4, 7, 32))
-    rewritten = graphckpt.rewrite(model, inputs, strategy="sqrt")
-    assert "recomputed in backward" in rewritten.code and " 0 of " not in rewritten.code.splitlines()[0]
-    assert_trains_like(reference, model, rewritten, inputs, loss_fn=_loss)
+    assert_rewrite_trains_like(_Seq2Seq(), (torch.randn(4, 10, 32), torch.randn(4, 7, 32)), _loss, strategy="sqrt")
 
 
 class _SpectralBlock(nn.Module):
@@ -153,12 +149,9 @@ def test_an_export_captured_spectral_norm_moves_its_buffers_once_a_step(options:
     reran it and backward failed ("modified by an inplace operation"). They count as the
     region's own writes now (:func:`graphckpt.written.mutated_arguments`), so it runs once."""
     torch.manual_seed(0)
-    reference, model = fresh_pair(_ShapeBranchingSpectralChain((True,) * 6))
     inputs = (torch.randn(16, 32, requires_grad=True),)
-    rewritten = graphckpt.rewrite(model, inputs, **options)
-    assert "captured with export" in rewritten.code and "recomputed in backward" in rewritten.code
-    for _ in range(2):
-        assert_trains_like(reference, model, rewritten, inputs, loss_fn=_loss)
+    rewritten = assert_rewrite_trains_like(_ShapeBranchingSpectralChain((True,) * 6), inputs, _loss, **options)
+    assert "captured with export" in rewritten.code
 
 
 class _LSTMChain(nn.Module):
@@ -182,9 +175,4 @@ def test_an_lstm_model_is_rewritten_and_trains_like_eager(options: dict) -> None
     oneDNN's LSTM backward on stand-in values to measure its scratch crashed the process
     (a segmentation fault; now never replayed: :data:`graphckpt.scratch.OPAQUE_STATE_KERNELS`)."""
     torch.manual_seed(0)
-    reference, model = fresh_pair(_LSTMChain())
-    inputs = (torch.randn(16, 32, requires_grad=True),)
-    rewritten = graphckpt.rewrite(model, inputs, **options)
-    assert "recomputed in backward" in rewritten.code and " 0 of " not in rewritten.code.splitlines()[0]
-    for _ in range(2):
-        assert_trains_like(reference, model, rewritten, inputs, loss_fn=_loss)
+    assert_rewrite_trains_like(_LSTMChain(), (torch.randn(16, 32, requires_grad=True),), _loss, **options)
