@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from graphckpt.scratch import layouts_of
+from graphckpt.state import RUNNING_STATS
 from graphckpt.torch_compat import (
     TorchDispatchMode,
     allocated_bytes,
@@ -85,9 +86,6 @@ def kept_by_selective(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool
     return func.overloadpacket.__name__ in EXPENSIVE_OPS and not draws_random_numbers(func, args, kwargs)
 
 
-RUNNING_STATISTICS = frozenset({"running_mean", "running_var"})
-
-
 @functools.cache
 def writes_an_argument(func: Any) -> bool:
     """Whether a functional ATen op (not an in-place or ``out=`` variant) writes one of its
@@ -104,7 +102,7 @@ def writes_an_argument(func: Any) -> bool:
     """
     schema = op_schema(func)
     return not schema.name.endswith("_") and any(
-        a.alias_info is not None and a.alias_info.is_write and not a.is_out and a.name not in RUNNING_STATISTICS
+        a.alias_info is not None and a.alias_info.is_write and not a.is_out and a.name not in RUNNING_STATS
         for a in schema.arguments)
 
 
