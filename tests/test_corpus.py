@@ -28,6 +28,7 @@ import itertools
 import pytest
 import torch
 
+import graphckpt
 from passes.budget import BudgetError
 from tests.corpus import ENTRIES, FAST
 from tests.corpus import harness as h
@@ -222,3 +223,29 @@ def test_gpt2_real_width_refuses_a_budget_below_per_blocks_peak() -> None:
     assert refused.value.smallest_peak_bytes <= per_block.peak_bytes
     measured = h.measure(entry, h.rewritten(entry, per_block))
     assert measured <= h.BUDGET_SLACK * per_block.peak_bytes, (measured, per_block.peak_bytes)
+
+
+ENABLE_ENTRIES = [_param(name) for name, entry in ENTRIES.items() if entry.hf]
+
+
+def _enabled(name: str, budget: float | int | None) -> tuple:
+    """``(reference, model, args, kwargs)``: the entry built twice from one seed, the second
+    checkpointed in place by ``graphckpt.enable`` at ``budget``."""
+    reference, args, kwargs = ENTRIES[name].build(0)
+    model, _, _ = ENTRIES[name].build(0)
+    graphckpt.enable(model, args, example_kwargs=kwargs or None, budget=budget)
+    return reference, model, args, kwargs
+
+
+@pytest.mark.parametrize("name", ENABLE_ENTRIES)
+def test_enable_trains_like_the_model(name: str) -> None:
+    """``graphckpt.enable``, every block checkpointed, then at a budget mixing whole and
+    selective blocks (0.8 of eager's simulated peak, or the block plans' floor where 0.8 is
+    below it): two steps each equal the model's own, buffers included."""
+    for budget in (None, 0.8):
+        try:
+            reference, model, args, kwargs = _enabled(name, budget)
+        except BudgetError as error:
+            reference, model, args, kwargs = _enabled(name, error.smallest_peak_bytes)
+        for _ in range(2):
+            assert_trains_like(reference, model, model, args, kwargs, loss_fn=h.model_loss)
