@@ -95,14 +95,16 @@ def writes_an_argument(func: Any) -> bool:
     filled (``torch.utils.checkpoint(use_reentrant=False)`` gives RReLU wrong gradients so:
     pytorch/pytorch#193671).
     Such an op is never recomputed. Training backward does not read running statistics, and
-    a recompute updates scratch copies of them (:mod:`graphckpt.state`).
+    a recompute updates scratch copies of them (:mod:`graphckpt.state`); a buffer named
+    ``out`` is the op's own result written in place (FA3's
+    ``_flash_attention_forward_no_dropout_inplace``), not an input it saved.
 
     >>> writes_an_argument(torch.ops.aten.rrelu_with_noise.default), writes_an_argument(torch.ops.aten.relu_.default)
     (True, False)
     """
     schema = op_schema(func)
     return not schema.name.endswith("_") and any(
-        a.alias_info is not None and a.alias_info.is_write and not a.is_out and a.name not in RUNNING_STATS
+        a.alias_info is not None and a.alias_info.is_write and not a.is_out and a.name not in (*RUNNING_STATS, "out")
         for a in schema.arguments)
 
 
