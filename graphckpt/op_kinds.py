@@ -27,6 +27,7 @@ from graphckpt.torch_compat import (
     storage_key_and_ref,
     tree_leaves,
 )
+from graphckpt.written import schema_writes
 
 NARROW_FLOATS = (torch.float16, torch.bfloat16)
 
@@ -102,21 +103,8 @@ def writes_an_argument(func: Any) -> bool:
     >>> writes_an_argument(torch.ops.aten.rrelu_with_noise.default), writes_an_argument(torch.ops.aten.relu_.default)
     (True, False)
     """
-    schema = op_schema(func)
-    return not schema.name.endswith("_") and any(
-        a.alias_info is not None and a.alias_info.is_write and not a.is_out and a.name not in (*RUNNING_STATS, "out")
-        for a in schema.arguments)
-
-
-@functools.cache
-def written_positions(func: Any) -> tuple[int | str, ...]:
-    """Where an ATen op takes the arguments it writes: their positions, and names for keywords.
-
-    >>> written_positions(torch.ops.aten.sigmoid_.default), written_positions(torch.ops.aten.sigmoid.default)
-    ((0, 'self'), ())
-    """
-    return tuple(item for i, a in enumerate(op_schema(func).arguments)
-                 if a.alias_info is not None and a.alias_info.is_write for item in (i, a.name))
+    return not op_schema(func).name.endswith("_") and any(
+        not is_out and name not in (*RUNNING_STATS, "out") for _, name, is_out in schema_writes(func))
 
 
 GRADIENT_VIEW_OPS = frozenset({"cat", "stack"})  # backward slices the output's gradient
@@ -282,8 +270,10 @@ class OpKinds(TorchDispatchMode):
         """Whether this call writes in place into a storage a matmul or convolution of this node
         made (a GRU's ``sigmoid_`` on its gates): selective checkpointing keeps those outputs by
         reference, so a recompute would be handed the written value, and apply the write again."""
+        written = [args[i] if i < len(args) else kwargs.get(name) for i, name, _ in schema_writes(func)]
+        if not written:
+            return False
         kernels = {key for key, _, _ in self.expensive_outputs}
-        written = (args[p] if isinstance(p, int) and p < len(args) else kwargs.get(p) for p in written_positions(func))
         return any(isinstance(t, torch.Tensor) and storage_key(t) in kernels for t in written)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

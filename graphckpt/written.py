@@ -27,13 +27,26 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.setitem}
 
 
+@functools.cache
+def schema_writes(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """``(position, name, is_out)`` of each argument an ATen op's schema marks written
+    (``(a!)``): the one reading of a schema's writes, for captured nodes
+    (:func:`mutated_arguments`) and for the calls the profile sees (:mod:`graphckpt.op_kinds`).
+
+    >>> schema_writes(torch.ops.aten.sigmoid_.default), schema_writes(torch.ops.aten.sigmoid.default)
+    (((0, 'self', False),), ())
+    """
+    return tuple((i, a.name, a.is_out) for i, a in enumerate(op_schema(func).arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
 def _schema_written_arguments(node: fx.Node) -> list[fx.Node]:
     """Arguments an ATen op writes: those its schema marks ``(a!)``, plus the running
     statistics of a training-mode batch norm (which its schema does not mark)."""
     schema = op_schema(node.target)
     bound = {argument.name: node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
              for i, argument in enumerate(schema.arguments)}
-    written = [bound[a.name] for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    written = [bound[name] for _, name, _ in schema_writes(node.target)]
     if schema.name.split("::")[-1] in NORMS_WRITING_RUNNING_STATS and bound.get("training", True):
         written += [bound.get("running_mean"), bound.get("running_var")]
     return [value for value in written if isinstance(value, fx.Node)]
