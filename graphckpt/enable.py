@@ -19,7 +19,10 @@ wrapped in ``torch.utils.checkpoint`` on the instance, so
   the plan was chosen at the example's shapes and says so);
 * ``eval()`` and ``torch.no_grad()`` run the original forward, with no checkpointing at all;
 * a recompute replays the random draws of forward and does not update BatchNorm's running
-  statistics a second time;
+  statistics, or any buffer the block's forward writes (a batch counter), a second time;
+* a recompute runs on the lists and dicts the block was handed as they were before its
+  forward, which may write into them (HRNet's ``x[i] = branch(x[i])``: with torch's
+  checkpoint alone, every gradient upstream of such a block was wrong);
 * a block holding a module with hooks of its own (a forward hook collecting its output,
   ``spectral_norm``'s power iteration) or a torch module updating its own buffers
   (``parametrizations.spectral_norm``) is not recomputed: a recompute would run the hooks,
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -52,8 +55,8 @@ from graphckpt.leaf_modules import updates_own_buffers
 from graphckpt.module_hooks import hook_kinds
 from graphckpt.planned_inputs import warn_if_autocast_differs
 from graphckpt.segment_calls import keep_matmul_outputs
-from graphckpt.state import frozen_running_stats, running_stat_norms
-from graphckpt.torch_compat import call_hooks_set_aside
+from graphckpt.state import RUNNING_STATS, frozen_buffers, running_stat_norms
+from graphckpt.torch_compat import buffer_identities, call_hooks_set_aside
 from passes.block_plan import block_plan
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
@@ -162,6 +165,7 @@ class CheckpointedForward:
         self.replaced = module.__dict__.get("forward")  # an instance forward set before, if any
         self.original = module.forward
         self.recomputations = 0  # how often backward has rerun it
+        self.written: set[str] = set()  # its buffers forward has written, seen as it runs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
@@ -172,9 +176,14 @@ class CheckpointedForward:
             return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True, **context, **kwargs)
         if self.planned is not None:
             warn_if_autocast_differs(*self.planned)
+        before = buffer_identities(self.module)
+        function, checkpointed_args, checkpointed_kwargs = _recomputable_call(self.original, args, kwargs)
         with autocast_uncached([*args, *kwargs.values()]):  # its layer's weight copies go with each op
-            return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=self._contexts, **kwargs)
+            output = checkpoint(function, *checkpointed_args, use_reentrant=False, preserve_rng_state=True,
+                                context_fn=self._contexts, **checkpointed_kwargs)
+        after = buffer_identities(self.module)
+        self.written.update(name for name, identity in after.items() if before.get(name) != identity)
+        return output
 
     def _contexts(self) -> tuple[Any, Any]:
         """Forward as it is (keeping matmul outputs, if selective); the recompute counted,
@@ -190,9 +199,62 @@ class CheckpointedForward:
     @contextlib.contextmanager
     def _recomputing(self) -> Iterator[None]:
         self.recomputations += 1
-        norms = running_stat_norms(self.module.modules())
-        with frozen_running_stats(norms):
+        stats = [(norm, name) for norm in running_stat_norms(self.module.modules()) for name in RUNNING_STATS]
+        written = [_owner(self.module, name) for name in sorted(self.written)]
+        with frozen_buffers(list(dict.fromkeys(stats + written))):
             yield
+
+
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """``(submodule, attribute)`` holding the buffer at ``path`` under ``module``."""
+    owner, _, name = path.rpartition(".")
+    return module.get_submodule(owner), name
+
+
+def _recomputable_call(forward: Callable[..., Any], args: tuple,
+                       kwargs: dict[str, Any]) -> tuple[Callable[..., Any], tuple, dict[str, Any]]:
+    """``(function, args, kwargs)`` for ``checkpoint``, whose recompute calls ``function`` on
+    the arguments forward had: where they hold lists or dicts, which forward may write into,
+    it gets copies of them as they were before forward."""
+    if not _holds_containers((*args, *kwargs.values())):
+        return forward, args, kwargs
+    return _ForwardThenCopies(forward, args, kwargs), unshared_containers(args), unshared_containers(kwargs)
+
+
+def _holds_containers(values: tuple) -> bool:
+    """Whether a list or dict is among ``values`` or in a tuple among them."""
+    return any(type(v) in (list, dict) or (type(v) is tuple and _holds_containers(v)) for v in values)
+
+
+class _ForwardThenCopies:
+    """``forward`` on the caller's own arguments the first time (what it writes into a list
+    it was handed reaches the caller, as in eager), then, in each recompute, on fresh copies
+    of the containers it is given."""
+
+    def __init__(self, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+        self.forward, self.first = forward, (args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.first is not None:
+            (args, kwargs), self.first = self.first, None
+        else:
+            args, kwargs = unshared_containers((args, kwargs))
+        return self.forward(*args, **kwargs)
+
+
+def unshared_containers(value: Any) -> Any:
+    """``value`` with every list, tuple and dict in it built anew, their items shared.
+
+    >>> x = [1, [2]]
+    >>> y = unshared_containers(x)
+    >>> y == x, y is x, y[1] is x[1]
+    (True, False, False)
+    """
+    if type(value) in (list, tuple):
+        return type(value)(unshared_containers(item) for item in value)
+    if type(value) is dict:
+        return {key: unshared_containers(item) for key, item in value.items()}
+    return value
 
 
 def _selective_contexts() -> tuple[Any, Any]:

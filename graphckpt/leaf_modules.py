@@ -1,7 +1,16 @@
 """Which modules an fx capture keeps whole, and which of those a recompute may not run again.
 
 torch.fx keeps every torch.nn module whole (one ``call_module`` node) and traces through the
-model's own modules. graphckpt's tracer (:class:`CaptureTracer`) changes that twice:
+model's own modules. graphckpt's tracer (:class:`CaptureTracer`) changes that three times:
+
+- buffers are traced as values (fx's ``proxy_buffer_attributes``). fx's default hands forward
+  the real buffer, so a write into it in the model's own code ran once, on the real model,
+  while it was traced, and was missing from the graph. timm's ``BatchNormAct2d`` (EfficientNet,
+  MobileNetV3, RegNet, DenseNet, CSPNet... in timm) counts its batches so: every rewritten or
+  enabled timm model ended a step with ``num_batches_tracked`` off by one. Traced as a value,
+  the write is an op of the graph, run once a step (:mod:`graphckpt.state`). Code that
+  assigns a buffer (``self.seen += 1``) cannot be traced so; :func:`trace_model` puts the
+  buffer back and fails, and capture falls back to torch.export;
 
 - a module with call hooks is kept whole, so that its hooks run (:mod:`graphckpt.module_hooks`);
 - PyTorch's transformer stacks and layers (:data:`COMPOSITE_TORCH_LAYERS`) are traced into.
@@ -39,6 +48,8 @@ class CaptureTracer(fx.Tracer):
     """fx's tracer, keeping every module with call hooks whole and tracing into
     :data:`COMPOSITE_TORCH_LAYERS` (see the module's docstring)."""
 
+    proxy_buffer_attributes = True
+
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         if hook_kinds(module):
             return True
@@ -46,10 +57,33 @@ class CaptureTracer(fx.Tracer):
 
 
 def trace_model(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model, concrete_args)`` by :class:`CaptureTracer`."""
+    """``torch.fx.symbolic_trace(model, concrete_args)`` by :class:`CaptureTracer`.
+
+    Raises ``fx.proxy.TraceError`` naming the buffer when forward assigned one (``self.seen
+    += 1``): fx cannot record that, and the trace stored its stand-in on the model; the
+    buffer is put back first."""
+    buffers = dict(model.named_buffers())
     tracer = CaptureTracer()
-    graph = tracer.trace(model, concrete_args)
+    try:
+        graph = tracer.trace(model, concrete_args)
+    finally:
+        assigned = _put_back_assigned(model, buffers)
+    if assigned:
+        raise fx.proxy.TraceError(f"fx cannot record forward assigning buffer {assigned[0]} (an in-place write "
+                                  "such as .add_(1) it can)")
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _put_back_assigned(model: nn.Module, buffers: dict[str, Any]) -> list[str]:
+    """The paths of ``model``'s buffers that are no longer the tensors in ``buffers``, each put back."""
+    assigned = []
+    for name, buffer in buffers.items():
+        owner, _, attribute = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if getattr(module, attribute, None) is not buffer:
+            setattr(module, attribute, buffer)
+            assigned.append(name)
+    return assigned
 
 
 def updates_own_buffers(module: nn.Module) -> bool:

@@ -164,25 +164,30 @@ def with_fixed_momentum(modules: Iterable[nn.Module]) -> None:
             module.momentum = PROFILED_MOMENTUM
 
 
-@contextlib.contextmanager
-def frozen_running_stats(norms: Sequence[NormBase]) -> Iterator[None]:
+def frozen_running_stats(norms: Sequence[NormBase]) -> contextlib.AbstractContextManager[None]:
     """Norm layers run exactly as in forward, but their running statistics are updated on
     scratch copies that are dropped afterwards: a recompute must not count a batch twice.
 
     (Turning ``track_running_stats`` off instead would change which tensors autograd saves,
     which checkpointing rejects.)
     """
-    originals = [{name: getattr(norm, name) for name in RUNNING_STATS} for norm in norms]
+    return frozen_buffers([(norm, name) for norm in norms for name in RUNNING_STATS])
+
+
+@contextlib.contextmanager
+def frozen_buffers(buffers: Sequence[tuple[nn.Module, str]]) -> Iterator[None]:
+    """Each buffer ``(module, name)`` replaced by a scratch copy while the body runs, and put
+    back after it: what the body writes into them, in place or by assigning another tensor
+    (``self.seen += 1``), is dropped. A recompute runs under it."""
+    originals = [getattr(module, name) for module, name in buffers]
     try:
-        for norm, buffers in zip(norms, originals, strict=True):
-            for name, buffer in buffers.items():
-                if buffer is not None:
-                    setattr(norm, name, buffer.clone())
+        for (module, name), buffer in zip(buffers, originals, strict=True):
+            if buffer is not None:
+                setattr(module, name, buffer.clone())
         yield
     finally:
-        for norm, buffers in zip(norms, originals, strict=True):
-            for name, buffer in buffers.items():
-                setattr(norm, name, buffer)
+        for (module, name), buffer in zip(buffers, originals, strict=True):
+            setattr(module, name, buffer)
 
 
 class StateInput:

@@ -208,3 +208,47 @@ def test_enable_warns_when_hugging_face_checkpointing_is_on() -> None:
     ids = torch.randint(0, 97, (2, 16))
     with pytest.warns(UserWarning, match="gradient_checkpointing_disable"):
         graphckpt.enable(model, example_kwargs={"input_ids": ids, "labels": ids})
+
+
+class _Branches(nn.Module):
+    """HRNet's stage (timm's ``HighResolutionModule``): runs each branch on its item of the
+    list it is handed, writing the result into that list (``x[i] = branch(x[i])``), then
+    fuses. torch's checkpoint reran it on the list forward had written: every gradient
+    upstream of such a block differed from eager's (timm's HRNet, 213 of its parameters)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(2))
+        self.fuse = nn.Linear(width, width)
+
+    def forward(self, x: list[torch.Tensor], scales: dict[str, float]) -> list[torch.Tensor]:
+        for i, branch in enumerate(self.branches):
+            x[i] = branch(x[i]) * scales["branch"]
+        return [self.fuse(x[0] + x[1]), x[1]]
+
+
+class _HighResolution(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.stages = nn.ModuleList(_Branches(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [self.stem(x), x * 2]
+        for stage in self.stages:
+            handed = ys
+            ys = stage(ys, {"branch": 0.5})
+            ys[1] = ys[1] + handed[1]  # reads what the stage wrote into the list it was handed, as eager
+        return ys[0] + ys[1]
+
+
+@pytest.mark.parametrize("budget", [None, 0.8])
+def test_enable_recomputes_a_block_on_the_lists_it_was_handed(budget: float | None) -> None:
+    torch.manual_seed(0)
+    model = _HighResolution()
+    reference = copy.deepcopy(model)
+    inputs = (torch.randn(32, 16, requires_grad=True),)
+    graphckpt.enable(model, inputs, budget=budget)
+    assert _checkpointed(model)
+    for _ in range(2):
+        assert_trains_like(reference, model, model, inputs, loss_fn=lambda out: out.pow(2).mean())

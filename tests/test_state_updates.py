@@ -21,6 +21,7 @@ import graphckpt
 import graphckpt.capture
 from graphckpt.api import analyze
 from graphckpt.codegen import generate
+from graphckpt.leaf_modules import trace_model
 from passes.plan import Candidate, selective, simulated
 from tests.equivalence import assert_trains_like, fresh_pair
 
@@ -224,3 +225,70 @@ def test_enable_recomputes_a_block_with_batch_norms_selectively(momentum: float 
     assert any(getattr(m.__dict__.get("forward"), "selective", False) for m in model.modules())
     for _ in range(3):
         assert_trains_like(reference, model, model, inputs, loss_fn=_square)
+
+
+class _BatchNormInPython(nn.BatchNorm1d):
+    """timm's ``BatchNormAct2d`` pattern: the batch counted in the module's own code, then
+    ``F.batch_norm``. fx handed that code the real counter, so the count ran once while the
+    model was traced and was missing from the graph: every timm EfficientNet, MobileNetV3,
+    RegNet, DenseNet, CSPNet... ended each step under rewrite and enable with
+    ``num_batches_tracked`` off by one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                        self.training, self.momentum, self.eps)
+
+
+class _SeenCounter(nn.Module):
+    """Counts the samples it has seen in a buffer nothing else reads; ``assigned`` assigns
+    the count (``self.seen = self.seen + n``), which fx cannot record (capture falls back to
+    torch.export), instead of writing it in place."""
+
+    def __init__(self, assigned: bool = False) -> None:
+        super().__init__()
+        self.assigned = assigned
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.assigned:
+            self.seen += x.shape[0]
+        else:
+            self.seen.add_(x.shape[0])
+        return x
+
+
+BUFFER_WRITERS = {"batch-norm-in-python": lambda: _BatchNormInPython(WIDTH), "counter": _SeenCounter,
+                  "counter-assigned": lambda: _SeenCounter(assigned=True)}
+
+
+@pytest.mark.parametrize("how", ["sqrt", "mincut", "enable"])
+@pytest.mark.parametrize("writer", list(BUFFER_WRITERS))
+def test_buffers_written_by_the_models_own_code_move_once_a_step(writer: str, how: str) -> None:
+    """Capture leaves the buffers alone, and three steps move them as eager's do (``enable``:
+    a recompute writes scratch copies of whatever its block's forward wrote)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), BUFFER_WRITERS[writer](), nn.Tanh())
+                            for _ in range(6)])
+    reference, model = fresh_pair(model)
+    inputs = (torch.randn(BATCH, WIDTH),)
+    if how == "enable":
+        rewritten = graphckpt.enable(model, inputs)
+    else:
+        rewritten = graphckpt.rewrite(model, inputs, strategy=how)
+        assert " 0 of " not in rewritten.code.splitlines()[0]
+    for (name, buffer), (_, untouched) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        assert torch.equal(buffer, untouched), f"capture moved {name}"
+    for _ in range(3):
+        assert_trains_like(reference, model, rewritten, inputs, loss_fn=_square)
+
+
+def test_fx_refuses_a_forward_assigning_a_buffer_and_puts_it_back() -> None:
+    """fx cannot record ``self.seen += n``; its trace stored a stand-in on the model. The
+    buffer is put back and the error names it, so capture falls back to torch.export."""
+    model = nn.Sequential(nn.Linear(2, 2), _SeenCounter(assigned=True))
+    seen = model[1].seen
+    with pytest.raises(torch.fx.proxy.TraceError, match=r"assigning buffer 1\.seen"):
+        trace_model(model)
+    assert model[1].seen is seen and model[1].seen.item() == 0
