@@ -130,10 +130,57 @@ def test_disable_deepcopy_and_pickle() -> None:
     assert "forward" not in model.blocks[0].__dict__
 
 
-def test_a_model_without_blocks_is_refused() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+class _VGGLike(nn.Module):
+    """torchvision's VGG: two containers of layers, ``features`` and ``classifier``, which are not two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.classifier = nn.Sequential(nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), _VGGLike()],
+                         ids=["layers", "vgg-like"])
+def test_a_model_without_blocks_is_refused(model: nn.Module) -> None:
     with pytest.raises(PlanError, match="no blocks"):
         graphckpt.enable(model, (torch.randn(2, 4),))
+
+
+class _Stage(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+class _StagesAsAttributes(nn.Module):
+    """timm's RegNet and DLA: stages held as attributes (``s1``, ``s2``...), no ModuleList.
+    ``enable`` refused them: "no blocks to checkpoint in place"."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.s1, self.s2, self.s3 = _Stage(width), _Stage(width), _Stage(width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.s3(self.s2(self.s1(self.stem(x)))))
+
+
+def test_stages_held_as_attributes_are_the_blocks() -> None:
+    torch.manual_seed(0)
+    model = _StagesAsAttributes()
+    reference = copy.deepcopy(model)
+    inputs = (torch.randn(32, 16),)
+    graphckpt.enable(model, inputs)
+    assert _checkpointed(model) == ["s1", "s2", "s3"]
+    for _ in range(2):
+        assert_trains_like(reference, model, model, inputs, loss_fn=lambda out: out.pow(2).mean())
 
 
 def test_hugging_face_llama_keeps_its_class_and_any_length() -> None:
