@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from graphckpt.blocks import find_blocks, join_path
 from graphckpt.functions import functions_kept_whole
+from graphckpt.kv_cache import cache_off_while_captured
 from graphckpt.leaf_modules import trace_model
 from graphckpt.masks import fold_constant_masks
 from graphckpt.module_hooks import warn_global_hooks, warn_hooks_traced_in
@@ -148,7 +149,8 @@ def capture(model: nn.Module, example_inputs: tuple | None = None,
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
     states = _python_random_states()
-    captured = _capture(model, example_inputs, example_kwargs)
+    with cache_off_while_captured(model):  # a training step builds no KV cache (graphckpt.kv_cache)
+        captured = _capture(model, example_inputs, example_kwargs)
     if _python_random_states() != states:
         raise CaptureError(
             f"{type(model).__name__}'s forward drew random numbers from Python's random or numpy.random while "

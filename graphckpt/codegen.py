@@ -44,6 +44,7 @@ from graphckpt.dropping import DropModule
 from graphckpt.eval_forward import EVAL_FORWARD, ModelForward, dispatching_forward
 from graphckpt.exact import ScheduledModule
 from graphckpt.hooked import HookedSegmentModule
+from graphckpt.kv_cache import caches_by_default
 from graphckpt.leaf_modules import stateful_calls
 from graphckpt.module_hooks import HOOK_WATCH, HookWatch, hook_kinds, hooked_calls, warn_once_if_hooks_added
 from graphckpt.op_kinds import is_cast_node
@@ -287,6 +288,8 @@ def _hooks_note(source: fx.GraphModule, model: nn.Module, method: str) -> str:
         them = "it" if len(kept) == 1 else "them"
         if kept:
             lines.append(f"#   calls {', '.join(kept)} whole and never recomputes {them}: {why}")
+    if caches_by_default(model):
+        lines.append("#   captured with use_cache=False: a training step builds no KV cache (graphckpt.kv_cache)")
     own = hook_kinds(model) if method == "fx" else ()  # export traced the model's own hooks in
     if own:
         lines.append(f"#   runs {type(model).__name__}'s own hooks ({', '.join(own)}) around forward")

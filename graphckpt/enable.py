@@ -18,6 +18,8 @@ wrapped in ``torch.utils.checkpoint`` on the instance, so
 * any batch size and sequence length runs (the model's own code runs, not a traced graph;
   the plan was chosen at the example's shapes and says so);
 * ``eval()`` and ``torch.no_grad()`` run the original forward, with no checkpointing at all;
+* a Hugging Face model builds no KV cache in a training call (``use_cache=False``, as
+  ``gradient_checkpointing_enable()`` does, :mod:`graphckpt.kv_cache`);
 * a recompute replays the random draws of forward and does not update BatchNorm's running
   statistics, or any buffer the block's forward writes (a batch counter), a second time;
 * a recompute runs on the lists and dicts the block was handed as they were before its
@@ -51,6 +53,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from graphckpt.api import cost_model
 from graphckpt.capture import block_paths
 from graphckpt.dropping import autocast_uncached
+from graphckpt.kv_cache import training_calls_without_cache
 from graphckpt.leaf_modules import updates_own_buffers
 from graphckpt.module_hooks import hook_kinds
 from graphckpt.planned_inputs import warn_if_autocast_differs
@@ -65,6 +68,7 @@ from passes.segments import PlanError
 from passes.simulate import eager_peak
 
 PLAN_ATTRIBUTE = "graphckpt_plan"
+CACHE_HOOK_ATTRIBUTE = "graphckpt_cache_hook"  # the handle of graphckpt.kv_cache's pre-hook
 
 
 def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapping[str, Any] | None = None,
@@ -79,7 +83,9 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     """
     if is_enabled(model):
         disable(model)
-    if getattr(model, "is_gradient_checkpointing", False):  # Hugging Face's own, switched on
+    renamed = hasattr(type(model), "is_activation_checkpointing")  # transformers 5's name
+    flag = "is_activation_checkpointing" if renamed else "is_gradient_checkpointing"
+    if getattr(model, flag, False):  # Hugging Face's own, switched on
         warnings.warn("the model already checkpoints its layers (gradient_checkpointing_enable()); layers would be "
                       "recomputed twice: call model.gradient_checkpointing_disable() first", stacklevel=2)
     paths = block_paths(model, blocks)
@@ -98,6 +104,7 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     for name in recomputed_blocks(graph, plan.segments):
         checkpoint_forward(model.get_submodule(name), selective=name in selective, planned=plan)
     object.__setattr__(model, PLAN_ATTRIBUTE, plan)
+    object.__setattr__(model, CACHE_HOOK_ATTRIBUTE, training_calls_without_cache(model))
     return model
 
 
@@ -132,6 +139,9 @@ def disable(model: nn.Module) -> nn.Module:
             if wrapped.replaced is not None:  # an instance forward someone else had set
                 module.__dict__["forward"] = wrapped.replaced
     model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    cache_hook = model.__dict__.pop(CACHE_HOOK_ATTRIBUTE, None)
+    if cache_hook is not None:
+        cache_hook.remove()
     return model
 
 

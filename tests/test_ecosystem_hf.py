@@ -6,7 +6,7 @@ transformers is a test-only dependency (``pip install -e ".[hf]"``); without it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -301,3 +301,70 @@ def test_export_captured_resnet_measured_peak(options: dict) -> None:
     ours = _measured_peak(rewritten, inputs)
     bound = 0.8 if "budget" in options else 1.0
     assert ours <= bound * eager, f"{options}: measured {ours / eager:.2f}x eager"
+
+
+def _llama_caching(layers: int = 3) -> nn.Module:
+    """LLaMA as ``from_pretrained`` gives it: the config's ``use_cache=True``, the default."""
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    assert config.use_cache
+    return transformers.LlamaForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("how", ["rewrite", "enable"])
+def test_a_model_caching_by_default_trains_without_a_cache(how: str) -> None:
+    """Every causal LM built with its default config (``use_cache=True``) failed to be captured:
+    torch.export cannot return the ``DynamicCache`` its forward builds. graphckpt captures and
+    trains it as Hugging Face's ``gradient_checkpointing_enable()`` does, without a cache; the
+    config is left as it was, and eval calls (``generate``) still build the cache."""
+    torch.manual_seed(0)
+    reference, model = fresh_pair(_llama_caching())
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids}
+    if how == "rewrite":
+        trained = graphckpt.rewrite(model, (), example_kwargs=kwargs)
+        assert "use_cache=False" in trained.code
+    else:
+        trained = graphckpt.enable(model, (), example_kwargs=kwargs)
+    assert model.config.use_cache
+    for _ in range(2):
+        assert_trains_like(reference, model, trained, (), kwargs, loss_fn=lambda out: out.loss)
+    if how == "enable":
+        assert not _has_cache(trained(**kwargs))
+        with torch.no_grad():
+            assert _has_cache(trained(**kwargs))
+        graphckpt.disable(model)
+        assert _has_cache(model(**kwargs))
+
+
+def _has_cache(output: Mapping[str, object]) -> bool:
+    """Whether a Hugging Face output holds a KV cache (``cache``; ``past_key_values`` before transformers 5)."""
+    return "cache" in output or "past_key_values" in output
+
+
+def test_enable_meets_its_plan_on_a_model_caching_by_default() -> None:
+    """Run with the cache, the blocks left unrecomputed would keep their keys and values
+    alive in it to the end of the step, beyond the simulated peak."""
+    torch.manual_seed(0)
+    model = _llama_caching(layers=4)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
+    graphckpt.enable(model, (), example_kwargs={"input_ids": ids, "labels": ids}, budget=0.7)
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=tokens, labels=tokens).loss
+
+    measured = measure_step(Step(), (ids,), lambda loss: loss, repeats=1).peak_bytes
+    assert measured <= model.graphckpt_plan.peak_bytes * 1.01
+
+
+def test_enable_warns_when_hugging_face_already_checkpoints() -> None:
+    model = _llama_caching(layers=2)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # renamed in 5
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="already checkpoints its layers"):
+        graphckpt.enable(model, (), example_kwargs={"input_ids": ids, "labels": ids})
