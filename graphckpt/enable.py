@@ -83,11 +83,10 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     """
     if is_enabled(model):
         disable(model)
-    renamed = hasattr(type(model), "is_activation_checkpointing")  # transformers 5's name
-    flag = "is_activation_checkpointing" if renamed else "is_gradient_checkpointing"
-    if getattr(model, flag, False):  # Hugging Face's own, switched on
-        warnings.warn("the model already checkpoints its layers (gradient_checkpointing_enable()); layers would be "
-                      "recomputed twice: call model.gradient_checkpointing_disable() first", stacklevel=2)
+    own = _own_checkpointing(model)
+    if own:
+        warnings.warn(f"the model already checkpoints its layers ({own[0]}); layers would be recomputed twice: "
+                      f"call {own[1]} first", stacklevel=2)
     paths = block_paths(model, blocks)
     hooked = _hooks_inside(model, paths)
     with call_hooks_set_aside(model.get_submodule(path) for path in paths):
@@ -106,6 +105,17 @@ def enable(model: nn.Module, example_inputs: Any = None, *, example_kwargs: Mapp
     object.__setattr__(model, PLAN_ATTRIBUTE, plan)
     object.__setattr__(model, CACHE_HOOK_ATTRIBUTE, training_calls_without_cache(model))
     return model
+
+
+def _own_checkpointing(model: nn.Module) -> tuple[str, str] | None:
+    """How ``model`` checkpoints its own layers, and how to switch that off: Hugging Face's
+    ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``; or None."""
+    renamed = hasattr(type(model), "is_activation_checkpointing")  # transformers 5's name
+    if getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing", False):
+        return "gradient_checkpointing_enable()", "model.gradient_checkpointing_disable()"
+    if any(getattr(module, "grad_checkpointing", False) is True for module in model.modules()):
+        return "timm's set_grad_checkpointing()", "model.set_grad_checkpointing(False)"
+    return None
 
 
 def _hooks_inside(model: nn.Module, paths: Sequence[str]) -> dict[str, list[str]]:

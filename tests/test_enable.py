@@ -299,3 +299,11 @@ def test_enable_recomputes_a_block_on_the_lists_it_was_handed(budget: float | No
     assert _checkpointed(model)
     for _ in range(2):
         assert_trains_like(reference, model, model, inputs, loss_fn=lambda out: out.pow(2).mean())
+
+
+def test_enable_warns_when_timm_already_checkpoints() -> None:
+    """timm's ``set_grad_checkpointing()`` sets ``grad_checkpointing`` on the model (or its stages)."""
+    model = _StagesAsAttributes()
+    model.grad_checkpointing = True
+    with pytest.warns(UserWarning, match=r"already checkpoints its layers \(timm's set_grad_checkpointing"):
+        graphckpt.enable(model, (torch.randn(8, 16),))
