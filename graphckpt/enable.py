@@ -59,7 +59,7 @@ from graphckpt.module_hooks import hook_kinds
 from graphckpt.planned_inputs import warn_if_autocast_differs
 from graphckpt.segment_calls import keep_matmul_outputs
 from graphckpt.state import RUNNING_STATS, frozen_buffers, running_stat_norms
-from graphckpt.torch_compat import buffer_identities, call_hooks_set_aside
+from graphckpt.torch_compat import call_hooks_set_aside, tensor_version
 from passes.block_plan import block_plan
 from passes.blocks import recomputed_blocks, selective_blocks
 from passes.budget import Budget, parse_budget
@@ -185,7 +185,8 @@ class CheckpointedForward:
         self.replaced = module.__dict__.get("forward")  # an instance forward set before, if any
         self.original = module.forward
         self.recomputations = 0  # how often backward has rerun it
-        self.written: set[str] = set()  # its buffers forward has written, seen as it runs
+        self.buffers = [(path, *_owner(module, path)) for path, _ in module.named_buffers()]
+        self.written: set[str] = set()  # paths of its buffers forward has written, seen as it runs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
@@ -196,14 +197,20 @@ class CheckpointedForward:
             return checkpoint(self.original, *args, use_reentrant=False, preserve_rng_state=True, **context, **kwargs)
         if self.planned is not None:
             warn_if_autocast_differs(*self.planned)
-        before = buffer_identities(self.module)
+        before = self._buffer_identities()
         function, checkpointed_args, checkpointed_kwargs = _recomputable_call(self.original, args, kwargs)
         with autocast_uncached([*args, *kwargs.values()]):  # its layer's weight copies go with each op
             output = checkpoint(function, *checkpointed_args, use_reentrant=False, preserve_rng_state=True,
                                 context_fn=self._contexts, **checkpointed_kwargs)
-        after = buffer_identities(self.module)
-        self.written.update(name for name, identity in after.items() if before.get(name) != identity)
+        after = self._buffer_identities()
+        self.written.update(path for (path, _, _), old, new in zip(self.buffers, before, after, strict=True) if old != new)
         return output
+
+    def _buffer_identities(self) -> list[tuple[int, int] | None]:
+        """Each of the block's buffers as (object, version): what changes when its forward
+        writes into one or assigns another tensor in its place."""
+        return [None if (buffer := getattr(owner, name)) is None else (id(buffer), tensor_version(buffer))
+                for _, owner, name in self.buffers]
 
     def _contexts(self) -> tuple[Any, Any]:
         """Forward as it is (keeping matmul outputs, if selective); the recompute counted,
@@ -220,7 +227,7 @@ class CheckpointedForward:
     def _recomputing(self) -> Iterator[None]:
         self.recomputations += 1
         stats = [(norm, name) for norm in running_stat_norms(self.module.modules()) for name in RUNNING_STATS]
-        written = [_owner(self.module, name) for name in sorted(self.written)]
+        written = [(owner, name) for path, owner, name in self.buffers if path in self.written]
         with frozen_buffers(list(dict.fromkeys(stats + written))):
             yield
 

@@ -148,11 +148,10 @@ def dropout_and_saved(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Te
     return x * noise, noise
 
 
-def buffer_identities(module: nn.Module) -> dict[str, tuple[int, int]]:
-    """Each buffer of ``module``'s tree by path, as (object id, version counter): what changes
-    when code writes into it (``tensor._version``, private; checked on 2.5, 2.6, 2.13) or
-    assigns another tensor in its place."""
-    return {name: (id(buffer), buffer._version) for name, buffer in module.named_buffers()}
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter, which each in-place write moves (``tensor._version``,
+    private; checked on 2.5, 2.6, 2.13)."""
+    return tensor._version
 
 
 def storage_key(tensor: torch.Tensor) -> int:
